@@ -1,0 +1,45 @@
+# Entry points for users. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_BOOT ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+TOOLS       := .tools/bin
+KUBECONFORM_VERSION := v0.7.0
+KUBECONFORM := $(TOOLS)/kubeconform
+# CRDs for offline validation: the shared test data when it is there, else the cache `make crds` fills.
+CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/crds)
+RUN_DIR     ?= runs/local
+GROUPS      ?= 3
+SPEEDUP     ?= 20
+
+export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
+
+.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare bench bench-picker clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.stamp: requirements.txt picker/pyproject.toml
+	$(PYTHON_BOOT) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e picker
+	touch $@
+
+setup: $(VENV)/.stamp tools ## build the virtualenv and the pinned tools into the working tree
+
+$(KUBECONFORM):
+	mkdir -p $(TOOLS)
+	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/yannh/kubeconform/cmd/kubeconform@$(KUBECONFORM_VERSION)
+
+tools: $(KUBECONFORM) ## install pinned CLI tools (kubeconform) into .tools/bin
+
+lock: ## re-resolve requirements.in into the pinned requirements.txt
+	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
+	.cache/lock-venv/bin/pip install --quiet -r requirements.in
+	{ sed -n '1,2p' requirements.txt; .cache/lock-venv/bin/pip freeze; } > requirements.txt.new && mv requirements.txt.new requirements.txt
+
+test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
+	$(MAKE) --no-print-directory validate
+	$(PY) -m pytest -q picker/tests local/tests loadtest/tests lab/tests tests/e2e

@@ -1,0 +1,1 @@
+"""Envoy ext_proc endpoint picker for vLLM leaders."""
