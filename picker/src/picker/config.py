@@ -1,0 +1,61 @@
+"""Command line (DESIGN.md "Interfaces")."""
+from __future__ import annotations
+
+import argparse
+
+from picker.signals.scraper import DEFAULT_INTERVAL
+
+
+def _endpoints(text: str) -> list[str]:
+    out = [e.strip() for e in text.split(",") if e.strip()]
+    for e in out:
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"endpoint {e!r} is not host:port")
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m picker",
+                                description="Envoy ext_proc endpoint picker for vLLM leaders")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
+    p.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port")
+    p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve ext_proc over TLS (default; self-signed unless --cert-path)")
+    p.add_argument("--cert-path", help="directory with tls.crt and tls.key")
+    p.add_argument("--discovery", choices=["kubernetes", "static"], required=True)
+    p.add_argument("--pool-name", default="reasoning-pool")
+    p.add_argument("--pool-namespace", default="default")
+    p.add_argument("--endpoints", type=_endpoints, default=[],
+                   help="static: comma-separated ip:port list")
+    p.add_argument("--objects", nargs="+", action="extend", default=[],
+                   help="static: InferenceObjective/InferenceModelRewrite YAML files or directories")
+    p.add_argument("--profile", default="default",
+                   help="scheduling profile: built-in name (default, upstream-default) or YAML path")
+    p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL,
+                   help="seconds between /metrics scrapes of each endpoint")
+    p.add_argument("--staleness", type=float, default=1.0,
+                   help="seconds after which metrics count as unknown-and-saturated")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    p.add_argument("--inflight-timeout", type=float, default=1800.0,
+                   help="seconds after which an unfinished request stops counting as in flight")
+    p.add_argument("--default-objective", help="InferenceObjective for requests without the header")
+    p.add_argument("--request-body-mode", choices=["full-duplex", "buffered"], default="full-duplex",
+                   help="body mode assumed when Envoy sends no protocol_config")
+    p.add_argument("--bind", default="[::]", help="address the servers listen on")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.discovery == "static" and not args.endpoints:
+        p.error("--discovery static needs --endpoints")
+    if args.discovery == "kubernetes" and (args.endpoints or args.objects):
+        p.error("--endpoints/--objects are for --discovery static")
+    if args.scrape_interval <= 0 or args.staleness <= 0:
+        p.error("--scrape-interval and --staleness must be positive")
+    return args

@@ -1,0 +1,1 @@
+"""Discovery: which endpoints, InferenceObjectives and InferenceModelRewrites exist."""

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics and JSON logs."""

@@ -1,0 +1,82 @@
+"""Prometheus metrics on their own registry (so tests and the lab can make many routers).
+
+Per-endpoint gauges and pool saturation are read from the router when Prometheus scrapes, so
+the request path pays only for the counters and the latency histogram.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from picker.core import Decision, PickerError, Router
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class PickerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("picker_requests", "Requests by model, target model and outcome code",
+                                ["model", "target_model", "code"], registry=r)
+        self.decision_latency = Histogram("picker_decision_duration_seconds",
+                                          "Time to decide one request (parse, rewrite, schedule)",
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.shed = Counter("picker_shed_requests", "Sheddable requests refused with 429",
+                            ["model"], registry=r)
+        self.rewrites = Counter("picker_model_rewrites", "Model rewrites applied",
+                                ["model", "target_model"], registry=r)
+        self.scrape_errors = Counter("picker_scrape_errors", "Failed /metrics scrapes",
+                                     ["endpoint"], registry=r)
+        self.usage_tokens = Counter("picker_usage_tokens", "Tokens reported in response usage",
+                                    ["kind"], registry=r)
+
+    def record_decision(self, d: "Decision", seconds: float) -> None:
+        self.decision_latency.observe(seconds)
+        self.requests.labels(d.model, d.target_model, "200").inc()
+
+    def record_error(self, err: "PickerError", seconds: float, model: str = "",
+                     target: str = "") -> None:
+        self.decision_latency.observe(seconds)
+        self.requests.labels(model, target, str(err.status)).inc()
+
+    def record_usage(self, usage: dict[str, Any]) -> None:
+        for kind in ("prompt_tokens", "completion_tokens"):
+            value = usage.get(kind)
+            if isinstance(value, int) and value >= 0:
+                self.usage_tokens.labels(kind).inc(value)
+
+    def watch_router(self, router: "Router") -> None:
+        self.registry.register(_RouterCollector(router))
+
+
+class _RouterCollector:
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    def collect(self):
+        queue = GaugeMetricFamily("picker_endpoint_queue", "vllm:num_requests_waiting at last scrape",
+                                  labels=["endpoint"])
+        running = GaugeMetricFamily("picker_endpoint_running",
+                                    "vllm:num_requests_running at last scrape", labels=["endpoint"])
+        kv = GaugeMetricFamily("picker_endpoint_kv_usage", "KV-cache usage (0-1) at last scrape",
+                               labels=["endpoint"])
+        inflight = GaugeMetricFamily("picker_endpoint_inflight",
+                                     "Requests sent by the picker and not yet finished",
+                                     labels=["endpoint"])
+        ready = GaugeMetricFamily("picker_endpoint_ready", "1 if the endpoint can be picked",
+                                  labels=["endpoint"])
+        for addr, e in list(self.router.endpoints.items()):
+            inflight.add_metric([addr], e.inflight)
+            ready.add_metric([addr], 1.0 if e.ready else 0.0)
+            if e.metrics is not None:
+                queue.add_metric([addr], e.metrics.waiting)
+                running.add_metric([addr], e.metrics.running)
+                kv.add_metric([addr], e.metrics.kv_usage)
+        sat = GaugeMetricFamily("picker_pool_saturation",
+                                "Mean endpoint saturation max(queue/threshold, kv/threshold)")
+        sat.add_metric([], self.router.pool_saturation())
+        return [queue, running, kv, inflight, ready, sat]

@@ -1,0 +1,1 @@
+"""Protocol: the Envoy ext_proc stream, gRPC health, TLS."""

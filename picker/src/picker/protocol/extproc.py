@@ -1,0 +1,185 @@
+"""The ext_proc stream: Envoy's messages in, the picker's answers out, for one HTTP request.
+
+BUFFERED: answer request_headers at once (stripping control headers); the single body message
+gets the destination, content-length and rewritten body. FULL_DUPLEX_STREAMED: hold the headers
+answer until the body is complete (end_of_stream or trailers), then send the headers answer
+with the destination and the body echoed in <= 62,000-byte chunks. The body mode comes from
+Envoy's protocol_config on the first message, else from the configured default.
+Response phases pass through; the request counts as finished when the response ends or the
+stream closes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from picker.core import Decision, PickerError, RequestInfo, Router
+from picker.protocol import messages as msg
+from picker.protocol.usage import UsageTracker
+
+log = logging.getLogger("picker.extproc")
+FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = pm.ProcessingMode.BUFFERED
+NONE = pm.ProcessingMode.NONE
+BODY_MODES = {"full-duplex": FULL_DUPLEX, "buffered": BUFFERED}
+
+
+def _headers(hm: ep.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in hm.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _subset(req: ep.ProcessingRequest) -> list[str] | None:
+    ns = req.metadata_context.filter_metadata.get(msg.SUBSET_NAMESPACE)
+    if ns is None or msg.SUBSET_HEADER not in ns.fields:
+        return None
+    value = ns.fields[msg.SUBSET_HEADER]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return [i.strip() for i in items if i.strip()]
+
+
+class RequestStream:
+    """State of one ext_proc stream (one downstream HTTP request)."""
+
+    def __init__(self, router: Router, default_body_mode: int, max_body_bytes: int):
+        self.router = router
+        self.body_mode = default_body_mode
+        self.response_body_mode = NONE
+        self.max_body_bytes = max_body_bytes
+        self.headers: dict[str, str] = {}
+        self.subset: list[str] | None = None
+        self.body = bytearray()
+        self.decision: Decision | None = None
+        self.routed = False      # the request phase is answered
+        self.finished = False    # an immediate response ended the stream
+        self.done = False        # on_request_done was called
+        self.usage: UsageTracker | None = None
+
+    # Each handler returns the answers to send, in order.
+    def handle(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if req.HasField("protocol_config"):
+            cfg = req.protocol_config
+            self.body_mode = cfg.request_body_mode or self.body_mode
+            self.response_body_mode = cfg.response_body_mode
+        if self.subset is None and req.HasField("metadata_context"):
+            self.subset = _subset(req)
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(req.request_headers)
+        if kind == "request_body":
+            return self._request_body(req.request_body)
+        if kind == "request_trailers":
+            out = self._route() if not self.routed else []
+            return out if self.finished else out + [msg.trailers_response(False)]
+        if kind == "response_headers":
+            self.usage = UsageTracker(_headers(req.response_headers).get("content-type", ""))
+            if req.response_headers.end_of_stream:
+                self.finish()
+            return [msg.response_headers_response()]
+        if kind == "response_body":
+            return self._response_body(req.response_body)
+        if kind == "response_trailers":
+            self.finish()
+            return [msg.trailers_response(True)]
+        return []
+
+    def _request_headers(self, h: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
+        self.headers = _headers(h)
+        if h.end_of_stream:  # bodiless: the only chance to route
+            return self._route(bodiless=True)
+        if self.body_mode == FULL_DUPLEX:
+            return []  # held until the body is complete
+        return [msg.headers_response(msg.strip_control_headers())]
+
+    def _request_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if self.routed:
+            return []
+        self.body += b.body
+        if len(self.body) > self.max_body_bytes:
+            return self._error(PickerError(
+                413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                "body_too_large"))
+        if b.end_of_stream or b.end_of_stream_without_message:
+            return self._route()
+        if self.body_mode == FULL_DUPLEX:
+            return []
+        return [msg.empty_body_response()]  # STREAMED/partial: one answer per message
+
+    def _route(self, bodiless: bool = False) -> list[ep.ProcessingResponse]:
+        self.routed = True
+        info = RequestInfo(self.headers.get(":path", ""), self.headers,
+                           bytes(self.body) if self.body else None, self.subset)
+        try:
+            d = self.router.decide(info)
+        except PickerError as err:
+            return self._error(err)
+        self.decision = d
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decision", extra={"request_id": d.request_id, "model": d.model,
+                                         "target_model": d.target_model, "endpoint": d.endpoint,
+                                         "objective": d.objective, "priority": d.priority,
+                                         "prompt_tokens": d.prompt_tokens,
+                                         "cached_tokens": d.cached_tokens})
+        if bodiless:
+            return [msg.headers_response(msg.routing_common(d.endpoint, None), d.endpoint)]
+        changed = d.body is not info.body and d.body != info.body
+        if self.body_mode == FULL_DUPLEX:
+            head = msg.headers_response(msg.routing_common(d.endpoint, len(d.body)), d.endpoint)
+            return [head, *msg.streamed_body_responses(d.body)]
+        return [msg.buffered_body_response(d.endpoint, d.body if changed else None)]
+
+    def _error(self, err: PickerError) -> list[ep.ProcessingResponse]:
+        self.routed = self.finished = True
+        log.info("request refused", extra={"status": err.status, "code": err.code,
+                                           "reason": err.message, "path": self.headers.get(":path")})
+        return [msg.immediate_response(err.status, err.openai_body(), err.code, err.message)]
+
+    def _response_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if self.usage is not None:
+            self.usage.feed(b.body)
+        eos = b.end_of_stream or b.end_of_stream_without_message
+        if eos:
+            self.finish()
+        if self.response_body_mode == FULL_DUPLEX:
+            return [msg.echo_response_body(b.body, eos)]
+        return [msg.empty_body_response(response_phase=True)]
+
+    def finish(self) -> None:
+        """End the in-flight count once: response complete or stream gone."""
+        if self.done or self.decision is None:
+            return
+        self.done = True
+        usage = self.usage.finish() if self.usage is not None else None
+        self.router.on_request_done(self.decision.request_id, usage)
+
+
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router, default_body_mode: str = "full-duplex",
+                 max_body_bytes: int | None = None):
+        self.router = router
+        self.default_body_mode = BODY_MODES[default_body_mode]
+        self.max_body_bytes = max_body_bytes or router.settings.max_body_bytes
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context
+                      ) -> AsyncIterator[ep.ProcessingResponse]:
+        stream = RequestStream(self.router, self.default_body_mode, self.max_body_bytes)
+        try:
+            async for req in request_iterator:
+                for resp in stream.handle(req):
+                    yield resp
+                if stream.finished:
+                    return
+        finally:
+            stream.finish()

@@ -1,0 +1,65 @@
+"""The gRPC servers: ext_proc (TLS by default) and gRPC health on its own port."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from picker.core import Router
+from picker.protocol.extproc import ExtProcServicer
+from picker.protocol.tls import server_credentials
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class Servers:
+    grpc_server: grpc.aio.Server
+    health_server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    grpc_port: int
+    health_port: int
+    certificate: bytes | None  # PEM, when TLS is on
+
+    async def set_ready(self, ready: bool) -> None:
+        for name in READY_SERVICES:
+            await self.health.set(name, SERVING if ready else NOT_SERVING)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace)
+        await self.health_server.stop(grace)
+
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+async def start_servers(router: Router, grpc_port: int, health_port: int, secure: bool = True,
+                        cert_path: str | None = None, default_body_mode: str = "full-duplex",
+                        host: str = "[::]") -> Servers:
+    """Start both servers (port 0 = any free port) with health NOT_SERVING until set_ready."""
+    server = grpc.aio.server(options=_OPTIONS)
+    ep_grpc.add_ExternalProcessorServicer_to_server(
+        ExtProcServicer(router, default_body_mode), server)
+    cert = None
+    if secure:
+        creds, cert = server_credentials(cert_path)
+        port = server.add_secure_port(f"{host}:{grpc_port}", creds)
+    else:
+        port = server.add_insecure_port(f"{host}:{grpc_port}")
+    hs = health.aio.HealthServicer()
+    health_server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
+    hport = health_server.add_insecure_port(f"{host}:{health_port}")
+    await hs.set("liveness", SERVING)
+    for name in READY_SERVICES:
+        await hs.set(name, NOT_SERVING)
+    await server.start()
+    await health_server.start()
+    return Servers(server, health_server, hs, port, hport, cert)

@@ -1,0 +1,136 @@
+"""Scheduling profiles: YAML that names filters, weighted scorers, a picker and thresholds.
+
+    name: upstream-default
+    filters: [{type: saturation, params: {...}}]      # optional
+    scorers: [{type: queue, weight: 2, params: {...}}, ...]
+    picker: {type: max-score}
+    saturation: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
+    prefix: {blockSizeTokens: 16, maxPrefixBlocks: 256, lruCapacityPerServer: 31250}
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.scheduling import registry
+from picker.scheduling.context import SchedulingContext
+from picker.scheduling.filters import Filter
+from picker.scheduling.pickers import Picker
+from picker.scheduling.saturation import SaturationThresholds
+from picker.scheduling.scorers import Scorer
+from picker.signals.state import EndpointState
+
+
+@dataclass(slots=True)
+class WeightedScorer:
+    name: str
+    weight: float
+    fn: Scorer
+
+
+@dataclass(slots=True)
+class Profile:
+    name: str
+    filters: list[tuple[str, Filter]]
+    scorers: list[WeightedScorer]
+    picker: Picker
+    saturation: SaturationThresholds = field(default_factory=SaturationThresholds)
+    block_size_tokens: int = 16
+    max_prefix_blocks: int = 256
+    lru_capacity_per_server: int = 31250
+    needs_prefix: bool = False
+    source: dict[str, Any] = field(default_factory=dict)
+
+
+def schedule(profile: Profile, ctx: SchedulingContext, candidates: list[EndpointState],
+             rng: random.Random) -> EndpointState:
+    """Filters, then the weighted sum of clamped scores, then the pick. Candidates must be non-empty."""
+    eps = candidates
+    for _, flt in profile.filters:
+        eps = flt(ctx, eps)
+    if len(eps) == 1:
+        return eps[0]
+    totals = [0.0] * len(eps)
+    for ws in profile.scorers:
+        w = ws.weight
+        for i, s in enumerate(ws.fn(ctx, eps)):
+            totals[i] += w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+    return profile.picker(totals, eps, rng)
+
+
+def _entry(item: Any, where: str) -> tuple[str, dict[str, Any]]:
+    if isinstance(item, str):
+        return item, {}
+    if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+        raise ValueError(f"{where}: each entry needs a string 'type'")
+    params = item.get("params") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: 'params' must be a mapping")
+    return item["type"], params
+
+
+def profile_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Profile:
+    if not isinstance(doc, dict):
+        raise ValueError(f"{source}: a profile must be a mapping")
+    try:
+        filters = []
+        needs_prefix = False
+        for i, item in enumerate(doc.get("filters") or []):
+            name, params = _entry(item, f"{source}: filters[{i}]")
+            filters.append((name, registry.build("filter", registry.FILTERS, name, params)))
+            needs_prefix |= registry.canonical(name) in registry.NEEDS_PREFIX
+        scorers = []
+        for i, item in enumerate(doc.get("scorers") or []):
+            name, params = _entry(item, f"{source}: scorers[{i}]")
+            weight = float(item.get("weight", 1.0)) if isinstance(item, dict) else 1.0
+            scorers.append(WeightedScorer(name, weight,
+                                          registry.build("scorer", registry.SCORERS, name, params)))
+            needs_prefix |= registry.canonical(name) in registry.NEEDS_PREFIX
+        pname, pparams = _entry(doc.get("picker") or "max-score", f"{source}: picker")
+        picker = registry.build("picker", registry.PICKERS, pname, pparams)
+        sat = doc.get("saturation") or {}
+        prefix = doc.get("prefix") or {}
+        return Profile(
+            name=str(doc.get("name", source)),
+            filters=filters,
+            scorers=scorers,
+            picker=picker,
+            saturation=SaturationThresholds(float(sat.get("queueDepthThreshold", 5)),
+                                            float(sat.get("kvCacheUtilThreshold", 0.8))),
+            block_size_tokens=int(prefix.get("blockSizeTokens", 16)),
+            max_prefix_blocks=int(prefix.get("maxPrefixBlocks", 256)),
+            lru_capacity_per_server=int(prefix.get("lruCapacityPerServer", 31250)),
+            needs_prefix=needs_prefix,
+            source=doc,
+        )
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith(source) else f"{source}: {msg}") from None
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("picker.profiles").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name (`default`, `upstream-default`, ...) or a YAML file path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        text, source = path.read_text(), str(path)
+    else:
+        res = resources.files("picker.profiles") / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise ValueError(f"unknown profile {name_or_path!r}; built in: "
+                             f"{', '.join(builtin_profiles())}, or give a YAML file path")
+        text, source = res.read_text(), f"profile {name_or_path}"
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: invalid YAML: {exc}") from None
+    return profile_from_dict(doc, source)

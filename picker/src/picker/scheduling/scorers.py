@@ -1,0 +1,144 @@
+"""Scorers: each maps (context, candidate endpoints) to scores in [0, 1], higher is better.
+
+A scorer is built from its profile parameters by a factory registered under a name. Stale
+metrics count as unknown-and-saturated: the worst score on every load signal.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from picker.scheduling.context import SchedulingContext
+from picker.signals.state import EndpointState
+
+Scorer = Callable[[SchedulingContext, list[EndpointState]], list[float]]
+
+
+def _spread(values: list[float]) -> list[float]:
+    """(max - v) / (max - min); all 1.0 when equal (upstream queue-scorer normalisation)."""
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - v) / span for v in values]
+
+
+def queue_scorer(include_inflight: bool = False) -> Scorer:
+    """Waiting queue, min-max normalised over the candidates (upstream `queue-scorer`)."""
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        qs = []
+        for e in eps:
+            if e.stale or e.metrics is None:
+                qs.append(math.inf)
+                continue
+            q = e.metrics.waiting
+            if include_inflight:
+                q += e.since_scrape
+            qs.append(q)
+        finite = [q for q in qs if q != math.inf]
+        if not finite:
+            return [0.0] * len(eps)
+        worst = max(finite) + 1.0
+        return _spread([worst if q == math.inf else q for q in qs])
+    return score
+
+
+def kv_cache_scorer(include_inflight: bool = False) -> Scorer:
+    """1 - KV-cache usage (upstream `kv-cache-utilization-scorer`)."""
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        out = []
+        for e in eps:
+            m = e.metrics
+            if e.stale or m is None:
+                out.append(0.0)
+                continue
+            kv = m.kv_usage
+            cap = m.kv_capacity_tokens
+            if include_inflight and cap:
+                kv += e.since_scrape_tokens / cap
+            out.append(max(0.0, 1.0 - kv))
+        return out
+    return score
+
+
+def prefix_cache_scorer() -> Scorer:
+    """Share of the prompt's blocks the endpoint is believed to hold (upstream `prefix-cache-scorer`)."""
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        total = len(ctx.hashes)
+        if total == 0:
+            return [0.0] * len(eps)
+        match = ctx.prefix_match
+        return [match.get(e.address, 0) / total for e in eps]
+    return score
+
+
+def inflight_load_scorer() -> Scorer:
+    """Requests the picker sent and has not seen finish, min-max normalised."""
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        return _spread([float(e.inflight) for e in eps])
+    return score
+
+
+def lora_affinity_scorer() -> Scorer:
+    """1.0 adapter active, 0.8 free adapter slot, 0.6 adapter waiting, else 0 (upstream values).
+
+    Endpoints without LoRA metrics, or serving the target as a base model, score 1.0.
+    """
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        target = ctx.target_model
+        out = []
+        for e in eps:
+            m = e.metrics
+            if m is None or m.lora_max is None or target in m.models:
+                out.append(1.0)
+            elif target in m.lora_running:
+                out.append(1.0)
+            elif len(m.lora_running) < m.lora_max:
+                out.append(0.8)
+            elif target in m.lora_waiting:
+                out.append(0.6)
+            else:
+                out.append(0.0)
+        return out
+    return score
+
+
+def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens: float,
+                        kv_wait_tokens: float, output_reserve_tokens: int) -> float:
+    """Prefill work (in tokens) this request would wait for and do on endpoint e.
+
+    queue ahead:  waiting requests (size unknown: the recent mean prompt) plus the prompt tokens
+                  the picker sent since the last scrape (not yet in the server's numbers);
+    batch:        running requests slow every engine step (running_tokens each);
+    own prefill:  prompt tokens not already in the endpoint's prefix cache;
+    admission:    if the KV cache cannot hold the uncached prompt now, a wait of kv_wait_tokens
+                  plus the shortfall (requests must finish before blocks free up).
+    """
+    m = e.metrics
+    if m is None or e.stale:
+        return math.inf
+    uncached = ctx.prompt_tokens - ctx.cached_tokens(e.address)
+    ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
+    cost = ahead + m.running * running_tokens + uncached
+    capacity = m.kv_capacity_tokens
+    if capacity:
+        free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
+        need = uncached + output_reserve_tokens
+        if need > free:
+            cost += kv_wait_tokens + (need - max(free, 0.0))
+    elif m.kv_usage >= 0.95:
+        cost += kv_wait_tokens
+    return cost
+
+
+def predicted_ttft_scorer(running_tokens: float = 16.0, kv_wait_tokens: float = 8192.0,
+                          output_reserve_tokens: int = 256) -> Scorer:
+    """Scores min_cost / cost over the candidates, cost = predicted_ttft_cost (+1 block)."""
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        costs = [predicted_ttft_cost(ctx, e, running_tokens, kv_wait_tokens, output_reserve_tokens)
+                 + ctx.block_size_tokens for e in eps]
+        best = min(costs)
+        if best == math.inf:
+            return [0.0] * len(eps)
+        return [best / c for c in costs]
+    return score

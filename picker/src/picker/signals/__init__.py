@@ -1,0 +1,1 @@
+"""Load signals: vLLM /metrics parsing, per-endpoint state, in-flight counts, the scraper."""

@@ -1,0 +1,66 @@
+"""Per-endpoint load state: the last scrape, its age, and requests sent but not yet finished."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picker.signals.metrics import ModelServerMetrics
+
+
+@dataclass(slots=True, eq=False)
+class EndpointState:
+    address: str
+    metrics: ModelServerMetrics | None = None
+    scraped_at: float | None = None   # clock time of the last successful scrape
+    failing: bool = False             # the last scrape failed: out until one succeeds
+    scrape_errors: int = 0
+    inflight: int = 0                 # sent by the picker, not yet finished
+    inflight_tokens: int = 0          # their approximate prompt tokens
+    since_scrape: int = 0             # of those, sent after the last scrape (not in its numbers)
+    since_scrape_tokens: int = 0
+    stale: bool = False               # set per decision: metrics older than the staleness bound
+    epoch: int = 0                    # number of successful scrapes, to date in-flight entries
+
+    @property
+    def ready(self) -> bool:
+        """Has answered a scrape and the last one did not fail."""
+        return self.metrics is not None and not self.failing
+
+    def serves(self, model: str) -> bool:
+        m = self.metrics
+        return m is not None and (model in m.models or model in m.lora_running
+                                  or model in m.lora_waiting)
+
+
+@dataclass(slots=True)
+class InflightEntry:
+    state: EndpointState
+    sent_at: float
+    tokens: int
+    epoch: int  # state.epoch when sent; equal to the current one => counted in since_scrape
+
+
+def add_inflight(state: EndpointState, tokens: int, now: float) -> InflightEntry:
+    state.inflight += 1
+    state.inflight_tokens += tokens
+    state.since_scrape += 1
+    state.since_scrape_tokens += tokens
+    return InflightEntry(state, now, tokens, state.epoch)
+
+
+def end_inflight(entry: InflightEntry) -> None:
+    state = entry.state
+    state.inflight = max(0, state.inflight - 1)
+    state.inflight_tokens = max(0, state.inflight_tokens - entry.tokens)
+    if entry.epoch == state.epoch:
+        state.since_scrape = max(0, state.since_scrape - 1)
+        state.since_scrape_tokens = max(0, state.since_scrape_tokens - entry.tokens)
+
+
+def record_scrape(state: EndpointState, metrics: ModelServerMetrics, now: float) -> None:
+    """Store a scrape; requests sent before it are now part of the server's own numbers."""
+    state.metrics = metrics
+    state.scraped_at = now
+    state.failing = False
+    state.epoch += 1
+    state.since_scrape = 0
+    state.since_scrape_tokens = 0
