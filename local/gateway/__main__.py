@@ -8,11 +8,11 @@ import logging
 import signal
 import sys
 
-from .extproc import BUFFERED, FULL_DUPLEX, NONE, STREAMED
+from .extproc import BUFFERED, FULL_DUPLEX, NONE, SKIP, STREAMED
 from .server import Gateway, GatewayConfig
 
 BODY_MODES = {"buffered": BUFFERED, "full-duplex": FULL_DUPLEX}
-RESPONSE_MODES = {"none": NONE, "streamed": STREAMED, "full-duplex": FULL_DUPLEX}
+RESPONSE_MODES = {"skip": SKIP, "none": NONE, "streamed": STREAMED, "full-duplex": FULL_DUPLEX}
 
 
 def parse_group(text: str) -> tuple[str, int, list[str]]:
@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m local.gateway", description=__doc__.split("\n")[0])
     p.add_argument("--endpoints", help="one backend group: ip:port[,ip:port...]")
     p.add_argument("--group", type=parse_group, action="append", default=[],
-                   help="weighted backend group NAME:WEIGHT=ip:port,... (repeat; like HTTPRoute backendRefs)")
+                   help="8080 weighted backend group NAME:WEIGHT=ip:port,... (repeat; HTTPRoute backendRefs)")
+    p.add_argument("--llm-group", type=parse_group, action="append", default=[],
+                   help="8081 backend groups, same syntax (default: one group of every endpoint)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8080, help="listener `http` (least request)")
     p.add_argument("--llm-port", type=int, default=8081, help="listener `llm-gw` (ext_proc to the picker)")
@@ -38,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--picker-tls", action="store_true", help="TLS to the picker, certificate not verified")
     p.add_argument("--body-mode", choices=BODY_MODES, default="buffered", help="request body processing mode")
     p.add_argument("--response-body-mode", choices=RESPONSE_MODES,
-                   help="response body mode (default: none with buffered, full-duplex with full-duplex)")
+                   help="response processing: skip = none at all (EG without processingMode.response), "
+                        "none = headers only; default skip with buffered, full-duplex with full-duplex")
     p.add_argument("--message-timeout", type=float, default=60.0, help="seconds per ext_proc answer")
     p.add_argument("--fail-mode", choices=["close", "open"], default="close",
                    help="picker failure: close = answer --status-on-error, open = least request")
@@ -60,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    response_mode = args.response_body_mode or ("full-duplex" if args.body_mode == "full-duplex" else "none")
+    response_mode = args.response_body_mode or ("full-duplex" if args.body_mode == "full-duplex" else "skip")
     return GatewayConfig(
-        route=args.group, host=args.host, http_port=args.http_port, llm_port=args.llm_port,
+        route=args.group, llm_route=args.llm_group or None, host=args.host, http_port=args.http_port, llm_port=args.llm_port,
         admin_port=args.admin_port, picker=args.picker, picker_tls=args.picker_tls,
         request_body_mode=BODY_MODES[args.body_mode], response_body_mode=RESPONSE_MODES[response_mode],
         message_timeout=args.message_timeout, fail_open=args.fail_mode == "open",

@@ -46,6 +46,12 @@ class BackendGroup:
     weight: int
     balancer: LeastRequest
 
+    def lookup(self, address: str) -> Endpoint | None:
+        for e in self.balancer.endpoints:
+            if e.address == address:
+                return e
+        return None
+
 
 @dataclass
 class Route:
@@ -74,12 +80,13 @@ class Route:
             built.append(BackendGroup(name, weight, LeastRequest(endpoints, rng)))
         return cls(built, rng)
 
-    def pick(self) -> Endpoint:
+    def pick_group(self) -> BackendGroup:
         if len(self.groups) == 1:
-            return self.groups[0].balancer.pick()
-        weights = [g.weight for g in self.groups]
-        group = self.rng.choices(self.groups, weights=weights)[0]
-        return group.balancer.pick()
+            return self.groups[0]
+        return self.rng.choices(self.groups, weights=[g.weight for g in self.groups])[0]
+
+    def pick(self) -> Endpoint:
+        return self.pick_group().balancer.pick()
 
     def lookup(self, address: str) -> Endpoint | None:
         return self.by_address.get(address)

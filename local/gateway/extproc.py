@@ -9,8 +9,8 @@ for the configured processing mode and applying the answers the way Envoy applie
 - request body FULL_DUPLEX_STREAMED: request_headers and every body chunk are sent without
   waiting; the processor answers with a HeadersResponse, then the body as streamed_response
   chunks up to end_of_stream.
-- response: response_headers -> one HeadersResponse; the body is sent per `response_body_mode`:
-  NONE (not sent), STREAMED (one BodyResponse per chunk, Envoy forwards the mutated chunk) or
+- response: SKIP sends nothing (Envoy Gateway's processingMode without `response`); otherwise
+  response_headers -> one HeadersResponse and the body per `response_body_mode`: NONE (not sent), STREAMED (one BodyResponse per chunk, Envoy forwards the mutated chunk) or
   FULL_DUPLEX_STREAMED (what the processor streams back is what the client gets).
 
 An ImmediateResponse at any point ends processing. A clean close of the stream by the processor
@@ -37,6 +37,7 @@ BUFFERED = "BUFFERED"
 STREAMED = "STREAMED"
 FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
 NONE = "NONE"
+SKIP = "SKIP"  # no response processing at all (EG processingMode without `response`)
 # Envoy recommends at most 64 KiB per streamed chunk; the gateway sends request bodies in these.
 REQUEST_CHUNK_BYTES = 64 * 1024
 
@@ -155,7 +156,7 @@ def _immediate(msg: pb.ImmediateResponse) -> Immediate:
 @dataclass
 class ExtProcConfig:
     request_body_mode: str = BUFFERED
-    response_body_mode: str = NONE
+    response_body_mode: str = SKIP
     message_timeout: float = 60.0
 
 
@@ -316,7 +317,7 @@ class ExtProcExchange:
 
     async def response(self, status: int, headers: HeaderMap, body: AsyncIterator[bytes],
                        has_body: bool) -> ResponseOutcome:
-        if self._gone:
+        if self._gone or self._config.response_body_mode == SKIP:
             return ResponseOutcome(status, headers, body)
         headers.set(":status", str(status))
         mode = self._config.response_body_mode if has_body else NONE

@@ -36,6 +36,8 @@ SERVED_BY_HEADER = "x-gateway-served-by"
 @dataclass
 class GatewayConfig:
     route: list[tuple[str, int, list[str]]]  # (group name, weight, endpoints) as the 8080 HTTPRoute
+    # The 8081 HTTPRoute's backendRefs; None = one cluster over every endpoint of `route`.
+    llm_route: list[tuple[str, int, list[str]]] | None = None
     host: str = "127.0.0.1"
     http_port: int = 8080
     llm_port: int = 8081
@@ -43,7 +45,7 @@ class GatewayConfig:
     picker: str = "127.0.0.1:9002"
     picker_tls: bool = False
     request_body_mode: str = BUFFERED
-    response_body_mode: str = "NONE"
+    response_body_mode: str = "SKIP"
     message_timeout: float = 60.0
     fail_open: bool = False
     status_on_error: int = 503
@@ -148,11 +150,11 @@ class Gateway:
         self.config = config
         self.endpoints: dict[str, Endpoint] = {}
         self.route = Route.build(config.route, seed=config.seed, registry=self.endpoints)
-        # 8081's route: one cluster over the same leaders; the picker names the endpoint and
-        # least request is the fallback when it names none that the cluster knows.
+        # 8081's route. With several weighted backendRefs Envoy draws the cluster first and the
+        # endpoint override only works inside it; an override outside falls back to least request.
         pool = [a for _, _, addresses in config.route for a in addresses]
-        self.llm_route = Route.build([("pool", 1, list(dict.fromkeys(pool)))],
-                                     seed=None if config.seed is None else config.seed + 1,
+        llm_groups = config.llm_route or [("pool", 1, list(dict.fromkeys(pool)))]
+        self.llm_route = Route.build(llm_groups, seed=None if config.seed is None else config.seed + 1,
                                      registry=self.endpoints)
         self.stats = {"http": ListenerStats(), "llm-gw": ListenerStats()}
         self.extproc_config = ExtProcConfig(config.request_body_mode, config.response_body_mode,
@@ -253,12 +255,13 @@ class Gateway:
         if outcome is not None and outcome.metadata_destination is not None \
                 and first_endpoint(outcome.metadata_destination) != picked:
             stats.metadata_mismatch += 1
-        endpoint = self.llm_route.lookup(picked) if picked else None
+        group = self.llm_route.pick_group()
+        endpoint = group.lookup(picked) if picked else None
         if endpoint is None:
-            # endpointOverride: no usable override host -> the route's LB policy decides.
+            # endpointOverride: no usable override host in the cluster -> its LB policy decides.
             stats.fallback += 1
             record["fallback"] = True
-            endpoint = self.llm_route.pick()
+            endpoint = group.balancer.pick()
         try:
             return await self._forward(request, endpoint, headers, body, exchange, stats, record, started)
         finally:

@@ -75,7 +75,7 @@ def test_cli_groups_and_defaults():
     config = config_from_args(args)
     assert config.route == [("stable", 90, ["127.0.0.1:1", "127.0.0.1:2"]), ("canary", 10, ["127.0.0.1:3"])]
     assert config.request_body_mode == config.response_body_mode == "FULL_DUPLEX_STREAMED"
-    assert config_from_args(parse_args(["--endpoints", "127.0.0.1:1"])).response_body_mode == "NONE"
+    assert config_from_args(parse_args(["--endpoints", "127.0.0.1:1"])).response_body_mode == "SKIP"
     with pytest.raises(SystemExit):
         parse_args(["--group", "stable=127.0.0.1:1"])
 
@@ -339,6 +339,50 @@ async def test_tls_to_the_picker_without_verification(upstreams, client):
     try:
         async with client.post(f"http://127.0.0.1:{gw.config.llm_port}/v1/completions", json={"model": "q"}) as r:
             assert r.status == 200 and r.headers["x-gateway-served-by"] == upstreams[2].address
+    finally:
+        await gw.stop()
+        await picker.stop()
+
+
+@pytest.mark.parametrize("response_mode,expected", [
+    ("SKIP", ["request_headers", "request_body"]),
+    ("STREAMED", ["request_headers", "request_body", "response_headers", "response_body"]),
+])
+async def test_response_processing_modes(response_mode, expected, upstreams, client):
+    picker = await FakePicker("BUFFERED", lambda h, b: Decision(endpoint=upstreams[0].address)).start()
+    gw = await start_gateway(upstreams, picker.port, response_body_mode=response_mode)
+    try:
+        async with client.post(f"http://127.0.0.1:{gw.config.llm_port}/v1/completions",
+                               json={"model": "q", "stream": True, "max_tokens": 50}) as r:
+            text = await r.text()
+        assert text.count("data: ") == 51 and text.endswith("data: [DONE]\n\n")
+        for _ in range(100):  # the stream ends when the HTTP response is done
+            if picker.streams[0].closed:
+                break
+            await asyncio.sleep(0.01)
+        kinds = picker.streams[0].kinds
+        assert picker.streams[0].closed
+        assert list(dict.fromkeys(kinds)) == expected
+    finally:
+        await gw.stop()
+        await picker.stop()
+
+
+async def test_weighted_llm_route_overrides_only_inside_the_drawn_cluster(upstreams, client):
+    """Envoy draws the weighted cluster before the endpoint override: an override naming a host of
+    the other cluster falls back to least request inside the drawn one."""
+    picker = await FakePicker("BUFFERED", lambda h, b: Decision(endpoint=upstreams[2].address)).start()
+    gw = await start_gateway(
+        upstreams, picker.port,
+        llm_route=[("stable", 50, [upstreams[0].address, upstreams[1].address]), ("canary", 50, [upstreams[2].address])])
+    try:
+        served = []
+        for _ in range(40):
+            async with client.post(f"http://127.0.0.1:{gw.config.llm_port}/v1/completions", json={"model": "q"}) as r:
+                served.append(r.headers["x-gateway-served-by"])
+        on_canary = served.count(upstreams[2].address)
+        assert 5 < on_canary < 35  # ~50 %, never all 40 although the picker always named the canary
+        assert gw.stats["llm-gw"].fallback == 40 - on_canary
     finally:
         await gw.stop()
         await picker.stop()
