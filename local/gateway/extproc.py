@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -40,6 +41,13 @@ NONE = "NONE"
 SKIP = "SKIP"  # no response processing at all (EG processingMode without `response`)
 # Envoy recommends at most 64 KiB per streamed chunk; the gateway sends request bodies in these.
 REQUEST_CHUNK_BYTES = 64 * 1024
+
+
+_MODE_ENUM = {BUFFERED: processing_mode_pb2.ProcessingMode.BUFFERED,
+              STREAMED: processing_mode_pb2.ProcessingMode.STREAMED,
+              FULL_DUPLEX: processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
+              NONE: processing_mode_pb2.ProcessingMode.NONE,
+              SKIP: processing_mode_pb2.ProcessingMode.NONE}
 
 
 class ExtProcError(Exception):
@@ -240,6 +248,14 @@ class ExtProcExchange:
 
     # -- request phase ---------------------------------------------------------------------
 
+    def _first_message(self, headers: HeaderMap, has_body: bool) -> pb.ProcessingRequest:
+        """request_headers, with the protocol_config Envoy puts on a stream's first message."""
+        return pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(headers=headers.to_proto(), end_of_stream=not has_body),
+            protocol_config=pb.ProtocolConfiguration(
+                request_body_mode=_MODE_ENUM[self._config.request_body_mode],
+                response_body_mode=_MODE_ENUM[self._config.response_body_mode]))
+
     async def request(self, headers: HeaderMap, body: bytes, has_body: bool) -> RequestOutcome:
         if self._config.request_body_mode == FULL_DUPLEX:
             return await self._request_full_duplex(headers, body, has_body)
@@ -254,8 +270,7 @@ class ExtProcExchange:
         return out
 
     async def _request_buffered(self, headers: HeaderMap, body: bytes, has_body: bool) -> RequestOutcome:
-        await self._send(pb.ProcessingRequest(
-            request_headers=pb.HttpHeaders(headers=headers.to_proto(), end_of_stream=not has_body)))
+        await self._send(self._first_message(headers, has_body))
         msg = await self._expect("request_headers")
         if msg is None or msg.HasField("immediate_response"):
             return self._outcome(headers, body, msg)
@@ -282,8 +297,7 @@ class ExtProcExchange:
 
     async def _request_full_duplex(self, headers: HeaderMap, body: bytes, has_body: bool) -> RequestOutcome:
         async def messages():
-            yield pb.ProcessingRequest(
-                request_headers=pb.HttpHeaders(headers=headers.to_proto(), end_of_stream=not has_body))
+            yield self._first_message(headers, has_body)
             if has_body:
                 chunks = [body[i:i + REQUEST_CHUNK_BYTES] for i in range(0, len(body), REQUEST_CHUNK_BYTES)] or [b""]
                 for i, chunk in enumerate(chunks):

@@ -101,6 +101,7 @@ class Decision:
 @dataclass
 class StreamRecord:
     kinds: list[str] = field(default_factory=list)
+    protocol_config: list = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
     closed: bool = False
@@ -139,6 +140,8 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
         async for req in request_iterator:
             kind = req.WhichOneof("request")
             record.kinds.append(kind)
+            if req.HasField("protocol_config"):
+                record.protocol_config.append(req.protocol_config)
             if self.silent:
                 continue
             if kind == "request_headers":

@@ -172,6 +172,8 @@ async def test_llm_listener_routes_to_the_picked_endpoint_with_mutations(mode, u
             assert kinds[:2] == ["request_headers", "request_body"] and kinds[2] == "response_headers"
             assert set(kinds[3:]) == {"response_body"}
         assert picker.streams[0].headers[":path"] == "/v1/completions"
+        config, = picker.streams[0].protocol_config  # on the first message only
+        assert config.request_body_mode == (2 if mode == "BUFFERED" else 4)
         assert "x-request-id" in picker.streams[0].headers
         for _ in range(100):
             if all(s.closed for s in picker.streams):
