@@ -189,3 +189,15 @@ def write_samples(path: str | Path, samples: Iterable[RequestSample]) -> None:
 def read_samples(path: str | Path) -> list[RequestSample]:
     with open(path, encoding="utf-8") as f:
         return [RequestSample(**json.loads(line)) for line in f if line.strip()]
+
+
+def save_run(stem: str | Path, samples: list[RequestSample], duration: float | None = None,
+             **meta) -> dict:
+    """Write <stem>.json (vLLM result fields + error counts) and <stem>.samples.jsonl."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result = summarize(samples, duration, **meta)
+    result["errors_by_reason"] = error_counts(samples)
+    (stem.parent / (stem.name + ".json")).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_samples(stem.with_name(stem.name + ".samples.jsonl"), samples)
+    return result

@@ -1,0 +1,162 @@
+"""Run the same workload against several Gateway ports (8080 vs 8081) and report.
+
+Locust runs in this process as a library (locust.env.Environment + LocalRunner): one runner per
+(port, repetition), so each run has its own users, samples and /metrics scrapes, and progress can
+be printed between runs. Importing this module imports locust, which gevent-monkey-patches the
+process; nothing here (or imported from here) may import grpc.
+"""
+from __future__ import annotations
+
+import locust  # noqa: F401  (first: gevent monkey-patching before sockets are created)
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import gevent
+from gevent.event import Event
+from locust import events
+from locust.env import Environment
+
+from loadtest import locustfile
+from loadtest.metrics import RequestSample, run_duration, save_run
+from loadtest.plan import RunOptions
+from loadtest.report import comparison_table, write_report
+from loadtest.scrape import LoadRecorder
+
+DEFAULT_METRICS_ENDPOINTS = [f"http://127.0.0.1:{p}" for p in (8101, 8102, 8103)]
+
+
+class Progress:
+    """Progress on stderr: one rewritten line on a terminal, a line every 10 s otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = 0.0
+
+    def show(self, text: str, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r\033[K" + text + ("\n" if final else ""))
+        elif final or now - self.last >= 10.0:
+            self.stream.write(text + "\n")
+            self.last = now
+        self.stream.flush()
+
+
+def run_one(host: str, options: RunOptions, concurrency: int, recorder: LoadRecorder,
+            label: str, progress: Progress, run_timeout: float) -> list[RequestSample]:
+    """One headless locust run of the whole workload against options.ports; returns samples."""
+    env = Environment(user_classes=[locustfile.OpenAIUser], events=events,
+                      host=host if "://" in host else f"http://{host}")
+    env.loadtest_options = options
+    done = Event()
+    env.loadtest_on_done = done.set
+    runner = env.create_local_runner()
+    scraper = gevent.spawn(recorder.poll_forever)
+    deadline = time.monotonic() + run_timeout
+    try:
+        runner.start(concurrency, spawn_rate=max(concurrency, 1))
+        while not hasattr(env, "loadtest_plan"):  # test_start runs in the spawning greenlet
+            gevent.sleep(0.01)
+        plan = env.loadtest_plan
+        while not done.wait(timeout=1.0):
+            progress.show(f"{label}: {plan.progress()}")
+            if time.monotonic() > deadline:
+                progress.show(f"{label}: run timeout after {run_timeout:g}s, stopping", True)
+                break
+        progress.show(f"{label}: {plan.progress()}", final=True)
+        return list(plan.samples)
+    finally:
+        runner.quit()
+        scraper.kill(block=False)
+
+
+def wait_idle(recorder: LoadRecorder, timeout: float, progress: Progress) -> None:
+    """Let the backends drain (requests of the previous run) before the next run starts."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if recorder.is_idle():
+            return
+        progress.show("waiting for the endpoints to become idle ...")
+        gevent.sleep(1.0)
+    progress.show(f"endpoints still busy after {timeout:g}s; starting anyway", final=True)
+
+
+def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
+            concurrency: int | None, repetitions: int = 1,
+            metrics_endpoints: list[str] | None = None, scrape_interval: float = 1.0,
+            idle_timeout: float = 60.0, run_timeout: float = 3600.0) -> str:
+    """Run every port `repetitions` times (order alternates), write the folder, return Markdown."""
+    settings = options.settings()
+    if concurrency is None:
+        concurrency = settings.get("concurrency") or int(settings["num_prompts"])
+    endpoints = DEFAULT_METRICS_ENDPOINTS if metrics_endpoints is None else metrics_endpoints
+    out.mkdir(parents=True, exist_ok=True)
+    progress = Progress()
+    meta = {"host": host, "ports": ports, "endpoint": options.endpoint, "model": options.model,
+            "objective": options.objective, "workload": options.workload, "seed": options.seed,
+            "workload_settings": settings, "concurrency": concurrency,
+            "request_rate": options.request_rate, "repetitions": repetitions,
+            "metrics_endpoints": endpoints, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "runs": []}
+    by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
+    scrape_errors: dict[str, str] = {}
+    for rep in range(1, repetitions + 1):
+        order = ports if rep % 2 == 1 else list(reversed(ports))
+        for port in order:
+            recorder = LoadRecorder(endpoints, interval=scrape_interval, sleep=gevent.sleep)
+            wait_idle(recorder, idle_timeout, progress)
+            label = f"port {port} rep {rep}/{repetitions}"
+            samples = run_one(host, replace(options, ports=[port]), concurrency, recorder,
+                              label, progress, run_timeout)
+            stem = f"{port}-rep{rep}"
+            save_run(out / stem, samples, **_run_meta(meta, port, concurrency))
+            with open(out / f"{stem}.load.jsonl", "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in recorder.rows)
+            scrape_errors.update(recorder.errors)
+            by_port[port].append(samples)
+            meta["runs"].append({"port": port, "rep": rep, "stem": stem})
+    for port, runs in by_port.items():
+        # all repetitions together; duration = the sum of the runs' wall times
+        save_run(out / str(port), [s for run in runs for s in run],
+                 duration=sum(run_duration(run) for run in runs),
+                 **_run_meta(meta, port, concurrency))
+    meta["scrape_errors"] = scrape_errors
+    (out / "compare.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return write_report(out)
+
+
+def _run_meta(meta: dict, port: int, concurrency: int) -> dict:
+    return {"date": time.strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai",
+            "label": f"port {port}", "model_id": meta["model"], "workload": meta["workload"],
+            "seed": meta["seed"], "num_prompts": meta["workload_settings"]["num_prompts"],
+            "request_rate": meta["request_rate"] or "inf", "max_concurrency": concurrency}
+
+
+def main(args) -> int:
+    from loadtest.plan import parse_workload_args
+    options = RunOptions(workload=args.workload, seed=args.seed, model=args.model,
+                         endpoint=args.endpoint, objective=args.objective,
+                         num_prompts=args.num_prompts, request_rate=args.request_rate,
+                         burstiness=args.burstiness, request_timeout=args.request_timeout,
+                         workload_args=parse_workload_args(args.workload_args))
+    out = Path(args.out or f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    endpoints = None if args.metrics_endpoints is None else \
+        [e for e in args.metrics_endpoints if e.lower() != "none"]
+    compare(host=args.host, ports=args.ports, out=out, options=options,
+            concurrency=args.concurrency, repetitions=args.repetitions,
+            metrics_endpoints=endpoints, scrape_interval=args.scrape_interval,
+            idle_timeout=args.idle_timeout, run_timeout=args.run_timeout)
+    results = {str(p): json.loads((out / f"{p}.json").read_text()) for p in args.ports}
+    print(comparison_table(results))
+    print(f"results: {out}/ (report.md, {', '.join(str(p) + '.json' for p in args.ports)}, "
+          f"plots *.png)")
+    failed = sum(r["failed"] for r in results.values())
+    completed = sum(r["completed"] for r in results.values())
+    if failed:
+        print(f"warning: {failed} failed requests (reasons in report.md)", file=sys.stderr)
+    return 1 if completed == 0 else 0
