@@ -1,0 +1,245 @@
+"""Whole experiments in virtual time: N engines, a client, a routing policy. No HTTP, no sleeping.
+
+The engines are the simulator's `local.sim.engine.Engine` with a clock that reads the lab's
+virtual time. A discrete-event loop advances that time from event to event:
+
+- ARRIVAL: a request becomes ready to send (all at t=0 for an infinite rate); it is sent at once
+  when the client's concurrency limit allows, else when a running request finishes (vLLM
+  benchmark semantics: `--request-rate` gaps, then a `--max-concurrency` semaphore).
+- send: the policy picks an endpoint; the request is added to that engine; an idle engine
+  starts a step at the same instant (after the other events of that instant).
+- STEP_DONE: the step's tokens are delivered to the client (one chunk per request per step, as
+  the simulator streams), finished requests free their slot, and the engine steps again.
+
+Client metrics follow vLLM's benchmark definitions (loadtest.metrics): no network, so TTFT is
+the first token's time minus the send time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from local.sim.engine import Engine, block_hashes
+from local.sim.profiles import A10_QWQ32B, Profile
+from local.sim.tokens import token_ids
+from lab.policies import LabEndpoint, LabRequest, Policy
+from loadtest.metrics import RequestSample, summarize
+
+_ARRIVAL, _STEP_START, _STEP_DONE = 0, 1, 2
+
+
+@dataclass
+class LabConfig:
+    num_engines: int = 3
+    profile: Profile = A10_QWQ32B
+    concurrency: Optional[int] = 30          # None = unlimited
+    request_rate: float = math.inf           # requests/s; inf = all ready at t=0
+    burstiness: float = 1.0                  # gamma shape of the gaps (1 = Poisson)
+    seed: int = 0                            # policy randomness and arrival times
+    model_name: str = "qwq"
+    kv_sample_interval: float = 1.0          # seconds between recorded KV/queue samples
+    base_port: int = 8101                    # endpoint names 127.0.0.1:<base_port + i>
+
+
+@dataclass
+class LabRun:
+    summary: dict                            # vLLM benchmark result fields + lab meta
+    samples: list                            # list[loadtest.metrics.RequestSample]
+    series: dict                             # address -> {"t","kv","running","waiting"} lists
+    per_endpoint: dict                       # address -> counters (requests, preemptions, ...)
+
+
+@dataclass(eq=False)
+class _Client:
+    request: LabRequest
+    sent: float = 0.0
+    first: Optional[float] = None
+    last: Optional[float] = None
+    itl: list = field(default_factory=list)
+    tokens: int = 0
+
+
+def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
+    """Tokenise a workload (loadtest.workloads.PromptSpec list) once; reusable across runs."""
+    out = []
+    for i, s in enumerate(specs):
+        ids = token_ids(s.prompt)
+        out.append(LabRequest(index=i, request_id=f"req-{i}", prompt=s.prompt, token_ids=ids,
+                              hashes=block_hashes(ids, block_size), max_tokens=s.output_tokens,
+                              group=getattr(s, "group", "")))
+    return out
+
+
+class Lab:
+    def __init__(self, requests: Sequence[LabRequest], policy: Policy, config: LabConfig):
+        self.config = config
+        self.policy = policy
+        self.now = 0.0
+        self.requests = list(requests)
+        clock = lambda: self.now  # noqa: E731 - the engines' injected clock
+        self.endpoints = [
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(config.profile, clock),
+                        config.model_name)
+            for i in range(config.num_engines)]
+        self.rng = random.Random(config.seed)
+        self.events: list = []
+        self.seq = 0
+        self.pending: list[LabRequest] = []      # arrived, waiting for a concurrency slot
+        self.pending_head = 0
+        self.inflight = 0
+        self.clients: dict[str, _Client] = {}
+        self.samples: list[RequestSample] = []
+        self.series = {ep.address: {"t": [], "kv": [], "running": [], "waiting": []}
+                       for ep in self.endpoints}
+        self.next_sample = [0.0] * len(self.endpoints)
+        self.counts = {ep.address: {"requests": 0} for ep in self.endpoints}
+        self.track_history = policy.scrape_interval is not None
+
+    # ----- event plumbing ------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    def _arrival_times(self) -> list[float]:
+        n, rate = len(self.requests), self.config.request_rate
+        if math.isinf(rate):
+            return [0.0] * n
+        gen = np.random.default_rng(self.config.seed)
+        shape = self.config.burstiness
+        gaps = gen.gamma(shape, 1.0 / (rate * shape), size=n)
+        return np.cumsum(gaps).tolist()
+
+    def _snapshot(self, ep: LabEndpoint) -> None:
+        e = ep.engine
+        if self.track_history:
+            ep.history.append((self.now, len(e.running), len(e.waiting), e.kv_cache_usage()))
+        i = ep.index
+        if self.now >= self.next_sample[i]:
+            s = self.series[ep.address]
+            s["t"].append(self.now)
+            s["kv"].append(e.kv_cache_usage())
+            s["running"].append(len(e.running))
+            s["waiting"].append(len(e.waiting))
+            self.next_sample[i] = self.now + self.config.kv_sample_interval
+
+    # ----- client side ---------------------------------------------------------------------
+
+    def _can_send(self) -> bool:
+        c = self.config.concurrency
+        return c is None or self.inflight < c
+
+    def _send(self, req: LabRequest) -> None:
+        ep = self.policy.pick(req)
+        req.endpoint = ep
+        client = _Client(req, sent=self.now)
+        try:
+            ep.engine.add_request(req.request_id, req.token_ids, req.max_tokens,
+                                  hashes=req.hashes)
+        except ValueError as err:
+            self.policy.on_done(req, ep)
+            self.samples.append(RequestSample(start=self.now, success=False, end=self.now,
+                                              error=str(err), target=ep.address,
+                                              prompt_tokens=len(req.token_ids), group=req.group))
+            return
+        self.inflight += 1
+        ep.inflight += 1
+        self.counts[ep.address]["requests"] += 1
+        self.clients[req.request_id] = client
+        self._snapshot(ep)
+        if not ep.busy:
+            ep.busy = True
+            self._push(self.now, _STEP_START, ep)
+
+    def _send_pending(self) -> None:
+        while self.pending_head < len(self.pending) and self._can_send():
+            req = self.pending[self.pending_head]
+            self.pending_head += 1
+            self._send(req)
+
+    def _finish(self, client: _Client, ep: LabEndpoint) -> None:
+        req = client.request
+        del self.clients[req.request_id]
+        self.inflight -= 1
+        ep.inflight -= 1
+        self.samples.append(RequestSample(
+            start=client.sent, success=True, ttft=client.first - client.sent,
+            latency=client.last - client.sent, itl=client.itl,
+            prompt_tokens=len(req.token_ids), output_tokens=client.tokens, end=client.last,
+            target=ep.address, endpoint=req.path, group=req.group))
+        self.policy.on_done(req, ep)
+
+    # ----- engine side ---------------------------------------------------------------------
+
+    def _step(self, ep: LabEndpoint) -> None:
+        result = ep.engine.step()
+        self._snapshot(ep)
+        if result is None:
+            ep.busy = False
+        else:
+            self._push(result.end_time, _STEP_DONE, (ep, result))
+
+    def _deliver(self, ep: LabEndpoint, result) -> None:
+        now = self.now
+        clients = self.clients
+        for out in result.outputs:
+            c = clients[out.request_id]
+            if c.first is None:
+                c.first = now
+            else:
+                c.itl.append(now - c.last)
+            c.last = now
+            c.tokens += 1
+            if out.finished:
+                self._finish(c, ep)
+        self._send_pending()
+        self._step(ep)
+
+    # ----- main loop -----------------------------------------------------------------------
+
+    def run(self) -> LabRun:
+        self.policy.start(self.endpoints, lambda: self.now, self.rng)
+        for req, t in zip(self.requests, self._arrival_times()):
+            self._push(t, _ARRIVAL, req)
+        events = self.events
+        while events:
+            t, _, kind, obj = heapq.heappop(events)
+            self.now = t
+            if kind == _STEP_DONE:
+                self._deliver(*obj)
+            elif kind == _STEP_START:
+                self._step(obj)
+            else:
+                self.pending.append(obj)
+                self._send_pending()
+        return self._result()
+
+    def _result(self) -> LabRun:
+        cfg = self.config
+        summary = summarize(
+            self.samples, label=f"lab:{self.policy.name}", backend="lab",
+            model_id=cfg.model_name, num_prompts=len(self.requests),
+            max_concurrency=cfg.concurrency,
+            request_rate="inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+            burstiness=cfg.burstiness, seed=cfg.seed, policy=self.policy.name,
+            num_engines=cfg.num_engines, engine_profile=cfg.profile.name)
+        per_endpoint = {}
+        for ep in self.endpoints:
+            e = ep.engine
+            per_endpoint[ep.address] = dict(
+                self.counts[ep.address], preemptions=e.num_preemptions,
+                prefix_cache_queries=e.prefix_cache_queries,
+                prefix_cache_hits=e.prefix_cache_hits, generation_tokens=e.generation_tokens)
+        summary["per_endpoint"] = per_endpoint
+        return LabRun(summary, self.samples, self.series, per_endpoint)
+
+
+def run_lab(requests: Sequence[LabRequest], policy: Policy,
+            config: Optional[LabConfig] = None) -> LabRun:
+    return Lab(requests, policy, config or LabConfig()).run()

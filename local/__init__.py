@@ -1,0 +1,1 @@
+"""Local stand-ins for the cluster: the vLLM simulator (`local.sim`), the local gateway, the launcher."""

@@ -1,0 +1,439 @@
+"""A vLLM engine model at the level of scheduler iterations. No HTTP, no asyncio, no wall clock.
+
+The driver (the HTTP server in real or scaled time, the lab in virtual time) owns time:
+
+    engine = Engine(profile, clock)
+    engine.add_request("r1", token_ids, max_tokens=100)
+    result = engine.step()            # plans and applies one iteration, returns its duration
+    # the driver advances time by result.duration_s, then delivers result.outputs
+
+`step()` applies the iteration at once; every token it produces is stamped with
+`result.end_time = clock() + duration_s`, which is when the driver delivers it. Histograms (TTFT,
+inter-token, end-to-end) use those stamps, so they read in model seconds whatever the speedup.
+
+Model (what vLLM's scheduler does, simplified where noted):
+- Continuous batching: each step serves running requests first (one decode token each, or the
+  next prefill chunk), then admits waiting requests in FIFO order while `max_num_seqs` and the
+  token budget `max_num_batched_tokens` allow; prefill is chunked to fit the budget.
+- KV cache in blocks of `block_size` tokens with a fixed count. A waiting request is admitted only
+  when blocks for its whole prompt (minus prefix-cache hits) are free above a watermark
+  (vLLM V0's rule; V1 allocates per chunk). Decoding takes a new block every `block_size` tokens;
+  when none is free the newest running request is preempted: its blocks are freed and it returns
+  to the head of the queue to recompute prompt + generated tokens later.
+- Prefix cache: full prompt blocks are keyed by chained hashes of their token ids. Once computed
+  they are shared; blocks nobody references stay cached and are evicted LRU when space is needed.
+  Only prompt blocks are hashed (vLLM hashes generated blocks too; no workload here reuses them).
+- Step time per stage = base + prefill tokens + decoding sequences + context tokens attended, each
+  times a constant; pipeline stages run in series for one batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from local.sim.profiles import Profile
+
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """Bucket counts of observations (upper bounds inclusive, like Prometheus)."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # last slot = +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
+            acc += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
+        return out
+
+
+class StepOutput(NamedTuple):
+    request_id: str
+    first_token: bool          # this step produced the request's first token
+    finished: bool
+    finish_reason: Optional[str]  # "stop" | "length" when finished
+    num_output_tokens: int     # tokens generated so far (this step produced exactly one)
+
+
+class StepResult(NamedTuple):
+    duration_s: float
+    end_time: float
+    outputs: list              # list[StepOutput]
+    num_prefill_tokens: int
+    num_decode_seqs: int
+
+
+class EngineRequest:
+    __slots__ = ("request_id", "prompt_len", "block_hashes", "max_tokens", "stop_at",
+                 "num_output", "num_computed", "prefill_len", "hashed", "private",
+                 "registered", "arrival_time", "first_token_time", "last_token_time",
+                 "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
+                 "_hit_epoch", "_hit_blocks")
+
+    def __init__(self, request_id: str, prompt_len: int, block_hashes: list, max_tokens: int,
+                 stop_at: int, arrival_time: float):
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.block_hashes = block_hashes
+        self.max_tokens = max_tokens
+        self.stop_at = stop_at              # output length at which generation ends
+        self.num_output = 0
+        self.num_computed = 0               # tokens whose KV is computed
+        self.prefill_len = prompt_len       # tokens to (re)compute before sampling
+        self.hashed: list = []              # cache-shared blocks this request references
+        self.private = 0                    # blocks owned by this request only
+        self.registered = 0                 # prompt blocks already matched or published
+        self.arrival_time = arrival_time
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0          # prefix-cache hit tokens at (first) admission
+        self._hit_epoch = -1
+        self._hit_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashed) + self.private
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> list:
+    """Chained hashes of the full blocks of `token_ids` (tuple hashes of ints are stable)."""
+    hashes, prev = [], salt
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hash((prev, *token_ids[start:start + block_size]))
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float            # 0..1, blocks referenced by requests / capacity
+    num_gpu_blocks: int
+    block_size: int
+    prefix_cache_queries: int        # tokens
+    prefix_cache_hits: int           # tokens
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    request_success: dict = field(default_factory=dict)   # finish_reason -> count
+
+
+class Engine:
+    def __init__(self, profile: Profile, clock: Callable[[], float] = time.monotonic):
+        self.profile = profile
+        self.clock = clock
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}
+        # KV blocks: `used` = referenced by some request; `evictable` = cached, unreferenced (LRU).
+        self.used = 0
+        self.refs: dict[int, int] = {}          # block hash -> reference count
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.cache_epoch = 0                     # bumps whenever the set of cached hashes changes
+        self.watermark_blocks = int(profile.watermark * profile.num_gpu_blocks)
+        # counters
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.request_success: dict[str, int] = {}
+        self.version = 0                         # bumps on every state change (for render caches)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                    stop_at: Optional[int] = None, hashes: Optional[list] = None) -> EngineRequest:
+        """Queue a request. `stop_at` = output length where EOS falls (None: run to max_tokens).
+
+        `hashes` may pass precomputed `block_hashes(token_ids, block_size)` to save time.
+        Raises ValueError for an empty prompt, max_tokens < 1, or a length over max_model_len.
+        """
+        p = self.profile
+        prompt_len = len(token_ids)
+        if prompt_len < 1:
+            raise ValueError("prompt must contain at least one token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if prompt_len + max_tokens > p.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {p.max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                f"completion.")
+        needed = -(-(prompt_len + max_tokens) // p.block_size)
+        if needed > p.num_gpu_blocks - int(p.watermark * p.num_gpu_blocks):
+            raise ValueError(f"request needs {needed} KV blocks but the cache holds "
+                             f"{p.num_gpu_blocks}")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if hashes is None:
+            hashes = block_hashes(token_ids, p.block_size) if p.enable_prefix_caching else []
+        stop = max_tokens if stop_at is None else max(1, min(stop_at, max_tokens))
+        req = EngineRequest(request_id, prompt_len, hashes, max_tokens, stop, self.clock())
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        self.prompt_tokens += prompt_len
+        self.version += 1
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self._free(req)
+        req.finished, req.finish_reason = True, "abort"
+        self.request_success["abort"] = self.request_success.get("abort", 0) + 1
+        self.version += 1
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ----- KV blocks ------------------------------------------------------------------------
+
+    def _allocate(self, n: int) -> None:
+        """Take n fresh blocks, evicting least recently used cached blocks if needed."""
+        empty = self.profile.num_gpu_blocks - self.used - len(self.evictable)
+        if empty < n:
+            for _ in range(n - empty):
+                h, _ = self.evictable.popitem(last=False)
+                del self.refs[h]
+            self.cache_epoch += 1
+        self.used += n
+
+    def _free(self, req: EngineRequest) -> None:
+        refs, evictable = self.refs, self.evictable
+        for h in req.hashed:
+            c = refs[h] - 1
+            refs[h] = c
+            if c == 0:
+                evictable[h] = None       # most recently used at the end
+                self.used -= 1
+        self.used -= req.private
+        req.hashed = []
+        req.private = 0
+        req.registered = 0
+
+    def _prefix_hits(self, req: EngineRequest) -> int:
+        """Blocks of the request's prefill already in the cache (at least one token left to compute)."""
+        if req._hit_epoch == self.cache_epoch:
+            return req._hit_blocks
+        limit = min(len(req.block_hashes), (req.prefill_len - 1) // self.profile.block_size)
+        refs, hashes, k = self.refs, req.block_hashes, 0
+        while k < limit and hashes[k] in refs:
+            k += 1
+        req._hit_epoch, req._hit_blocks = self.cache_epoch, k
+        return k
+
+    def _try_admit(self, req: EngineRequest) -> bool:
+        p = self.profile
+        bs = p.block_size
+        total_blocks = -(-req.prefill_len // bs)
+        free = p.num_gpu_blocks - self.used
+        # Cheap rejection before looking at the cache: even the best case does not fit.
+        best_hits = min(len(req.block_hashes), (req.prefill_len - 1) // bs)
+        if free - (total_blocks - best_hits) < self.watermark_blocks:
+            return False
+        hits = self._prefix_hits(req) if p.enable_prefix_caching else 0
+        hit_hashes = req.block_hashes[:hits]
+        evictable = self.evictable
+        revived = sum(1 for h in hit_hashes if h in evictable)
+        new_blocks = total_blocks - hits
+        if free - revived - new_blocks < self.watermark_blocks:
+            return False
+        refs = self.refs
+        for h in hit_hashes:
+            c = refs[h]
+            if c == 0:
+                del evictable[h]
+                self.used += 1
+            refs[h] = c + 1
+        self._allocate(new_blocks)
+        req.hashed = hit_hashes
+        req.private = new_blocks
+        req.registered = hits
+        req.num_computed = hits * bs
+        self.prefix_cache_queries += req.prefill_len
+        self.prefix_cache_hits += hits * bs
+        if req.num_output == 0 and req.num_preemptions == 0:
+            req.num_cached_tokens = hits * bs
+        return True
+
+    def _publish_blocks(self, req: EngineRequest) -> None:
+        """Make the request's newly computed full prompt blocks shareable through the cache."""
+        full = min(req.num_computed // self.profile.block_size, len(req.block_hashes))
+        if full <= req.registered:
+            return
+        refs = self.refs
+        for h in req.block_hashes[req.registered:full]:
+            if h not in refs:          # else another request computed the same block first
+                refs[h] = 1
+                req.hashed.append(h)
+                req.private -= 1
+                self.cache_epoch += 1
+        req.registered = full
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self._free(req)
+        req.num_computed = 0
+        req.prefill_len = req.prompt_len + req.num_output
+        req.num_preemptions += 1
+        req._hit_epoch = -1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ----- one scheduler iteration --------------------------------------------------------
+
+    def step(self) -> Optional[StepResult]:
+        """Run one iteration. None when there is nothing to run."""
+        if not (self.running or self.waiting):
+            return None
+        p = self.profile
+        bs = p.block_size
+        budget = p.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int]] = []
+        prefill_tokens = decode_seqs = context = 0
+        preempted = False
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            if r.num_computed < r.prefill_len:
+                n = min(r.prefill_len - r.num_computed, budget)
+                budget -= n
+                prefill_tokens += n
+                context += r.num_computed + n
+                scheduled.append((r, n))
+                i += 1
+                continue
+            seq_len = r.prompt_len + r.num_output
+            if -(-seq_len // bs) > len(r.hashed) + r.private:
+                while p.num_gpu_blocks - self.used < 1:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is r:
+                        break
+                if r.num_computed == 0:     # r itself was preempted
+                    break
+                self._allocate(1)
+                r.private += 1
+            budget -= 1
+            decode_seqs += 1
+            context += seq_len
+            scheduled.append((r, 1))
+            i += 1
+
+        if not preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < p.max_num_seqs:
+                r = waiting[0]
+                if not self._try_admit(r):
+                    break
+                waiting.popleft()
+                running.append(r)
+                n = min(r.prefill_len - r.num_computed, budget)
+                budget -= n
+                prefill_tokens += n
+                context += r.num_computed + n
+                scheduled.append((r, n))
+
+        if not scheduled:   # cannot happen with add_request's capacity check; no spinning
+            return None
+
+        duration = p.pipeline_stages * (p.stage_base_s + p.stage_prefill_token_s * prefill_tokens
+                                        + p.stage_decode_seq_s * decode_seqs
+                                        + p.stage_context_token_s * context)
+        end = self.clock() + duration
+        outputs = []
+        any_finished = False
+        for r, n in scheduled:
+            if r.num_computed < r.prefill_len:
+                r.num_computed += n
+                if p.enable_prefix_caching and r.registered < len(r.block_hashes):
+                    self._publish_blocks(r)
+                if r.num_computed < r.prefill_len:
+                    continue
+            else:
+                r.num_computed += 1
+            r.num_output += 1
+            self.generation_tokens += 1
+            first = r.first_token_time is None
+            if first:
+                r.first_token_time = end
+                self.ttft.observe(end - r.arrival_time)
+            else:
+                self.itl.observe(end - r.last_token_time)
+            r.last_token_time = end
+            if r.num_output >= r.stop_at:
+                reason = "length" if r.num_output >= r.max_tokens else "stop"
+                self._finish(r, reason, end)
+                any_finished = True
+                outputs.append(StepOutput(r.request_id, first, True, reason, r.num_output))
+            else:
+                outputs.append(StepOutput(r.request_id, first, False, None, r.num_output))
+        if any_finished:
+            self.running = [r for r in self.running if not r.finished]
+        self.version += 1
+        return StepResult(duration, end, outputs, prefill_tokens, decode_seqs)
+
+    def _finish(self, req: EngineRequest, reason: str, end: float) -> None:
+        req.finished, req.finish_reason = True, reason
+        self._free(req)
+        del self.requests[req.request_id]
+        self.e2e.observe(end - req.arrival_time)
+        self.request_success[reason] = self.request_success.get(reason, 0) + 1
+
+    # ----- gauges and counters --------------------------------------------------------------
+
+    def kv_cache_usage(self) -> float:
+        return self.used / self.profile.num_gpu_blocks
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_usage(), num_gpu_blocks=self.profile.num_gpu_blocks,
+            block_size=self.profile.block_size,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits, num_preemptions=self.num_preemptions,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            request_success=dict(self.request_success))

@@ -1,0 +1,135 @@
+"""vLLM's /metrics exposition rendered from an Engine (pure: no server, no global registry).
+
+Names, types and labels follow vLLM's PrometheusStatLogger (vllm/v1/metrics/loggers.py): every
+family carries `model_name` (the first served model name, as vLLM does) and `engine="0"`.
+`vllm:gpu_cache_usage_perc` (the pre-0.9 name that the article's vLLM v0.7.2 exposed) is
+rendered beside `vllm:kv_cache_usage_perc` so pickers of either generation find their gauge.
+
+    render_metrics(engine, "qwq")                    # full page, what GET /metrics returns
+    render_metrics(engine, "qwq", gauges_only=True)  # gauges + cache_config_info only (fast path
+                                                     # for the routing lab's scrapes)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+
+from local.sim.engine import Engine, Histogram
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("model_name", "engine")
+
+
+def _gauge(name: str, doc: str, labels: tuple, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=LABELS)
+    g.add_metric(labels, value)
+    return g
+
+
+def _counter(name: str, doc: str, labels: tuple, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=LABELS)
+    c.add_metric(labels, value)
+    return c
+
+
+def _histogram(name: str, doc: str, labels: tuple, hist: Histogram) -> HistogramMetricFamily:
+    h = HistogramMetricFamily(name, doc, labels=LABELS)
+    h.add_metric(labels, hist.cumulative(), hist.sum)
+    return h
+
+
+def cache_config_labels(engine: Engine) -> dict[str, str]:
+    p = engine.profile
+    return {
+        "block_size": str(p.block_size),
+        "cache_dtype": p.cache_dtype,
+        "enable_prefix_caching": str(p.enable_prefix_caching),
+        "gpu_memory_utilization": str(p.gpu_memory_utilization),
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(p.num_gpu_blocks),
+        "num_gpu_blocks_override": "None",
+        "sliding_window": "None",
+        "swap_space_bytes": str(4 * 1024 ** 3),
+    }
+
+
+def gauge_families(model_name: str, running: int, waiting: int, kv_usage: float,
+                   cache_config: dict[str, str]):
+    lv = (model_name, "0")
+    yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 lv, running)
+    yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 lv, waiting)
+    yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 lv, kv_usage)
+    yield _gauge("vllm:gpu_cache_usage_perc",
+                 "GPU KV-cache usage. 1 means 100 percent usage (deprecated name).", lv, kv_usage)
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                             labels=list(cache_config) + ["engine"])
+    info.add_metric(list(cache_config.values()) + ["0"], 1.0)
+    yield info
+
+
+class _Families:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def render_gauges(model_name: str, running: int, waiting: int, kv_usage: float,
+                  cache_config: dict[str, str]) -> str:
+    """The gauge part of the page from recorded values (the lab renders past snapshots)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(gauge_families(model_name, running, waiting, kv_usage,
+                                                    cache_config))))
+    return generate_latest(registry).decode()
+
+
+class EngineCollector:
+    """prometheus_client collector reading one engine's state at collect time."""
+
+    def __init__(self, engine: Engine, model_name: str, gauges_only: bool = False):
+        self.engine = engine
+        self.labels = (model_name, "0")
+        self.gauges_only = gauges_only
+
+    def collect(self):
+        e, lv = self.engine, self.labels
+        yield from gauge_families(lv[0], len(e.running), len(e.waiting), e.kv_cache_usage(),
+                                  cache_config_labels(e))
+        if self.gauges_only:
+            return
+        yield _counter("vllm:prefix_cache_queries",
+                       "Prefix cache queries, in terms of number of queried tokens.", lv,
+                       e.prefix_cache_queries)
+        yield _counter("vllm:prefix_cache_hits",
+                       "Prefix cache hits, in terms of number of cached tokens.", lv,
+                       e.prefix_cache_hits)
+        yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                       lv, e.num_preemptions)
+        yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lv,
+                       e.prompt_tokens)
+        yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", lv,
+                       e.generation_tokens)
+        success = CounterMetricFamily("vllm:request_success",
+                                      "Count of successfully processed requests.",
+                                      labels=LABELS + ("finished_reason",))
+        for reason in ("stop", "length", "abort"):
+            success.add_metric(lv + (reason,), e.request_success.get(reason, 0))
+        yield success
+        yield _histogram("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", lv, e.ttft)
+        yield _histogram("vllm:inter_token_latency_seconds",
+                         "Histogram of inter-token latency in seconds.", lv, e.itl)
+        yield _histogram("vllm:e2e_request_latency_seconds",
+                         "Histogram of e2e request latency in seconds.", lv, e.e2e)
+
+
+def render_metrics(engine: Engine, model_name: str, gauges_only: bool = False) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, model_name, gauges_only))
+    return generate_latest(registry).decode()

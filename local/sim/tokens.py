@@ -1,0 +1,73 @@
+"""The simulator's tokenizer convention (shared by the simulator, the lab and the load tests).
+
+One whitespace-separated word is one token. Each word maps to a stable integer id (CRC-32 of its
+UTF-8 bytes), so ids are equal across processes and runs (Python's str hash is randomised; CRC-32
+is not). A chat request counts the tokens of every message's content plus a fixed template
+overhead: CHAT_TOKENS_PER_MESSAGE per message (role and delimiters) and CHAT_TOKENS_REPLY_PRIMER
+once for the assistant turn, like ChatML's `<|im_start|>role ... <|im_end|>` framing.
+Load-test workloads generate prompts as words, so their token counts match the simulator's usage.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Iterable
+
+CHAT_TOKENS_PER_MESSAGE = 4
+CHAT_TOKENS_REPLY_PRIMER = 3
+
+# Fixed ids for the chat template's framing tokens (outside CRC-32's use by words only by chance,
+# which is harmless: ids only feed the prefix-cache block hashes).
+_IM_START, _IM_END, _NEWLINE, _ASSISTANT = 1 << 33, (1 << 33) + 1, (1 << 33) + 2, (1 << 33) + 3
+
+
+def word_id(word: str) -> int:
+    return zlib.crc32(word.encode())
+
+
+def count_tokens(text: str) -> int:
+    return len(text.split())
+
+
+def token_ids(text: str) -> list[int]:
+    return [zlib.crc32(w.encode()) for w in text.split()]
+
+
+def message_text(content: Any) -> str:
+    """Text of an OpenAI message `content`: a string or a list of parts ({type: text, text})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise ValueError("message content must be a string or a list of parts")
+
+
+def chat_token_ids(messages: Iterable[dict]) -> list[int]:
+    """Token ids of a chat prompt: framing per message, content words, and the reply primer."""
+    ids: list[int] = []
+    for m in messages:
+        ids.append(_IM_START)
+        ids.append(word_id(str(m.get("role", ""))))
+        ids.append(_NEWLINE)
+        ids.extend(token_ids(message_text(m.get("content"))))
+        ids.append(_IM_END)
+    ids.extend((_IM_START, _ASSISTANT, _NEWLINE))
+    return ids
+
+
+def count_chat_tokens(messages: Iterable[dict]) -> int:
+    msgs = list(messages)
+    return (sum(count_tokens(message_text(m.get("content"))) for m in msgs)
+            + CHAT_TOKENS_PER_MESSAGE * len(msgs) + CHAT_TOKENS_REPLY_PRIMER)
+
+
+FILLER = ("the", "model", "thinks", "about", "this", "step", "and", "then", "answers", "with",
+          "a", "short", "note", "on", "each", "part", "of", "question", "so", "we", "can",
+          "check", "result", "again")
+
+
+def filler_word(seed: int, index: int) -> str:
+    """Deterministic output word number `index` of a response whose stream seed is `seed`."""
+    return FILLER[(seed * 7 + index * 13 + (index >> 3)) % len(FILLER)]
