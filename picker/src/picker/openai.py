@@ -67,9 +67,11 @@ def _prompt_text(prompt: Any) -> tuple[str, int]:
 
 def parse_body(body: bytes) -> ParsedRequest:
     try:
-        obj = json.loads(body)
+        text = body.decode("utf-8")  # JSON over HTTP is UTF-8; json.loads(bytes) would guess UTF-16/32
     except UnicodeDecodeError:
         raise _bad("request body is not valid UTF-8", "invalid_utf8") from None
+    try:
+        obj = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise _bad(f"request body is not valid JSON: {str(exc)[:200]}", "invalid_json") from None
     if not isinstance(obj, dict):

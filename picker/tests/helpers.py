@@ -1,0 +1,58 @@
+"""Shared test helpers: vLLM-like metrics text, a fake clock, a router on a fixed endpoint set."""
+from __future__ import annotations
+
+import json
+import random
+
+from picker.core import Router, RouterSettings
+from picker.scheduling.profile import load_profile
+
+
+def metrics_text(waiting=0, running=0, kv=0.0, model="qwq", block_size=16, num_blocks=4000,
+                 old_kv_name=False, lora=None, extra=""):
+    kv_name = "vllm:gpu_cache_usage_perc" if old_kv_name else "vllm:kv_cache_usage_perc"
+    lines = [
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f'vllm:num_requests_waiting{{engine="0",model_name="{model}"}} {waiting}',
+        "# TYPE vllm:num_requests_running gauge",
+        f'vllm:num_requests_running{{engine="0",model_name="{model}"}} {running}',
+        f"# TYPE {kv_name} gauge",
+        f'{kv_name}{{engine="0",model_name="{model}"}} {kv}',
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.1",model_name="{model}"}} 3.0',
+        f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{model}"}} 3.0',
+    ]
+    if block_size is not None:
+        lines.append(f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",'
+                     f'engine="0",model_name="{model}",num_gpu_blocks="{num_blocks}"}} 1.0')
+    if lora is not None:
+        lines.append(f'vllm:lora_requests_info{{max_lora="{lora["max"]}",running_lora_adapters='
+                     f'"{",".join(lora.get("running", []))}",waiting_lora_adapters='
+                     f'"{",".join(lora.get("waiting", []))}"}} 1.7e9')
+    return "\n".join(lines) + "\n" + extra
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_router(profile="upstream-default", n=3, clock=None, seed=1, objectives=(), rewrites=(),
+                settings=None, metrics=None, scrape=True, **load):
+    clock = clock or FakeClock()
+    router = Router(load_profile(profile), objectives=objectives, rewrites=rewrites, clock=clock,
+                    rng=random.Random(seed), settings=settings or RouterSettings(), metrics=metrics)
+    addrs = [f"10.0.0.{i + 1}:8000" for i in range(n)]
+    router.set_endpoints(addrs)
+    if scrape:
+        for a in addrs:
+            router.on_scrape_ok(a, metrics_text(**load))
+    return router
+
+
+def body(model="qwq", prompt="hello world", **extra) -> bytes:
+    return json.dumps({"model": model, "prompt": prompt, **extra}).encode()
