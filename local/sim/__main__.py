@@ -1,0 +1,60 @@
+"""python -m local.sim --port 8101 --served-model-name qwq [--served-model-name qwq-canary] ..."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aiohttp import web
+
+from local.sim.profiles import PROFILES, get_profile
+from local.sim.server import Faults, SimServer
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m local.sim",
+                                description="Simulated vLLM OpenAI server (one engine per port).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", action="append", dest="names", metavar="NAME",
+                   help="model name clients send (repeatable; the first labels /metrics); "
+                        "default qwq")
+    p.add_argument("--profile", default="a10-qwq32b", choices=sorted(PROFILES))
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="divide all model time by this factor")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-gpu-blocks", type=int, help="override the profile's KV capacity")
+    p.add_argument("--max-num-seqs", type=int, help="override the profile's batch limit")
+    p.add_argument("--error-rate", type=float, default=0.0,
+                   help="fraction of completion requests answered with HTTP 500")
+    p.add_argument("--metrics-delay", type=float, default=0.0,
+                   help="seconds /metrics waits before answering")
+    p.add_argument("--metrics-fail", action="store_true", help="/metrics answers HTTP 500")
+    p.add_argument("--stall-after", type=int, metavar="N",
+                   help="after N accepted requests the engine stops making progress")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.error_rate <= 1.0:
+        p.error("--error-rate must be in [0, 1]")
+    if args.speedup <= 0:
+        p.error("--speedup must be positive")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    profile = get_profile(args.profile)
+    overrides = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks),
+                                   ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    if overrides:
+        profile = profile.with_overrides(**overrides)
+    faults = Faults(args.error_rate, args.metrics_delay, args.metrics_fail, args.stall_after)
+    server = SimServer(profile, args.names or ["qwq"], args.speedup, args.seed, faults)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    print(f"local.sim: {', '.join(server.names)} on http://{args.host}:{args.port} "
+          f"(profile {profile.name}, speedup {args.speedup:g}, seed {args.seed})", flush=True)
+    web.run_app(server.make_app(), host=args.host, port=args.port, print=None,
+                access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""An OpenAI-compatible HTTP front for one simulated vLLM engine (aiohttp).
+
+One process = one port = one engine (a vLLM leader of one LWS group). Paths, bodies, SSE framing,
+errors and /metrics follow vLLM's OpenAI server. The engine runs in model time: the clock reads
+`(monotonic - start) * speedup`, and the loop sleeps `step duration / speedup` per iteration, so
+`--speedup 20` runs the same schedule 20 times faster while metrics and histograms still read in
+model seconds.
+
+Fault options for tests: `error_rate` (fraction of completion requests answered 500),
+`metrics_delay` (seconds before /metrics answers), `metrics_fail` (/metrics answers 500),
+`stall_after` (after that many accepted requests the engine stops stepping: requests hang while
+/health and /metrics keep answering, like a wedged GPU worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+from aiohttp import web
+
+from local.sim.engine import Engine, StepOutput
+from local.sim.metrics import CONTENT_TYPE, render_metrics
+from local.sim.profiles import Profile
+from local.sim.tokens import chat_token_ids, filler_word, token_ids
+
+EOS_MIN, EOS_SPAN = 16, 1009   # without ignore_eos, EOS falls at 16..1024 tokens (from the seed)
+
+
+@dataclass
+class Faults:
+    error_rate: float = 0.0
+    metrics_delay: float = 0.0
+    metrics_fail: bool = False
+    stall_after: Optional[int] = None
+
+
+def error_body(message: str, err_type: str, code: int, param: Optional[str] = None) -> dict:
+    """vLLM's ErrorResponse (current shape: {"error": {message, type, param, code}})."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, err_type: str, param: Optional[str] = None) -> web.Response:
+    return web.json_response(error_body(message, err_type, status, param), status=status)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+class SimServer:
+    def __init__(self, profile: Profile, served_model_names: list[str], speedup: float = 1.0,
+                 seed: int = 0, faults: Optional[Faults] = None):
+        if speedup <= 0:
+            raise ValueError("speedup must be positive")
+        if not served_model_names:
+            raise ValueError("need at least one served model name")
+        self.profile = profile
+        self.names = list(dict.fromkeys(served_model_names))
+        self.speedup = speedup
+        self.seed = seed
+        self.faults = faults or Faults()
+        self.rng = random.Random(seed)
+        self.start = time.monotonic()
+        self.engine = Engine(profile, self.model_time)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.accepted = 0
+        self.counter = 0
+        self.wakeup: Optional[asyncio.Event] = None
+        self.loop_task: Optional[asyncio.Task] = None
+
+    def model_time(self) -> float:
+        return (time.monotonic() - self.start) * self.speedup
+
+    @property
+    def stalled(self) -> bool:
+        s = self.faults.stall_after
+        return s is not None and self.accepted >= s
+
+    # ----- the engine loop ---------------------------------------------------------------
+
+    async def run_engine(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_work() or self.stalled:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            result = engine.step()
+            if result is None:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            delay = (result.end_time - self.model_time()) / self.speedup
+            await asyncio.sleep(max(0.0, delay))
+            for out in result.outputs:
+                queue = self.streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    async def on_startup(self, app: web.Application) -> None:
+        self.wakeup = asyncio.Event()
+        self.loop_task = asyncio.create_task(self.run_engine())
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self.loop_task:
+            self.loop_task.cancel()
+            try:
+                await self.loop_task
+            except asyncio.CancelledError:
+                pass
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_startup.append(self.on_startup)
+        app.on_cleanup.append(self.on_cleanup)
+        return app
+
+    # ----- simple endpoints ----------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "vllm",
+                 "root": self.names[0], "parent": None,
+                 "max_model_len": self.profile.max_model_len} for n in self.names]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.faults.metrics_delay > 0:
+            await asyncio.sleep(self.faults.metrics_delay)
+        if self.faults.metrics_fail:
+            return web.Response(status=500, text="simulated /metrics failure\n")
+        text = render_metrics(self.engine, self.names[0])
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ----- completions ----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _parse(self, body: dict, chat: bool) -> tuple[list[int], Optional[int]]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("'messages' must be a non-empty list", "messages")
+            if not all(isinstance(m, dict) for m in messages):
+                raise BadRequest("every message must be an object", "messages")
+            ids = chat_token_ids(messages)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = token_ids(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)
+            else:
+                raise BadRequest("'prompt' must be a string, a one-string list or a list of "
+                                 "token ids (the simulator serves one prompt per request)",
+                                 "prompt")
+            max_tokens = body.get("max_tokens", 16)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+        if not ids:
+            raise BadRequest("the prompt is empty", "prompt")
+        return ids, max_tokens
+
+    def _stop_at(self, ids: list[int], body: dict, max_tokens: int) -> Optional[int]:
+        if body.get("ignore_eos"):
+            return None
+        h = zlib.crc32(repr((self.seed, len(ids), ids[:8], ids[-8:])).encode())
+        return EOS_MIN + h % EOS_SPAN if EOS_MIN + h % EOS_SPAN < max_tokens else None
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body is not valid JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "BadRequestError")
+        model = body.get("model")
+        if model not in self.names:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        try:
+            ids, max_tokens = self._parse(body, chat)
+        except BadRequest as err:
+            return _error(400, str(err), "BadRequestError", err.param)
+        if max_tokens is None:
+            max_tokens = max(1, self.profile.max_model_len - len(ids))
+        if self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate:
+            return _error(500, "simulated engine error", "InternalServerError")
+        self.counter += 1
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{self.seed}-{self.counter}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        try:
+            self.engine.add_request(request_id, ids, max_tokens,
+                                    stop_at=self._stop_at(ids, body, max_tokens))
+        except ValueError as err:
+            del self.streams[request_id]
+            return _error(400, str(err), "BadRequestError")
+        self.accepted += 1
+        self.wakeup.set()
+        stream_seed = zlib.crc32(request_id.encode())
+        ctx = _Response(request_id, model, chat, len(ids), stream_seed)
+        try:
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._stream(request, queue, ctx, include_usage)
+            return await self._collect(queue, ctx)
+        finally:
+            self.streams.pop(request_id, None)
+            if request_id in self.engine.requests:     # client went away: free its blocks
+                self.engine.abort(request_id)
+
+    async def _stream(self, request: web.Request, queue: asyncio.Queue, ctx: "_Response",
+                      include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        while True:
+            out: StepOutput = await queue.get()
+            await resp.write(ctx.sse(ctx.chunk(out)))
+            if out.finished:
+                break
+        if include_usage:
+            await resp.write(ctx.sse(ctx.usage_chunk(out.num_output_tokens)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _collect(self, queue: asyncio.Queue, ctx: "_Response") -> web.Response:
+        words = []
+        while True:
+            out: StepOutput = await queue.get()
+            words.append(ctx.word(out.num_output_tokens - 1))
+            if out.finished:
+                break
+        return web.json_response(ctx.full(" ".join(words), out.finish_reason,
+                                          out.num_output_tokens))
+
+
+class _Response:
+    """Builds vLLM-shaped response objects for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int, seed: int):
+        self.id, self.model, self.chat = request_id, model, chat
+        self.prompt_tokens, self.seed = prompt_tokens, seed
+        self.created = int(time.time())
+
+    def word(self, index: int) -> str:
+        return filler_word(self.seed, index)
+
+    @staticmethod
+    def sse(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens":
+                self.prompt_tokens + completion_tokens, "completion_tokens": completion_tokens}
+
+    def chunk(self, out: StepOutput) -> dict:
+        text = " " + self.word(out.num_output_tokens - 1)
+        if self.chat:
+            delta = {"content": text}
+            if out.first_token:
+                delta = {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": out.finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None,
+                  "finish_reason": out.finish_reason, "stop_reason": None}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens)}
+
+    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text,
+                                              "tool_calls": []},
+                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+            return {**self._head("chat.completion"), "choices": [choice],
+                    "usage": self.usage(completion_tokens)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": None}
+        return {**self._head("text_completion"), "choices": [choice],
+                "usage": self.usage(completion_tokens)}
