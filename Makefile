@@ -40,6 +40,14 @@ lock: ## re-resolve requirements.in into the pinned requirements.txt
 	.cache/lock-venv/bin/pip install --quiet -r requirements.in
 	{ sed -n '1,2p' requirements.txt; .cache/lock-venv/bin/pip freeze; } > requirements.txt.new && mv requirements.txt.new requirements.txt
 
+crds: $(VENV)/.stamp ## download the pinned upstream CRDs into .cache/crds (for CRDS_DIR when ../shared/crds is absent)
+	$(PY) -m validation.crds --dest .cache/crds
+
+validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; policy suite
+	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
+	$(PY) -m validation --crds-dir $(CRDS_DIR) --kubeconform $(KUBECONFORM)
+	$(PY) -m pytest -q tests/policy
+
 test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests loadtest/tests lab/tests tests/e2e
