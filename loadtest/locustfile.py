@@ -35,7 +35,8 @@ PROGRESS_INTERVAL_S = 10.0
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser, **_kw):
-    group = parser.add_argument_group("loadtest (OpenAI streaming load, vLLM metrics)")
+    # parser.add_argument (not an argument group): only it knows include_in_web_ui
+    group = parser
     group.add_argument("--ports", default="8080 8081", help="target ports on --host, "
                        "space or comma separated; users are spread over them ('' = host's port)")
     group.add_argument("--model", default="qwq", help="model name sent in the body")

@@ -1,0 +1,98 @@
+"""Whole runs (locust in subprocesses) against fake servers with known timings."""
+import glob
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, env_with_repo
+from loadtest.metrics import read_samples
+from loadtest.workloads import build_workload
+
+LOCUST = str(Path(sys.executable).with_name("locust"))
+
+
+def run(cmd, timeout=120):
+    return subprocess.run(cmd, cwd=REPO, env=env_with_repo(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_compare_measures_known_timings_and_writes_the_report(fake_server, tmp_path):
+    fast = fake_server("--ttft", "0.05", "--itl", "0.01")
+    slow = fake_server("--ttft", "0.25", "--itl", "0.03", "--fail-every", "4")
+    out = tmp_path / "cmp"
+    proc = run([sys.executable, "-m", "loadtest", "compare", "--host", "127.0.0.1",
+                "--ports", str(fast), str(slow), "--workload", "smoke", "--seed", "0",
+                "--repetitions", "2", "--out", str(out),
+                "--metrics-endpoints", f"http://127.0.0.1:{fast}", f"http://127.0.0.1:{slow}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a = json.loads((out / f"{fast}.json").read_text())
+    b = json.loads((out / f"{slow}.json").read_text())
+    # 2 repetitions x 12 prompts per port; every 4th request to the slow server fails
+    assert a["completed"] == 24 and a["failed"] == 0
+    assert b["completed"] == 18 and b["failed"] == 6
+    assert b["errors_by_reason"] == {"HTTP 500: injected failure": 6}
+    # server-side timings are known; the machine is shared, so allow generous overheads
+    assert 45 <= a["median_ttft_ms"] <= 150 and 245 <= b["median_ttft_ms"] <= 400
+    assert 9 <= a["mean_tpot_ms"] <= 20 and 29 <= b["mean_tpot_ms"] <= 45
+    assert 9 <= a["median_itl_ms"] <= 20
+    samples = read_samples(out / f"{fast}-rep1.samples.jsonl")
+    assert sum(s.output_tokens for s in samples) == a["total_output_tokens"] / 2
+    specs = build_workload("smoke", seed=0)                   # fake server counts words too
+    assert sorted(s.prompt_tokens for s in samples) == sorted(p.prompt_tokens for p in specs)
+    meta = json.loads((out / "compare.json").read_text())
+    assert [(r["port"], r["rep"]) for r in meta["runs"]] == \
+        [(fast, 1), (slow, 1), (slow, 2), (fast, 2)]          # order alternates
+    load = [json.loads(l) for l in (out / f"{slow}-rep1.load.jsonl").read_text().splitlines()]
+    assert {r["endpoint"] for r in load} == {f"http://127.0.0.1:{fast}",
+                                              f"http://127.0.0.1:{slow}"}
+    report = (out / "report.md").read_text()
+    assert "| Mean TTFT (ms) |" in report and "injected failure" in report
+    assert "| Mean TTFT (ms) |" in proc.stdout                # table printed for make demo
+    for png in ("ttft_cdf.png", "latency_over_time.png", "endpoint_load.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_locust_headless_chat_run_survives_broken_streams(fake_server, tmp_path):
+    port = fake_server("--ttft", "0.02", "--itl", "0.005", "--broken-every", "3")
+    proc = run([LOCUST, "-f", "loadtest/locustfile.py", "--headless", "-u", "3", "-r", "3",
+                "--host", "http://127.0.0.1", "--ports", str(port), "--workload", "smoke",
+                "--endpoint", "chat", "--objective", "critical", "--num-prompts", "9",
+                "--result-dir", str(tmp_path), "--only-summary"])
+    result = json.loads(Path(glob.glob(str(tmp_path / "run-*.json"))[0]).read_text())
+    assert result["completed"] == 6 and result["failed"] == 3, proc.stderr[-2000:]
+    assert list(result["errors_by_reason"]) == [
+        "broken SSE: not JSON (Expecting property name enclosed in double quotes): '{not json'"]
+    # TTFT/TPOT/E2E rows next to the POST row in locust's own stats
+    for row in ("TTFT", "TPOT", "E2E", "POST"):
+        assert re.search(rf"^{row}\s+{port} /v1/chat/completions\s+9?\d ", proc.stderr, re.M)
+
+
+def test_distributed_master_collects_samples_from_workers(fake_server, tmp_path):
+    port = fake_server("--ttft", "0.02", "--itl", "0.005")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    common = [LOCUST, "-f", "loadtest/locustfile.py"]
+    workers = [subprocess.Popen(common + ["--worker", "--master-host", "127.0.0.1",
+                                          "--master-port", str(master_port)],
+                                cwd=REPO, env=env_with_repo(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        proc = run(common + ["--master", "--master-bind-host", "127.0.0.1",
+                             "--master-bind-port", str(master_port), "--expect-workers", "2",
+                             "--headless", "-u", "4", "-r", "4", "--host", "http://127.0.0.1",
+                             "--ports", str(port), "--workload", "smoke", "--num-prompts", "14",
+                             "--result-dir", str(tmp_path), "--only-summary"])
+    finally:
+        for w in workers:  # they quit when the master tells them to
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(Path(glob.glob(str(tmp_path / "run-*.json"))[0]).read_text())
+    assert result["completed"] == 14 and result["num_prompts"] == 14
+
