@@ -51,3 +51,18 @@ validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (de
 test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests loadtest/tests lab/tests tests/e2e
+
+# Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
+LT_HOST      ?= 127.0.0.1
+WORKLOAD     ?= demo
+SEED         ?= 0
+USERS        ?= 18
+COMPARE_ARGS ?=
+
+loadtest: setup ## locust web UI on http://127.0.0.1:8089 driving ports 8080+8081 of LT_HOST (`make up` first, or LT_HOST=<gateway IP>)
+	$(VENV)/bin/locust -f loadtest/locustfile.py --host http://$(LT_HOST) --ports "8080 8081" \
+		--workload $(WORKLOAD) --seed $(SEED) -u $(USERS) -r $(USERS) --web-host 127.0.0.1
+
+compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
+	$(PY) -m loadtest compare --host $(LT_HOST) --ports 8080 8081 --workload $(WORKLOAD) --seed $(SEED) \
+		--out results/compare-$$(date +%Y%m%d-%H%M%S) $(COMPARE_ARGS)
