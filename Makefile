@@ -52,6 +52,15 @@ test: setup ## make validate, then every test suite: unit, protocol, lab smoke, 
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests loadtest/tests lab/tests tests/e2e
 
+up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it
+	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP)
+
+down: ## stop the local stack started by `make up`
+	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
+
+demo: setup ## start the stack, compare 8080 vs 8081 on the demo workload (article-style table), stop it
+	$(PY) -m local.stack demo --name demo --groups $(GROUPS) --speedup $(SPEEDUP)
+
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 LT_HOST      ?= 127.0.0.1
 WORKLOAD     ?= demo

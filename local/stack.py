@@ -1,0 +1,642 @@
+"""Launcher of the local stack: simulated vLLM groups, the picker, the local gateway.
+
+    python -m local.stack up     [options]   start, wait until healthy, leave it running
+    python -m local.stack down   [--name N]  stop a stack started by `up`
+    python -m local.stack status [--name N]  what runs and whether it is healthy
+    python -m local.stack demo   [options]   up, compare both ports with loadtest, down
+
+Every process runs in its own process group (session); its output goes to runs/<name>/<proc>.log
+and runs/<name>/state.json records what was started, so `down` can stop it from another shell.
+Any failure or Ctrl-C while starting stops everything that was started.
+
+The picker's objects come from `kubectl kustomize base/inference` (with --canary: the
+overlays/a10-canary render, whose HTTPRoute weights also configure the gateway), written to the
+run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+STABLE_SERVICE = "qwq-dist-v1"
+MODEL = "qwq"
+OBJECT_KINDS = {"InferenceObjective", "InferenceModelRewrite"}
+HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackConfig:
+    name: str = "local"
+    groups: int = 3
+    speedup: float = 20.0
+    seed: int = 0
+    body_mode: str = "buffered"  # request body mode: buffered | full-duplex
+    response_body_mode: str | None = None  # gateway default: skip with buffered, full-duplex with full-duplex
+    fail_mode: str = "close"
+    canary: bool = False
+    picker_tls: bool = True  # base/gateway: Backend tls.insecureSkipVerify, picker --secure-serving
+    host: str = "127.0.0.1"
+    sim_base_port: int = 8101
+    sim_ports: list[int] | None = None  # explicit ports; else sim_base_port, +1, ...
+    http_port: int = 8080
+    llm_port: int = 8081
+    admin_port: int = 9901
+    picker_grpc_port: int = 9002
+    picker_health_port: int = 9003
+    picker_metrics_port: int = 9090
+    profile: str = "default"
+    message_timeout: float | None = None  # None: the EnvoyExtensionPolicy's messageTimeout
+    sim_args: list[str] = field(default_factory=list)
+    picker_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    run_root: Path = REPO / "runs"
+    startup_timeout: float = 60.0
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.name
+
+
+@dataclass
+class SimGroup:
+    service: str
+    port: int
+    served_model_names: list[str]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Topology:
+    """What the manifests say the local stack should look like."""
+
+    sims: list[SimGroup]
+    http_route: list[tuple[str, int, list[str]]]
+    llm_route: list[tuple[str, int, list[str]]]
+    objects: list[dict]
+    message_timeout: float
+
+
+# -- manifests ---------------------------------------------------------------------------------
+
+def kustomize(path: str) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        raise StackError("kubectl is needed to render the manifests (`kubectl kustomize`); install it")
+    proc = subprocess.run(["kubectl", "kustomize", str(REPO / path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise StackError(f"kubectl kustomize {path} failed: {proc.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def _duration(text: str | None, default: float) -> float:
+    if not text:
+        return default
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    for unit in ("ms", "s", "m", "h"):
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(text[: -len(unit)]) * units[unit]
+    raise StackError(f"cannot read duration {text!r}")
+
+
+def _route_refs(docs: list[dict], section: str) -> list[tuple[str, int]]:
+    for d in docs:
+        if d.get("kind") != "HTTPRoute":
+            continue
+        if any(p.get("sectionName") == section for p in d["spec"].get("parentRefs", [])):
+            refs = [r for rule in d["spec"].get("rules", []) for r in rule.get("backendRefs", [])]
+            return [(r["name"], int(r.get("weight", 1))) for r in refs]
+    raise StackError(f"no HTTPRoute attached to listener {section!r} in the rendered manifests")
+
+
+def _served_names(docs: list[dict], service: str) -> list[str]:
+    for d in docs:
+        if d.get("kind") == "LeaderWorkerSet" and d["metadata"]["name"] == service:
+            template = d["spec"]["leaderWorkerTemplate"]
+            pod = template.get("leaderTemplate") or template["workerTemplate"]
+            for c in pod["spec"]["containers"]:
+                words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
+                words = [x for w in words for x in w.split()]  # args may be one shell string
+                if "--served-model-name" in words:
+                    i = words.index("--served-model-name") + 1
+                    names = []
+                    while i < len(words) and not words[i].startswith("-"):
+                        names.append(words[i].strip("'\";"))
+                        i += 1
+                    if names:
+                        return names
+    raise StackError(f"no LeaderWorkerSet {service!r} with --served-model-name in the rendered overlay")
+
+
+def topology(config: StackConfig) -> Topology:
+    ports = list(config.sim_ports or [])
+    needed = config.groups + (1 if config.canary else 0)
+    if not ports:
+        ports = [config.sim_base_port + i for i in range(needed)]
+    if len(ports) < needed:
+        raise StackError(f"{needed} simulator ports needed, {len(ports)} given")
+    gateway_docs = kustomize("base/gateway")
+    policy = next((d for d in gateway_docs if d.get("kind") == "EnvoyExtensionPolicy"), None)
+    message_timeout = config.message_timeout or _duration(
+        policy["spec"]["extProc"][0].get("messageTimeout") if policy else None, 10.0)
+    stable = [SimGroup(STABLE_SERVICE, ports[i], [MODEL]) for i in range(config.groups)]
+    if not config.canary:
+        docs = kustomize("base/inference")
+        addresses = [s.address for s in stable]
+        route = [(STABLE_SERVICE, 1, addresses)]
+        return Topology(stable, route, route, _objects(docs), message_timeout)
+    docs = kustomize("overlays/a10-canary")
+    http_refs, llm_refs = _route_refs(docs, "http"), _route_refs(docs, "llm-gw")
+    sims = list(stable)
+    extra = iter(ports[config.groups:])
+    for service, _ in http_refs + llm_refs:
+        if service != STABLE_SERVICE and all(s.service != service for s in sims):
+            sims.append(SimGroup(service, next(extra), _served_names(docs, service)))
+    by_service: dict[str, list[str]] = {}
+    for s in sims:
+        by_service.setdefault(s.service, []).append(s.address)
+    http_route = [(svc, w, by_service[svc]) for svc, w in http_refs]
+    llm_route = [(svc, w, by_service[svc]) for svc, w in llm_refs]
+    return Topology(sims, http_route, llm_route, _objects(docs), message_timeout)
+
+
+def _objects(docs: list[dict]) -> list[dict]:
+    objects = [d for d in docs if d.get("kind") in OBJECT_KINDS]
+    if not objects:
+        raise StackError("the rendered manifests contain no InferenceObjective or InferenceModelRewrite")
+    return objects
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO), str(REPO / "picker" / "src")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_group(pid: int, timeout: float = 5.0) -> None:
+    """SIGTERM the process group led by pid, then SIGKILL what is left after `timeout`."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.05)
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    log: str
+    health: str  # "http:<url>" or "grpc:<address>"
+    pid: int | None = None
+    popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    def state(self) -> dict:
+        return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid}
+
+    def healthy(self) -> bool:
+        kind, _, target = self.health.partition(":")
+        return http_ok(target) if kind == "http" else grpc_serving(target)
+
+
+class Stack:
+    """The whole local stack. Use as a context manager or call start() / stop()."""
+
+    def __init__(self, config: StackConfig):
+        self.config = config
+        self.procs: list[Proc] = []
+        self.topology: Topology | None = None
+
+    @property
+    def state_file(self) -> Path:
+        return self.config.run_dir / "state.json"
+
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def proc(self, name: str) -> Proc:
+        for p in self.procs:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    # -- start -----------------------------------------------------------------------------
+
+    def plan(self) -> list[Proc]:
+        c = self.config
+        run = c.run_dir
+        self.topology = topo = topology(c)
+        objects = run / "objects.yaml"
+        run.mkdir(parents=True, exist_ok=True)
+        objects.write_text(yaml.safe_dump_all(topo.objects, sort_keys=False))
+        py = sys.executable
+        procs = []
+        for i, sim in enumerate(topo.sims):
+            cmd = [py, "-m", "local.sim", "--host", c.host, "--port", str(sim.port)]
+            for n in sim.served_model_names:
+                cmd += ["--served-model-name", n]
+            cmd += ["--speedup", str(c.speedup), "--seed", str(c.seed + i), *c.sim_args]
+            procs.append(Proc(f"sim-{sim.port}", cmd, str(run / f"sim-{sim.port}.log"),
+                              f"http:http://{sim.address}/health"))
+        endpoints = ",".join(s.address for s in topo.sims)
+        picker = [py, "-m", "picker", "--grpc-port", str(c.picker_grpc_port),
+                  "--health-port", str(c.picker_health_port), "--metrics-port", str(c.picker_metrics_port),
+                  "--secure-serving" if c.picker_tls else "--no-secure-serving",
+                  "--discovery", "static", "--endpoints", endpoints, "--objects", str(objects),
+                  "--profile", c.profile, "--request-body-mode", c.body_mode, "--bind", c.host,
+                  *c.picker_args]
+        procs.append(Proc("picker", picker, str(run / "picker.log"),
+                          f"grpc:{c.host}:{c.picker_health_port}"))
+        gateway = [py, "-m", "local.gateway", "--host", c.host, "--http-port", str(c.http_port),
+                   "--llm-port", str(c.llm_port), "--admin-port", str(c.admin_port),
+                   "--picker", f"{c.host}:{c.picker_grpc_port}", "--body-mode", c.body_mode,
+                   "--fail-mode", c.fail_mode, "--message-timeout", str(topo.message_timeout),
+                   "--seed", str(c.seed)]
+        if c.picker_tls:
+            gateway.append("--picker-tls")
+        if c.response_body_mode:
+            gateway += ["--response-body-mode", c.response_body_mode]
+        for name, weight, addresses in topo.http_route:
+            gateway += ["--group", f"{name}:{weight}={','.join(addresses)}"]
+        if len(topo.llm_route) > 1:
+            for name, weight, addresses in topo.llm_route:
+                gateway += ["--llm-group", f"{name}:{weight}={','.join(addresses)}"]
+        gateway += c.gateway_args
+        procs.append(Proc("gateway", gateway, str(run / "gateway.log"),
+                          f"http:http://{c.host}:{c.admin_port}/health"))
+        return procs
+
+    def start(self) -> "Stack":
+        c = self.config
+        if self.state_file.exists():
+            live = [p for p in json.loads(self.state_file.read_text())["procs"] if p["pid"] and _alive(p["pid"])]
+            if live:
+                raise StackError(f"stack {c.name!r} is already running (pids {[p['pid'] for p in live]}); "
+                                 f"stop it with `python -m local.stack down --name {c.name}`")
+        planned = self.plan()
+        ports = [s.port for s in self.topology.sims] + [c.http_port, c.llm_port, c.admin_port,
+                                                       c.picker_grpc_port, c.picker_health_port,
+                                                       c.picker_metrics_port]
+        busy = [p for p in ports if not port_free(c.host, p)]
+        if busy:
+            raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
+        try:
+            for p in planned:
+                self._spawn(p)
+                if p.name == "picker":  # the picker needs live simulators to become ready
+                    self._wait_healthy([q for q in self.procs if q.name.startswith("sim-")])
+            self._wait_healthy(self.procs)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, p: Proc) -> None:
+        with open(p.log, "ab") as log:
+            p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        p.pid = p.popen.pid
+        self.procs.append(p)
+        self._write_state()
+
+    def _write_state(self) -> None:
+        state = {"name": self.config.name, "config": _jsonable(dataclasses.asdict(self.config)),
+                 "procs": [p.state() for p in self.procs]}
+        self.state_file.write_text(json.dumps(state, indent=2))
+
+    def _wait_healthy(self, procs: list[Proc]) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                if p.popen is not None and p.popen.poll() is not None:
+                    raise StackError(f"{p.name} exited with {p.popen.returncode} while starting; "
+                                     f"log {p.log}:\n{_tail(p.log)}")
+                if p.healthy():
+                    pending.remove(p)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise StackError(f"not healthy after {self.config.startup_timeout}s: {names}; "
+                                 f"logs in {self.config.run_dir}:\n{_tail(pending[0].log)}")
+            if pending:
+                time.sleep(0.1)
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def stop_process(self, name: str) -> None:
+        p = self.proc(name)
+        if p.pid is not None:
+            stop_group(p.pid)
+        if p.popen is not None:
+            p.popen.wait(timeout=10)
+
+    def kill_process(self, name: str) -> None:
+        p = self.proc(name)
+        os.killpg(p.pid, signal.SIGKILL)
+        if p.popen is not None:
+            p.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.pid is not None:
+                stop_group(p.pid)
+            if p.popen is not None:
+                try:
+                    p.popen.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self.state_file.exists():
+            self.state_file.unlink()
+
+    # -- measurement -------------------------------------------------------------------------
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """user+system CPU seconds so far, per process (and its children)."""
+        import psutil
+
+        out = {}
+        for p in self.procs:
+            try:
+                proc = psutil.Process(p.pid)
+                total = sum(proc.cpu_times()[:2])
+                for child in proc.children(recursive=True):
+                    total += sum(child.cpu_times()[:2])
+                out[p.name] = total
+            except psutil.Error:
+                out[p.name] = float("nan")
+        return out
+
+
+def _jsonable(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+def down(name: str, run_root: Path = REPO / "runs") -> int:
+    state_file = Path(run_root) / name / "state.json"
+    if not state_file.exists():
+        print(f"no running stack {name!r} ({state_file} not found)")
+        return 0
+    state = json.loads(state_file.read_text())
+    for p in reversed(state["procs"]):
+        if p["pid"] and _alive(p["pid"]) and _is_ours(p["pid"], p["cmd"]):
+            stop_group(p["pid"])
+            print(f"stopped {p['name']} (pid {p['pid']})")
+    state_file.unlink()
+    return 0
+
+
+def _is_ours(pid: int, cmd: list[str]) -> bool:
+    """The pid still runs the command we started (pids get reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[:3] == [c.encode() for c in cmd[:3]]
+    except OSError:
+        return True  # no /proc: trust the state file
+
+
+def status(name: str, run_root: Path = REPO / "runs") -> int:
+    state_file = Path(run_root) / name / "state.json"
+    if not state_file.exists():
+        print(f"no running stack {name!r}")
+        return 1
+    state = json.loads(state_file.read_text())
+    bad = 0
+    for p in state["procs"]:
+        proc = Proc(p["name"], p["cmd"], p["log"], p["health"], p["pid"])
+        alive = bool(p["pid"]) and _alive(p["pid"])
+        healthy = alive and proc.healthy()
+        bad += not healthy
+        print(f"{p['name']:<12} pid {p['pid']:<8} {'healthy' if healthy else 'DOWN' if not alive else 'unhealthy'}"
+              f"  log {p['log']}")
+    return 1 if bad else 0
+
+
+def describe(stack: Stack) -> str:
+    c = stack.config
+    lines = [f"local stack {c.name!r} is up (logs and state in {c.run_dir}):"]
+    for s in stack.topology.sims:
+        lines.append(f"  simulator  {s.address}  serves {' '.join(s.served_model_names)}  ({s.service})")
+    lines.append(f"  picker     ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if c.picker_tls else 'plaintext'}), "
+                 f"health {c.picker_health_port}, metrics http://{c.host}:{c.picker_metrics_port}/metrics")
+    lines.append(f"  gateway    http://{c.host}:{c.http_port} (least request), "
+                 f"http://{c.host}:{c.llm_port} (picker, {c.body_mode}, fail-{c.fail_mode}), "
+                 f"stats http://{c.host}:{c.admin_port}/gateway/stats")
+    return "\n".join(lines)
+
+
+def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str]) -> int:
+    if not _loadtest_compare_available():
+        print("make demo: the load-test comparison (python -m loadtest compare) is not built yet; "
+              "the stack itself runs with `make up`.")
+        return 1
+    out = out or REPO / "results" / time.strftime("demo-%Y%m%d-%H%M%S")
+    with Stack(config) as stack:
+        print(describe(stack), flush=True)
+        before, t0 = stack.cpu_seconds(), time.monotonic()
+        cmd = [sys.executable, "-m", "loadtest", "compare", "--host", config.host,
+               "--ports", str(config.http_port), str(config.llm_port), "--workload", workload,
+               "--seed", str(config.seed), "--out", str(out), *compare_args]
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        rc = subprocess.call(cmd, cwd=REPO, env=_env())
+        after, wall = stack.cpu_seconds(), time.monotonic() - t0
+    print(cpu_table(before, after, wall))
+    return rc
+
+
+def cpu_table(before: dict[str, float], after: dict[str, float], wall: float) -> str:
+    rows = [f"CPU used by the stack during the comparison ({wall:.0f} s wall, {os.cpu_count()} cores):"]
+    total = 0.0
+    for name in after:
+        used = after[name] - before.get(name, 0.0)
+        total += used
+        rows.append(f"  {name:<12} {used:7.1f} s  {used / wall:5.2f} cores")
+    rows.append(f"  {'total':<12} {total:7.1f} s  {total / wall:5.2f} cores")
+    return "\n".join(rows)
+
+
+def _loadtest_compare_available() -> bool:
+    return (REPO / "loadtest" / "__main__.py").exists()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m local.stack", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("up", "down", "status", "demo"):
+        s = sub.add_parser(name)
+        s.add_argument("--name", default="local", help="run folder runs/<name>")
+        if name in ("up", "demo"):
+            s.add_argument("--groups", type=int, default=3, help="simulated vLLM groups (stable)")
+            s.add_argument("--speedup", type=float, default=20.0, help="simulator time speedup")
+            s.add_argument("--seed", type=int, default=0)
+            s.add_argument("--body-mode", choices=["buffered", "full-duplex"], default="buffered")
+            s.add_argument("--response-body-mode", choices=["skip", "none", "streamed", "full-duplex"])
+            s.add_argument("--fail-mode", choices=["close", "open"], default="close")
+            s.add_argument("--canary", action="store_true", help="overlays/a10-canary: extra canary group + weights")
+            s.add_argument("--plaintext-picker", action="store_true", help="picker --no-secure-serving")
+            s.add_argument("--profile", default="default", help="picker scheduling profile")
+            s.add_argument("--sim-base-port", type=int, default=8101)
+            s.add_argument("--sim-ports", type=int, nargs="+")
+            s.add_argument("--http-port", type=int, default=8080)
+            s.add_argument("--llm-port", type=int, default=8081)
+            s.add_argument("--admin-port", type=int, default=9901)
+            s.add_argument("--picker-grpc-port", type=int, default=9002)
+            s.add_argument("--picker-health-port", type=int, default=9003)
+            s.add_argument("--picker-metrics-port", type=int, default=9090)
+            s.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
+            s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
+            s.add_argument("--startup-timeout", type=float, default=60.0)
+        if name == "up":
+            s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the stack")
+        if name == "demo":
+            s.add_argument("--workload", default="demo")
+            s.add_argument("--out", type=Path)
+    return p
+
+
+def config_from(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(
+        name=args.name, groups=args.groups, speedup=args.speedup, seed=args.seed, body_mode=args.body_mode,
+        response_body_mode=args.response_body_mode, fail_mode=args.fail_mode, canary=args.canary,
+        picker_tls=not args.plaintext_picker, profile=args.profile, sim_base_port=args.sim_base_port,
+        sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port, admin_port=args.admin_port,
+        picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
+        picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],
+        picker_args=[a for x in args.picker_arg for a in x.split()], startup_timeout=args.startup_timeout)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parser().parse_known_args(argv)
+    if rest and args.command != "demo":
+        parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "down":
+        return down(args.name)
+    if args.command == "status":
+        return status(args.name)
+    config = config_from(args)
+    # Ctrl-C and SIGTERM both unwind through Stack.start/stop, which stop every process group.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if args.command == "demo":
+            return demo(config, args.out, args.workload, rest)
+        stack = Stack(config).start()
+        print(describe(stack), flush=True)
+        if args.foreground:
+            try:
+                while all(p.popen.poll() is None for p in stack.procs):
+                    time.sleep(0.5)
+                print("a process exited; stopping the stack", file=sys.stderr)
+                return 1
+            finally:
+                stack.stop()
+        print(f"stop it with: python -m local.stack down --name {config.name}   (or make down)")
+        return 0
+    except StackError as e:
+        print(f"local.stack: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; the stack was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
