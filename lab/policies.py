@@ -50,6 +50,14 @@ class LabRequest:
                 "stream_options": {"include_usage": True}}
 
 
+class Rejected(Exception):
+    """The policy refuses the request (e.g. the picker's 429/503); the lab counts it failed."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(f"{status}: {reason}")
+        self.status = status
+
+
 class Policy:
     name = "policy"
     scrape_interval: Optional[float] = None    # seconds; None = does not scrape

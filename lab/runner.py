@@ -28,7 +28,7 @@ import numpy as np
 from local.sim.engine import Engine, block_hashes
 from local.sim.profiles import A10_QWQ32B, Profile
 from local.sim.tokens import token_ids
-from lab.policies import LabEndpoint, LabRequest, Policy
+from lab.policies import LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
 _ARRIVAL, _STEP_START, _STEP_DONE = 0, 1, 2
@@ -136,7 +136,13 @@ class Lab:
         return c is None or self.inflight < c
 
     def _send(self, req: LabRequest) -> None:
-        ep = self.policy.pick(req)
+        try:
+            ep = self.policy.pick(req)
+        except Rejected as err:
+            self.samples.append(RequestSample(start=self.now, success=False, end=self.now,
+                                              error=str(err), prompt_tokens=len(req.token_ids),
+                                              group=req.group))
+            return
         req.endpoint = ep
         client = _Client(req, sent=self.now)
         try:

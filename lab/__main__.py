@@ -1,0 +1,143 @@
+"""Routing lab CLI.
+
+    python -m lab run --workload article --policy least-request --policy picker \\
+        --seeds 0 1 2 3 4 --out results/lab
+    python -m lab calibrate [--seeds 0 1 2 3 4]    # least request vs the article's 8080 figures
+
+`run` writes one JSON per (policy, seed) in vLLM's benchmark result format (plus lab fields),
+`<name>.series.json` with per-endpoint KV usage / running / waiting over virtual time, and
+`summary.json` + `summary.md` with the mean and spread over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from loadtest.workloads import PROFILES as WORKLOADS, build_workload, profile_settings
+from local.sim.profiles import PROFILES as ENGINE_PROFILES, get_profile
+from lab.policies import make_policy
+from lab.runner import LabConfig, prepare_requests, run_lab
+
+TABLE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+              "output_throughput", "total_token_throughput", "duration", "failed")
+
+# The article's 8080 run (Envoy Gateway least request), REFERENCE.md §10.
+ARTICLE_8080 = {"mean_ttft_ms": 10909.0, "median_ttft_ms": 2446.0, "p99_ttft_ms": 119309.0,
+                "mean_tpot_ms": 114.2, "output_throughput": 227.6, "duration": 2362.7}
+
+
+def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
+    p.add_argument("--workload", default="article", choices=sorted(WORKLOADS))
+    p.add_argument("--policy", action="append", dest="policies",
+                   help="round-robin | random | least-request | picker[:PROFILE] | "
+                        f"picker-upstream (repeatable; default {' '.join(default_policies)})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--concurrency", type=int, help="client concurrency (default: the workload's)")
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--engine-profile", default="a10-qwq32b", choices=sorted(ENGINE_PROFILES))
+    p.add_argument("--num-gpu-blocks", type=int, help="override the engine profile's KV capacity")
+    p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt")
+
+
+def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
+    """Run every policy on every seed; returns policy -> list of summaries (one per seed)."""
+    extra = {"path": args.sharegpt_path} if args.workload == "sharegpt" else {}
+    settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
+    concurrency = args.concurrency or settings.get("concurrency")
+    profile = get_profile(args.engine_profile)
+    if args.num_gpu_blocks:
+        profile = profile.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
+    results: dict[str, list[dict]] = {p: [] for p in policies}
+    for seed in args.seeds:
+        specs = build_workload(args.workload, seed=seed, num_prompts=args.num_prompts, **extra)
+        requests = prepare_requests(specs, profile.block_size)
+        for name in policies:
+            config = LabConfig(num_engines=args.engines, profile=profile,
+                               concurrency=concurrency, request_rate=args.request_rate,
+                               seed=seed)
+            started = time.perf_counter()
+            run = run_lab(requests, make_policy(name), config)
+            run.summary.update(workload=args.workload, wall_seconds=time.perf_counter() - started)
+            results[name].append(run.summary)
+            print(f"  {args.workload} {name} seed {seed}: mean TTFT "
+                  f"{run.summary['mean_ttft_ms']:.0f} ms, {run.summary['wall_seconds']:.1f} s wall",
+                  file=sys.stderr, flush=True)
+            if out is not None:
+                stem = f"{args.workload}-{name.replace(':', '_')}-seed{seed}"
+                (out / f"{stem}.json").write_text(json.dumps(run.summary, indent=1))
+                (out / f"{stem}.series.json").write_text(json.dumps(run.series))
+    return results
+
+
+def aggregate(results: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """policy -> key -> {mean, std, min, max} over seeds."""
+    agg = {}
+    for policy, runs in results.items():
+        agg[policy] = {}
+        for key in TABLE_KEYS:
+            vals = np.array([r[key] for r in runs], dtype=float)
+            agg[policy][key] = {"mean": float(vals.mean()), "std": float(vals.std()),
+                                "min": float(vals.min()), "max": float(vals.max())}
+    return agg
+
+
+def table(agg: dict[str, dict[str, dict]], seeds: list[int]) -> str:
+    lines = [f"mean ± std over seeds {' '.join(map(str, seeds))}", "",
+             "| policy | " + " | ".join(TABLE_KEYS) + " |",
+             "|---" * (len(TABLE_KEYS) + 1) + "|"]
+    for policy, stats in agg.items():
+        cells = [f"{stats[k]['mean']:.1f} ± {stats[k]['std']:.1f}" for k in TABLE_KEYS]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def calibration_table(agg_lr: dict[str, dict]) -> str:
+    lines = ["| metric | article 8080 | lab least-request (mean ± std) | difference |",
+             "|---|---|---|---|"]
+    for key, ref in ARTICLE_8080.items():
+        m = agg_lr[key]
+        lines.append(f"| {key} | {ref:,.1f} | {m['mean']:,.1f} ± {m['std']:,.1f} | "
+                     f"{(m['mean'] - ref) / ref * 100:+.1f} % |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run_p = sub.add_parser("run", help="run policies x seeds and write results")
+    _add_run_options(run_p, ["least-request"])
+    run_p.add_argument("--out", required=True, type=Path)
+    cal_p = sub.add_parser("calibrate", help="least request on the article workload vs the article")
+    _add_run_options(cal_p, ["least-request"])
+    args = ap.parse_args(argv)
+
+    if args.cmd == "calibrate":
+        args.workload = "article"
+        results = run_matrix(args, ["least-request"], None)
+        print(calibration_table(aggregate(results)["least-request"]))
+        return 0
+    policies = args.policies or ["least-request"]
+    for name in policies:
+        make_policy(name)   # fail fast on a bad name
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_matrix(args, policies, args.out)
+    agg = aggregate(results)
+    (args.out / "summary.json").write_text(json.dumps(
+        {"workload": args.workload, "seeds": args.seeds, "policies": agg}, indent=1))
+    text = table(agg, args.seeds)
+    (args.out / "summary.md").write_text(f"# Lab: workload {args.workload}\n\n{text}\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
