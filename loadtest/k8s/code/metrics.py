@@ -1,0 +1,203 @@
+"""Per-request samples and vLLM serving-benchmark statistics.
+
+Definitions follow vLLM's benchmark (`vllm/benchmarks/serve.py`, `endpoint_request_func.py`):
+
+- TTFT: time from sending the request to the first streamed chunk with non-empty ``choices``
+  (its text may be empty).
+- ITL: every gap between successive ``choices`` chunks, flattened over all requests (one value
+  per chunk, not per token).
+- E2EL (latency): last ``choices`` chunk minus send time; the trailing usage-only chunk does not
+  count.
+- TPOT: (E2EL - TTFT) / (output_tokens - 1), only for requests with more than one output token.
+- Tokens: ``usage.completion_tokens`` / ``usage.prompt_tokens`` from the server (the workload's
+  own count is used only when the server sent no usage).
+- Statistics over successful requests only: np.mean, np.median, np.std (ddof 0),
+  np.percentile (linear), reported in ms; an empty list gives 0 like vLLM.
+
+Times inside a sample are seconds; ``start`` is a wall-clock epoch (so samples from several
+processes line up), the durations are measured with a monotonic clock.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class RequestSample:
+    start: float                 # send time, epoch seconds
+    success: bool
+    ttft: float = 0.0            # s, first chunk with non-empty choices
+    latency: float = 0.0         # s, E2EL: last choices chunk
+    itl: list[float] = field(default_factory=list)  # s, gaps between choices chunks
+    prompt_tokens: int = 0       # usage.prompt_tokens (else the workload's count)
+    output_tokens: int = 0       # usage.completion_tokens (else the number of choices chunks)
+    end: float = 0.0             # epoch seconds when the request finished (success or not)
+    error: str = ""              # reason of a failure
+    target: str = ""             # e.g. "8080" (the port the request went to)
+    endpoint: str = ""           # "/v1/completions" or "/v1/chat/completions"
+    group: str = ""              # workload group / tenant
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.success or self.output_tokens <= 1:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+class StreamTimer:
+    """Turns the parsed SSE events of one streamed OpenAI response into a RequestSample.
+
+    Feed every decoded JSON event with the monotonic time it arrived; call finish() at the end.
+    """
+
+    def __init__(self, start_wall: float, start_mono: float, *, prompt_tokens: int = 0,
+                 target: str = "", endpoint: str = "", group: str = ""):
+        self.start_wall = start_wall
+        self.start_mono = start_mono
+        self.sample = RequestSample(start=start_wall, success=False, prompt_tokens=prompt_tokens,
+                                    target=target, endpoint=endpoint, group=group)
+        self.chunks = 0
+        self._last: float | None = None
+        self._usage: dict | None = None
+
+    def on_event(self, data: dict, now_mono: float) -> None:
+        if data.get("choices"):
+            if self._last is None:
+                self.sample.ttft = now_mono - self.start_mono
+            else:
+                self.sample.itl.append(now_mono - self._last)
+            self._last = now_mono
+            self.chunks += 1
+        if isinstance(data.get("usage"), dict):
+            self._usage = data["usage"]
+
+    def finish(self, now_mono: float, error: str = "") -> RequestSample:
+        s = self.sample
+        s.end = self.start_wall + (now_mono - self.start_mono)
+        if not error and self._last is None:
+            error = "stream ended without any choices chunk"
+        if error:
+            s.success, s.error = False, error
+            return s
+        s.success = True
+        s.latency = self._last - self.start_mono
+        usage = self._usage or {}
+        s.output_tokens = int(usage.get("completion_tokens") or self.chunks)
+        if usage.get("prompt_tokens") is not None:
+            s.prompt_tokens = int(usage["prompt_tokens"])
+        return s
+
+
+def _pkey(p: float) -> str:
+    return f"p{int(p) if int(p) == p else p}"
+
+
+def _stats(name: str, values_s: list[float], percentiles: Iterable[float]) -> dict:
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    if ms.size == 0:
+        ms = np.zeros(1)  # vLLM: np.mean(x or 0) -> 0 for no values
+    out = {f"mean_{name}_ms": float(np.mean(ms)), f"median_{name}_ms": float(np.median(ms)),
+           f"std_{name}_ms": float(np.std(ms))}
+    for p in percentiles:
+        out[f"{_pkey(p)}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
+
+
+def metric_values(samples: Iterable[RequestSample]) -> dict[str, list[float]]:
+    """Raw per-metric values in seconds over successful requests (ITL flattened)."""
+    ok = [s for s in samples if s.success]
+    return {
+        "ttft": [s.ttft for s in ok],
+        "tpot": [s.tpot for s in ok if s.tpot is not None],
+        "itl": [gap for s in ok for gap in s.itl],
+        "e2el": [s.latency for s in ok],
+    }
+
+
+def run_duration(samples: list[RequestSample]) -> float:
+    """Wall time from the first dispatch to the last completion."""
+    if not samples:
+        return 0.0
+    return max(s.end for s in samples) - min(s.start for s in samples)
+
+
+def summarize(samples: list[RequestSample], duration: float | None = None, *,
+              percentiles: Iterable[float] = (99,), details: bool = False, **meta) -> dict:
+    """vLLM result dict (same field names as `vllm bench serve --save-result`).
+
+    duration: benchmark wall time in seconds (default: first dispatch to last completion).
+    details: also include the per-request lists (input_lens, output_lens, ttfts, itls,
+    latencies, start_times, errors) as vLLM does. meta: extra fields copied in first
+    (e.g. model_id, num_prompts, max_concurrency, request_rate, label).
+    """
+    samples = list(samples)
+    if duration is None:
+        duration = run_duration(samples)
+    ok = [s for s in samples if s.success]
+    total_in = sum(s.prompt_tokens for s in ok)
+    total_out = sum(s.output_tokens for s in ok)
+    dur = duration if duration > 0 else float("nan")
+    result = dict(meta)
+    result.update({
+        "duration": float(duration),
+        "completed": len(ok),
+        "failed": len(samples) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur,
+        "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+    })
+    values = metric_values(samples)
+    for name in METRICS:
+        result.update(_stats(name, values[name], percentiles))
+    if details:
+        result.update({
+            "input_lens": [s.prompt_tokens for s in samples],
+            "output_lens": [s.output_tokens if s.success else 0 for s in samples],
+            "ttfts": [s.ttft for s in samples],
+            "itls": [s.itl for s in samples],
+            "latencies": [s.latency for s in samples],
+            "start_times": [s.start for s in samples],
+            "errors": [s.error for s in samples],
+        })
+    return result
+
+
+def error_counts(samples: Iterable[RequestSample]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in samples:
+        if not s.success:
+            counts[s.error] = counts.get(s.error, 0) + 1
+    return counts
+
+
+def write_samples(path: str | Path, samples: Iterable[RequestSample]) -> None:
+    """Raw samples, one JSON object per line (JSONL)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(asdict(s)) + "\n")
+
+
+def read_samples(path: str | Path) -> list[RequestSample]:
+    with open(path, encoding="utf-8") as f:
+        return [RequestSample(**json.loads(line)) for line in f if line.strip()]
+
+
+def save_run(stem: str | Path, samples: list[RequestSample], duration: float | None = None,
+             **meta) -> dict:
+    """Write <stem>.json (vLLM result fields + error counts) and <stem>.samples.jsonl."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result = summarize(samples, duration, **meta)
+    result["errors_by_reason"] = error_counts(samples)
+    (stem.parent / (stem.name + ".json")).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_samples(stem.with_name(stem.name + ".samples.jsonl"), samples)
+    return result

@@ -1,0 +1,209 @@
+"""Workloads for the load tests and the routing lab.
+
+Token counting: without the model's tokenizer we count **one whitespace-separated word as one
+token**, which is the convention of the local vLLM simulator. Prompts are built from a fixed
+vocabulary of short synthetic words joined by single spaces, so for the simulator the counts are
+exact; against a real vLLM the real token count differs (a synthetic word is usually 1-3 BPE
+tokens). Reports therefore account tokens with the server's `usage` field, never with these
+counts; `PromptSpec.prompt_tokens` is only the workload's own intent.
+
+Workload kinds:
+
+- ``random``: vLLM's random dataset in the LEGACY semantics (benchmark_serving.py <= ~v0.8, the
+  version the article used): input and output lengths are drawn uniformly from the integers in
+  [int(ratio * L), L]; one prefix of ``prefix_len`` tokens is generated once and shared by all
+  prompts; prompt = prefix + input. (The newer ``vllm bench serve`` draws from
+  [L(1-r), L(1+r)] instead; the article's totals only fit the legacy form.)
+- ``sharegpt``: a ShareGPT-format JSON file given by path (list of ``{"conversations": [{"from",
+  "value"}, ...]}``), sampled like vLLM: shuffled with the seed, first turn is the prompt, the
+  second turn's length is the output length, too-short / too-long pairs pruned.
+- ``shared-prefix``: multi-tenant: ``num_groups`` long system prompts, ``users_per_group`` users
+  each; every request is one user's question after its tenant's system prompt, so requests of a
+  tenant share a long prefix (where prefix-cache affinity matters).
+
+Everything is deterministic for a given seed.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    prompt: str            # completion prompt text (words separated by single spaces)
+    prompt_tokens: int     # the workload's own count (1 whitespace word = 1 token)
+    output_tokens: int     # max_tokens to request (sent with ignore_eos=True)
+    group: str = ""        # shared-prefix group / tenant id ("" if none)
+    messages: list | None = None  # for chat: OpenAI messages (None: one user message = prompt)
+
+    def chat_messages(self) -> list:
+        return self.messages if self.messages is not None else [
+            {"role": "user", "content": self.prompt}]
+
+
+# Run settings live in the profiles too (the runners read them); build_workload ignores them.
+RUN_KEYS = ("num_prompts", "concurrency", "request_rate", "burstiness", "endpoint")
+
+PROFILES: dict[str, dict] = {
+    # The article's run: vllm benchmark_serving.py --dataset-name random --random-prefix-len 1000
+    # --random-input-len 4000 --random-output-len 3000 --random-range-ratio 0.2
+    # --num-prompts 300 --max-concurrency 30.
+    "article": dict(kind="random", prefix_len=1000, input_len=4000, output_len=3000,
+                    range_ratio=0.2, num_prompts=300, concurrency=30),
+    # Local demo against the simulator (3 groups): the article's prompt shape (long prompts cost
+    # no stream chunks, and uneven prefill work is what routing changes), short outputs so that
+    # both ports finish in about two minutes on 2 cores at simulator speedup 10-20 (18 streams
+    # at ~114 ms/15 per step are ~2,400 SSE chunks/s at most), 6 users per group so requests queue.
+    "demo": dict(kind="random", prefix_len=1000, input_len=4000, output_len=300,
+                 range_ratio=0.2, num_prompts=200, concurrency=18),
+    # Seconds-long sanity run.
+    "smoke": dict(kind="random", prefix_len=16, input_len=64, output_len=16,
+                  range_ratio=0.5, num_prompts=12, concurrency=4),
+    # Legacy vLLM defaults for the random dataset.
+    "random": dict(kind="random", prefix_len=0, input_len=1024, output_len=128,
+                   range_ratio=1.0, num_prompts=1000, concurrency=None),
+    # Multi-tenant shared system prompts (shape of inference-perf's shared_prefix).
+    "shared-prefix": dict(kind="shared-prefix", num_groups=6, users_per_group=10,
+                          system_prompt_len=2000, question_len=200, output_len=200,
+                          num_prompts=240, concurrency=15),
+    # ShareGPT file by path (no download): build_workload("sharegpt", path="...").
+    "sharegpt": dict(kind="sharegpt", path=None, output_len=None, num_prompts=300,
+                     concurrency=30),
+}
+
+_KIND_PARAMS = {
+    "random": {"prefix_len", "input_len", "output_len", "range_ratio"},
+    "shared-prefix": {"num_groups", "users_per_group", "system_prompt_len", "question_len",
+                      "output_len"},
+    "sharegpt": {"path", "output_len"},
+}
+
+_CONSONANTS = list("bdfgklmnprstvz")
+_VOWELS = list("aeiou")
+
+
+def _make_vocabulary() -> np.ndarray:
+    """4,900 pronounceable two-syllable words, e.g. 'bada', 'zuto' (fixed, no randomness)."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    return np.array([a + b for a in syllables for b in syllables])
+
+
+VOCABULARY = _make_vocabulary()
+
+
+def random_words(rng: np.random.Generator, n: int) -> str:
+    """n random vocabulary words joined by single spaces (n = the simulator's token count)."""
+    if n <= 0:
+        return ""
+    return " ".join(VOCABULARY[rng.integers(0, len(VOCABULARY), size=n)].tolist())
+
+
+def _join(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
+
+
+def profile_settings(name: str, **overrides) -> dict:
+    """The named profile's settings with overrides applied (None overrides are ignored)."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(PROFILES))}")
+    settings = dict(PROFILES[name])
+    allowed = _KIND_PARAMS[settings["kind"]] | set(RUN_KEYS)
+    for key, value in overrides.items():
+        if key not in allowed:
+            raise ValueError(f"workload {name!r} ({settings['kind']}) has no parameter {key!r}; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+        if value is not None:
+            settings[key] = value
+    return settings
+
+
+def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]:
+    """Build the prompts of profile `name` (see PROFILES), deterministic for `seed`."""
+    s = profile_settings(name, **overrides)
+    rng = np.random.default_rng(seed)
+    n = int(s["num_prompts"])
+    if n <= 0:
+        raise ValueError("num_prompts must be positive")
+    if s["kind"] == "random":
+        return random_workload(rng, n, s["prefix_len"], s["input_len"], s["output_len"],
+                               s["range_ratio"])
+    if s["kind"] == "shared-prefix":
+        return shared_prefix_workload(rng, n, s["num_groups"], s["users_per_group"],
+                                      s["system_prompt_len"], s["question_len"], s["output_len"])
+    return sharegpt_workload(rng, n, s["path"], s["output_len"])
+
+
+def random_workload(rng: np.random.Generator, num_prompts: int, prefix_len: int,
+                    input_len: int, output_len: int, range_ratio: float) -> list[PromptSpec]:
+    """vLLM's legacy random dataset: lengths uniform on integers [int(r*L), L]."""
+    if not 0 <= range_ratio <= 1:
+        raise ValueError(f"range_ratio must be in [0, 1], got {range_ratio}")
+    if input_len < 0 or output_len < 1 or prefix_len < 0:
+        raise ValueError("need prefix_len >= 0, input_len >= 0, output_len >= 1")
+    input_lens = rng.integers(int(input_len * range_ratio), input_len + 1, size=num_prompts)
+    # max_tokens must be >= 1, so an output length of 0 (ratio 0) becomes 1.
+    output_lens = np.maximum(
+        1, rng.integers(int(output_len * range_ratio), output_len + 1, size=num_prompts))
+    prefix = random_words(rng, prefix_len)
+    return [PromptSpec(prompt=_join(prefix, random_words(rng, int(i))),
+                       prompt_tokens=prefix_len + int(i), output_tokens=int(o))
+            for i, o in zip(input_lens, output_lens)]
+
+
+def shared_prefix_workload(rng: np.random.Generator, num_prompts: int, num_groups: int,
+                           users_per_group: int, system_prompt_len: int, question_len: int,
+                           output_len: int) -> list[PromptSpec]:
+    """Tenants with long system prompts; each request: a random user of a random tenant."""
+    if num_groups < 1 or users_per_group < 1 or output_len < 1:
+        raise ValueError("need num_groups >= 1, users_per_group >= 1, output_len >= 1")
+    systems = [random_words(rng, system_prompt_len) for _ in range(num_groups)]
+    groups = rng.integers(0, num_groups, size=num_prompts)
+    users = rng.integers(0, users_per_group, size=num_prompts)
+    specs = []
+    for g, u in zip(groups.tolist(), users.tolist()):
+        question = random_words(rng, question_len)
+        specs.append(PromptSpec(
+            prompt=_join(systems[g], question),
+            prompt_tokens=system_prompt_len + question_len, output_tokens=output_len,
+            group=f"tenant-{g}",
+            messages=[{"role": "system", "content": systems[g]},
+                      {"role": "user", "content": question, "name": f"user-{g}-{u}"}]))
+    return specs
+
+
+def sharegpt_workload(rng: np.random.Generator, num_prompts: int, path: str | None,
+                      output_len: int | None = None) -> list[PromptSpec]:
+    """Sample a ShareGPT-format file like vLLM's sample_sharegpt_requests (word counts)."""
+    if not path:
+        raise ValueError("the sharegpt workload needs path=<ShareGPT JSON file>")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read ShareGPT file {path}: {err}") from err
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of conversations")
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
+             for c in data
+             if isinstance(c, dict) and len(c.get("conversations") or []) >= 2]
+    order = rng.permutation(len(pairs))
+    specs = []
+    for idx in order.tolist():
+        prompt_words = pairs[idx][0].split()
+        out = output_len if output_len else len(pairs[idx][1].split())
+        # vLLM's pruning: too short, or too long for a 2k-context model.
+        if len(prompt_words) < 4 or (output_len is None and out < 4):
+            continue
+        if len(prompt_words) > 1024 or len(prompt_words) + out > 2048:
+            continue
+        prompt = " ".join(prompt_words)
+        specs.append(PromptSpec(prompt=prompt, prompt_tokens=len(prompt_words),
+                                output_tokens=int(out)))
+        if len(specs) == num_prompts:
+            break
+    if not specs:
+        raise ValueError(f"{path}: no usable conversations (need >= 2 turns, 4..1024 words)")
+    return specs

@@ -1,0 +1,51 @@
+"""The in-cluster locust manifests carry the same code and pins as the repo."""
+import ast
+import re
+from pathlib import Path
+
+import yaml
+
+from loadtest.__main__ import K8S_CODE
+
+LOADTEST = Path(__file__).resolve().parents[1]
+K8S = LOADTEST / "k8s"
+REQUIREMENTS = (LOADTEST.parent / "requirements.txt").read_text()
+
+
+def loadtest_imports(module: str) -> set[str]:
+    """Modules of the loadtest package that `module` imports, transitively."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        tree = ast.parse((LOADTEST / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("loadtest."):
+                todo.append(node.module.split(".")[1])
+    return seen
+
+
+def test_configmap_lists_the_locustfile_and_everything_it_imports():
+    needed = {f"{m}.py" for m in loadtest_imports("locustfile")} | {"__init__.py"}
+    assert needed == set(K8S_CODE)
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    code = next(g for g in kust["configMapGenerator"] if g["name"] == "locust-code")
+    assert sorted(code["files"]) == sorted(f"code/{n}" for n in K8S_CODE)
+
+
+def test_code_copies_match_the_sources():
+    stale = [n for n in K8S_CODE
+             if (K8S / "code" / n).read_bytes() != (LOADTEST / n).read_bytes()]
+    assert not stale, f"run `python -m loadtest sync-k8s` (stale: {stale})"
+
+
+def test_images_and_pip_pins_match_requirements():
+    locust = re.search(r"^locust==(\S+)", REQUIREMENTS, re.M).group(1)
+    numpy = re.search(r"^numpy==(\S+)", REQUIREMENTS, re.M).group(1)
+    for name in ("master.yaml", "worker.yaml"):
+        text = (K8S / name).read_text()
+        images = set(re.findall(r"image:\s*(\S+)", text))
+        assert images == {f"locustio/locust:{locust}"}, name
+        assert f"numpy=={numpy}" in text, name
