@@ -53,15 +53,19 @@ def write_schemas(schema_root: Path, objects: list, builtin, crds) -> None:
                 shutil.copyfile(source, target)
 
 
-_AT_PATH = re.compile(r"- at '(?P<path>[^']*)': (?P<msg>.*)$")
+_AT_PATH = re.compile(r"- at '([^']*)': ")
 
 
-def _split_message(msg: str) -> tuple[str, str]:
-    """kubeconform puts some errors only in `msg` ("... - at '/spec/replicas': got string ...")."""
-    m = _AT_PATH.search(msg)
-    if not m:
-        return "", msg
-    return m.group("path").strip("/").replace("/", "."), m.group("msg")
+def _split_message(msg: str) -> list[tuple[str, str]]:
+    """kubeconform puts schema-compiled errors only into `msg`:
+    "... - at '/spec': validation failed   - at '/spec/replicas': got string, want null or integer"
+    -> [("spec.replicas", "got string, want null or integer")]."""
+    parts = _AT_PATH.split(msg)
+    if len(parts) < 3:
+        return [("", msg)]
+    found = [(path.strip("/").replace("/", "."), text.strip())
+             for path, text in zip(parts[1::2], parts[2::2])]
+    return [(p, t) for p, t in found if t != "validation failed"] or [("", msg)]
 
 
 def run(kubeconform: Path, files: dict[Path, str], schema_root: Path, k8s_version: str) -> list[Problem]:
@@ -90,8 +94,8 @@ def run(kubeconform: Path, files: dict[Path, str], schema_root: Path, k8s_versio
         obj = f"{res.get('kind', '?')} {res.get('name', '?')}"
         errors = [e for e in res.get("validationErrors") or [] if e.get("path") or e.get("msg") != "validation failed"]
         if not errors:
-            path, msg = _split_message(res.get("msg") or str(res.get("status")))
-            problems.append(Problem(target, msg, obj, path, source="kubeconform"))
+            for path, msg in _split_message(res.get("msg") or str(res.get("status"))):
+                problems.append(Problem(target, msg, obj, path, source="kubeconform"))
         for err in errors:
             path = err.get("path", "").strip("/").replace("/", ".")
             problems.append(Problem(target, err.get("msg", ""), obj, path, source="kubeconform"))

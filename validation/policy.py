@@ -1,0 +1,532 @@
+"""Cross-object policy checks over rendered manifests (used by tests/policy).
+
+Each check takes the objects of one render target and returns a list of problem strings that
+name the object and the field. An empty list means the check holds.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+
+from kubernetes.utils import parse_quantity
+
+from validation.problems import describe
+
+GPU = "nvidia.com/gpu"
+ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+
+
+# ---------------------------------------------------------------- helpers
+
+def of_kind(objs, kind):
+    return [o for o in objs if o.get("kind") == kind]
+
+
+def ns_of(obj, default="default"):
+    return (obj.get("metadata") or {}).get("namespace") or default
+
+
+def name_of(obj):
+    return (obj.get("metadata") or {}).get("name", "")
+
+
+@dataclass
+class PodTemplate:
+    owner: dict
+    role: str            # "" for Deployments etc., "leader"/"worker" for LeaderWorkerSets
+    path: str            # field path of the template
+    template: dict
+
+    @property
+    def labels(self):
+        return (self.template.get("metadata") or {}).get("labels") or {}
+
+    @property
+    def spec(self):
+        return self.template.get("spec") or {}
+
+    @property
+    def where(self):
+        return f"{describe(self.owner)} {self.path}"
+
+    def containers(self):
+        for field in ("initContainers", "containers"):
+            for i, c in enumerate(self.spec.get(field) or []):
+                yield f"{self.path}.spec.{field}[{i}]", c
+
+
+def pod_templates(objs):
+    for obj in objs:
+        kind, spec = obj.get("kind"), obj.get("spec") or {}
+        if kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job") and spec.get("template"):
+            yield PodTemplate(obj, "", "spec.template", spec["template"])
+        elif kind == "CronJob":
+            t = ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template")
+            if t:
+                yield PodTemplate(obj, "", "spec.jobTemplate.spec.template", t)
+        elif kind == "LeaderWorkerSet":
+            lwt = spec.get("leaderWorkerTemplate") or {}
+            worker = lwt.get("workerTemplate") or {}
+            leader = lwt.get("leaderTemplate") or worker
+            path = "leaderTemplate" if lwt.get("leaderTemplate") else "workerTemplate"
+            yield PodTemplate(obj, "leader", f"spec.leaderWorkerTemplate.{path}", leader)
+            yield PodTemplate(obj, "worker", "spec.leaderWorkerTemplate.workerTemplate", worker)
+
+
+def argv(container) -> list[str]:
+    return [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+
+
+def flag_values(args: list[str], flag: str) -> list[str] | None:
+    """Values of `--flag v1 v2` / `--flag=v` in an argument list; None if the flag is absent."""
+    for i, a in enumerate(args):
+        if a == flag:
+            values = []
+            for v in args[i + 1:]:
+                if v.startswith("--"):
+                    break
+                values.append(v)
+            return values
+        if a.startswith(flag + "="):
+            return [a.split("=", 1)[1]]
+    return None
+
+
+def has_flag(args, flag):
+    return flag in args or any(a.startswith(flag + "=") for a in args)
+
+
+def vllm_container(t: PodTemplate):
+    """(path, container) of the container running `vllm serve`, or (None, None)."""
+    for path, c in t.containers():
+        args = argv(c)
+        if "vllm" in args and "serve" in args:
+            return path, c
+    return None, None
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def gpu_limit(container) -> int | None:
+    value = ((container.get("resources") or {}).get("limits") or {}).get(GPU)
+    return int(value) if value is not None else None
+
+
+def listener_port(objs, gateway_name, section):
+    for gw in of_kind(objs, "Gateway"):
+        if name_of(gw) == gateway_name:
+            for listener in (gw.get("spec") or {}).get("listeners") or []:
+                if listener.get("name") == section:
+                    return listener.get("port")
+    return None
+
+
+def routes_on_port(objs, port):
+    out = []
+    for route in of_kind(objs, "HTTPRoute"):
+        for parent in (route.get("spec") or {}).get("parentRefs") or []:
+            if listener_port(objs, parent.get("name"), parent.get("sectionName")) == port:
+                out.append(route)
+    return out
+
+
+def picker_container(objs):
+    """(deployment, container) running `python -m picker`."""
+    for t in pod_templates(objs):
+        for _, c in t.containers():
+            args = argv(c)
+            if "-m" in args and "picker" in args:
+                return t.owner, c
+    return None, None
+
+
+def services_selecting(objs, labels, namespace):
+    return [s for s in of_kind(objs, "Service")
+            if ns_of(s) == namespace and matches((s.get("spec") or {}).get("selector") or {}, labels)]
+
+
+# ---------------------------------------------------------------- checks
+
+def volume_mounts_have_volumes(objs):
+    problems = []
+    for t in pod_templates(objs):
+        volumes = {v.get("name") for v in t.spec.get("volumes") or []}
+        for path, c in t.containers():
+            for i, m in enumerate(c.get("volumeMounts") or []):
+                if m.get("name") not in volumes:
+                    problems.append(f"{describe(t.owner)}: {path}.volumeMounts[{i}].name: {m.get('name')!r} "
+                                    f"is not a volume of the pod (volumes: {sorted(volumes)})")
+    return problems
+
+
+def pool_selects_leaders_only(objs):
+    problems = []
+    templates = list(pod_templates(objs))
+    for pool in of_kind(objs, "InferencePool"):
+        selector = ((pool.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        selected = [t for t in templates if ns_of(t.owner) == ns_of(pool) and matches(selector, t.labels)]
+        for t in selected:
+            if t.role != "leader":
+                problems.append(f"{describe(pool)}: spec.selector.matchLabels {selector} also selects "
+                                f"{t.where} (role {t.role or 'non-LWS pod'})")
+        leaders = [t for t in templates if t.role == "leader" and ns_of(t.owner) == ns_of(pool)]
+        for t in leaders:
+            if t not in selected and vllm_container(t)[1] is not None:
+                problems.append(f"{describe(pool)}: spec.selector.matchLabels {selector} misses the leaders "
+                                f"of {describe(t.owner)}")
+        if not selected:
+            problems.append(f"{describe(pool)}: spec.selector.matchLabels {selector} selects no pods")
+    return problems
+
+
+def ports_agree(objs):
+    """pool targetPort = vLLM --port = containerPort = Service targetPort = probe ports."""
+    problems = []
+    for pool in of_kind(objs, "InferencePool"):
+        pool_ports = {p.get("number") for p in (pool.get("spec") or {}).get("targetPorts") or []}
+        selector = ((pool.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        for t in pod_templates(objs):
+            if t.role != "leader" or not matches(selector, t.labels):
+                continue
+            path, c = vllm_container(t)
+            if c is None:
+                problems.append(f"{t.where}: no container runs `vllm serve`")
+                continue
+            port_flag = flag_values(argv(c), "--port")
+            vllm_port = int(port_flag[0]) if port_flag else 8000
+            if pool_ports != {vllm_port}:
+                problems.append(f"{describe(pool)}: spec.targetPorts {sorted(pool_ports)} != vLLM --port "
+                                f"{vllm_port} of {describe(t.owner)}")
+            named = {p.get("name"): p.get("containerPort") for p in c.get("ports") or []}
+            if vllm_port not in named.values():
+                problems.append(f"{describe(t.owner)}: {path}.ports: no containerPort {vllm_port} (has "
+                                f"{sorted(v for v in named.values() if v)})")
+            for probe in ("readinessProbe", "startupProbe", "livenessProbe"):
+                spec = c.get(probe) or {}
+                for kind in ("httpGet", "tcpSocket", "grpc"):
+                    if kind in spec:
+                        port = spec[kind].get("port")
+                        port = named.get(port, port)
+                        if port != vllm_port:
+                            problems.append(f"{describe(t.owner)}: {path}.{probe}.{kind}.port {port} "
+                                            f"!= vLLM --port {vllm_port}")
+            for svc in services_selecting(objs, t.labels, ns_of(t.owner)):
+                for i, p in enumerate((svc.get("spec") or {}).get("ports") or []):
+                    target = p.get("targetPort", p.get("port"))
+                    target = named.get(target, target)
+                    if target != vllm_port:
+                        problems.append(f"{describe(svc)}: spec.ports[{i}].targetPort {target} != vLLM "
+                                        f"--port {vllm_port} of {describe(t.owner)}")
+    return problems
+
+
+def parallelism_matches_resources(objs):
+    """GPU limit per pod = --tensor-parallel-size; LWS size = --pipeline-parallel-size."""
+    problems = []
+    for lws in of_kind(objs, "LeaderWorkerSet"):
+        templates = [t for t in pod_templates([lws])]
+        leader = next(t for t in templates if t.role == "leader")
+        path, c = vllm_container(leader)
+        if c is None:
+            problems.append(f"{describe(lws)}: leader runs no `vllm serve`")
+            continue
+        args = argv(c)
+        tp = int((flag_values(args, "--tensor-parallel-size") or ["1"])[0])
+        pp = int((flag_values(args, "--pipeline-parallel-size") or ["1"])[0])
+        size = ((lws.get("spec") or {}).get("leaderWorkerTemplate") or {}).get("size", 1)
+        if size != pp:
+            problems.append(f"{describe(lws)}: spec.leaderWorkerTemplate.size {size} != "
+                            f"--pipeline-parallel-size {pp}")
+        for t in templates:
+            gpus = [gpu_limit(ctr) or 0 for _, ctr in t.containers()]
+            if sum(gpus) != tp:
+                problems.append(f"{describe(lws)}: {t.path} requests {sum(gpus)} {GPU} per pod != "
+                                f"--tensor-parallel-size {tp}")
+    return problems
+
+
+def served_model_names(objs) -> dict[str, list[str]]:
+    """LWS name -> --served-model-name values of its leader."""
+    out = {}
+    for t in pod_templates(objs):
+        if t.role == "leader":
+            _, c = vllm_container(t)
+            if c is not None:
+                out[name_of(t.owner)] = flag_values(argv(c), "--served-model-name") or []
+    return out
+
+
+def served_names_cover_rewrites(objs):
+    served = {n for names in served_model_names(objs).values() for n in names}
+    problems = []
+    for rw in of_kind(objs, "InferenceModelRewrite"):
+        for i, rule in enumerate((rw.get("spec") or {}).get("rules") or []):
+            for j, target in enumerate(rule.get("targets") or []):
+                if target.get("modelRewrite") not in served:
+                    problems.append(f"{describe(rw)}: spec.rules[{i}].targets[{j}].modelRewrite "
+                                    f"{target.get('modelRewrite')!r} is served by no vLLM leader "
+                                    f"(served: {sorted(served)})")
+    return problems
+
+
+def route_backends_exist(objs):
+    problems = []
+    services = {(ns_of(s), name_of(s)): s for s in of_kind(objs, "Service")}
+    for route in of_kind(objs, "HTTPRoute"):
+        for i, rule in enumerate((route.get("spec") or {}).get("rules") or []):
+            for j, ref in enumerate(rule.get("backendRefs") or []):
+                if ref.get("kind", "Service") != "Service" or ref.get("group", "") != "":
+                    continue
+                key = (ref.get("namespace") or ns_of(route), ref.get("name"))
+                where = f"{describe(route)}: spec.rules[{i}].backendRefs[{j}]"
+                svc = services.get(key)
+                if svc is None:
+                    problems.append(f"{where}: Service {key[0]}/{key[1]} does not exist")
+                    continue
+                ports = {p.get("port") for p in (svc.get("spec") or {}).get("ports") or []}
+                if ref.get("port") not in ports:
+                    problems.append(f"{where}.port: {ref.get('port')} is not a port of Service "
+                                    f"{key[1]} ({sorted(ports)})")
+    return problems
+
+
+def _picker_service_and_port(objs, picker):
+    """(Service, service port) that forwards to the picker's --grpc-port."""
+    deployment, c = picker
+    grpc_port = int((flag_values(argv(c), "--grpc-port") or ["9002"])[0])
+    labels = (((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels") or {}
+    for svc in services_selecting(objs, labels, ns_of(deployment)):
+        for p in (svc.get("spec") or {}).get("ports") or []:
+            if p.get("targetPort", p.get("port")) == grpc_port:
+                return svc, p.get("port")
+    return None, None
+
+
+def extension_policy_wiring(objs):
+    """EnvoyExtensionPolicy on the 8081 route -> the picker's ext_proc port, TLS and body mode agree
+    with the picker's flags, failOpen agrees with the pool, envoy.lb metadata writable."""
+    problems = []
+    picker = picker_container(objs)
+    if picker[0] is None:
+        return ["no picker Deployment (`python -m picker`) in the rendered output"]
+    args = argv(picker[1])
+    secure = not has_flag(args, "--no-secure-serving")
+    svc, svc_port = _picker_service_and_port(objs, picker)
+    if svc is None:
+        return [f"{describe(picker[0])}: no Service forwards to the picker's --grpc-port"]
+    llm_routes = {name_of(r) for r in routes_on_port(objs, 8081)}
+    policies = of_kind(objs, "EnvoyExtensionPolicy")
+    if not policies:
+        problems.append("no EnvoyExtensionPolicy: port 8081 would not go through the picker")
+    for eep in policies:
+        spec = eep.get("spec") or {}
+        targets = {r.get("name") for r in spec.get("targetRefs") or [] if r.get("kind") == "HTTPRoute"}
+        if not targets or not targets <= llm_routes:
+            problems.append(f"{describe(eep)}: spec.targetRefs {sorted(targets)} must be the 8081 route(s) "
+                            f"{sorted(llm_routes)}")
+        for i, ext in enumerate(spec.get("extProc") or []):
+            where = f"{describe(eep)}: spec.extProc[{i}]"
+            for j, ref in enumerate(ext.get("backendRefs") or []):
+                problems.extend(_check_picker_ref(objs, ref, f"{where}.backendRefs[{j}]", svc, svc_port, secure))
+            if ext.get("failOpen", False):
+                problems.append(f"{where}.failOpen: must be false (pool failureMode FailClose)")
+            body = ((ext.get("processingMode") or {}).get("request") or {}).get("body")
+            mode = flag_values(args, "--request-body-mode")
+            expected = {"Buffered": "buffered", "FullDuplexStreamed": "full-duplex"}.get(body)
+            if expected is None:
+                problems.append(f"{where}.processingMode.request.body: {body!r} is not a mode the picker "
+                                f"supports (Buffered, FullDuplexStreamed)")
+            elif mode and mode[0] != expected:
+                problems.append(f"{where}.processingMode.request.body {body} but the picker runs "
+                                f"--request-body-mode {mode[0]}")
+            writable = (ext.get("metadata") or {}).get("writableNamespaces") or []
+            if "envoy.lb" not in writable:
+                problems.append(f"{where}.metadata.writableNamespaces: must include envoy.lb")
+    for pool in of_kind(objs, "InferencePool"):
+        ref = (pool.get("spec") or {}).get("endpointPickerRef") or {}
+        if ref.get("name") != name_of(svc) or (ref.get("port") or {}).get("number") != svc_port:
+            problems.append(f"{describe(pool)}: spec.endpointPickerRef {ref.get('name')}:"
+                            f"{(ref.get('port') or {}).get('number')} != picker Service {name_of(svc)}:{svc_port}")
+        if ref.get("failureMode", "FailClose") != "FailClose":
+            problems.append(f"{describe(pool)}: spec.endpointPickerRef.failureMode must be FailClose "
+                            f"(the EnvoyExtensionPolicy uses failOpen: false)")
+        pool_flag = flag_values(args, "--pool-name")
+        if pool_flag and pool_flag[0] != name_of(pool):
+            problems.append(f"{describe(picker[0])}: --pool-name {pool_flag[0]} != InferencePool {name_of(pool)}")
+    return problems
+
+
+def _check_picker_ref(objs, ref, where, svc, svc_port, secure):
+    kind = ref.get("kind", "Service")
+    if kind == "Service":
+        out = []
+        if ref.get("name") != name_of(svc) or ref.get("port") != svc_port:
+            out.append(f"{where}: {ref.get('name')}:{ref.get('port')} != picker Service {name_of(svc)}:{svc_port}")
+        if secure:
+            out.append(f"{where}: plaintext Service reference but the picker serves TLS (--secure-serving); "
+                       f"use a Backend with tls or run the picker with --no-secure-serving")
+        return out
+    if kind != "Backend":
+        return [f"{where}: unsupported kind {kind}"]
+    backend = next((b for b in of_kind(objs, "Backend") if name_of(b) == ref.get("name")), None)
+    if backend is None:
+        return [f"{where}: Backend {ref.get('name')} does not exist"]
+    out = []
+    fqdn = f"{name_of(svc)}.{ns_of(svc)}.svc.cluster.local"
+    for k, ep in enumerate((backend.get("spec") or {}).get("endpoints") or []):
+        host, port = (ep.get("fqdn") or {}).get("hostname"), (ep.get("fqdn") or {}).get("port")
+        if host is None or host.rstrip(".") != fqdn or port != svc_port:
+            out.append(f"{describe(backend)}: spec.endpoints[{k}].fqdn {host}:{port} != picker Service "
+                       f"{fqdn}:{svc_port}")
+    has_tls = bool((backend.get("spec") or {}).get("tls"))
+    if has_tls != secure:
+        out.append(f"{describe(backend)}: spec.tls {'set' if has_tls else 'missing'} but the picker runs "
+                   f"{'--secure-serving' if secure else '--no-secure-serving'}")
+    return out
+
+
+def endpoint_override_on_8081(objs):
+    problems = []
+    routes = {name_of(r) for r in routes_on_port(objs, 8081)}
+    if not routes:
+        return ["no HTTPRoute on the 8081 listener"]
+    covered = set()
+    for btp in of_kind(objs, "BackendTrafficPolicy"):
+        spec = btp.get("spec") or {}
+        targets = {r.get("name") for r in spec.get("targetRefs") or [] if r.get("kind") == "HTTPRoute"}
+        if not targets & routes:
+            continue
+        lb = spec.get("loadBalancer") or {}
+        headers = [e.get("header") for e in (lb.get("endpointOverride") or {}).get("extractFrom") or []]
+        if ENDPOINT_HEADER not in headers:
+            problems.append(f"{describe(btp)}: spec.loadBalancer.endpointOverride.extractFrom must read "
+                            f"header {ENDPOINT_HEADER}")
+        if not lb.get("type"):
+            problems.append(f"{describe(btp)}: spec.loadBalancer.type is required with endpointOverride")
+        covered |= targets & routes
+    for route in sorted(routes - covered):
+        problems.append(f"HTTPRoute {route}: no BackendTrafficPolicy with endpointOverride targets it")
+    return problems
+
+
+def _shares(weights: dict) -> dict:
+    total = sum(weights.values())
+    return {k: Fraction(v, total) for k, v in weights.items()} if total else {}
+
+
+def canary_weights_agree(objs):
+    """Traffic share per model version is the same on 8080 (route weights) and 8081 (rewrite)."""
+    problems = []
+    served = served_model_names(objs)
+    lws_by_name = {name_of(o): o for o in of_kind(objs, "LeaderWorkerSet")}
+    # Service -> first served model name of the LWS whose leaders it selects.
+    service_model = {}
+    for svc in of_kind(objs, "Service"):
+        selector = (svc.get("spec") or {}).get("selector") or {}
+        for t in pod_templates(list(lws_by_name.values())):
+            if t.role == "leader" and matches(selector, t.labels) and served.get(name_of(t.owner)):
+                service_model[name_of(svc)] = served[name_of(t.owner)][0]
+    for rw in of_kind(objs, "InferenceModelRewrite"):
+        for i, rule in enumerate((rw.get("spec") or {}).get("rules") or []):
+            rewrite = _shares({t["modelRewrite"]: t.get("weight", 1) for t in rule.get("targets") or []})
+            for port in (8080, 8081):
+                for route in routes_on_port(objs, port):
+                    for k, rrule in enumerate((route.get("spec") or {}).get("rules") or []):
+                        refs = rrule.get("backendRefs") or []
+                        if len(refs) < 2 and len(rewrite) < 2:
+                            continue
+                        by_model = defaultdict(int)
+                        for ref in refs:
+                            by_model[service_model.get(ref.get("name"), f"<{ref.get('name')}>")] += ref.get("weight", 1)
+                        route_shares = _shares(dict(by_model))
+                        if route_shares != rewrite:
+                            show = lambda s: {m: f"{float(v):.0%}" for m, v in sorted(s.items())}
+                            problems.append(f"{describe(route)} (port {port}): spec.rules[{k}].backendRefs weights "
+                                            f"{show(route_shares)} != {describe(rw)} spec.rules[{i}].targets "
+                                            f"{show(rewrite)}")
+    return problems
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    gpus: int
+    cpu: str
+    memory: str
+    reserved_cpu: str        # kubelet/system reservation + DaemonSets
+    reserved_memory: str
+
+
+A10_NODE = NodeShape(gpus=4, cpu="128", memory="752Gi", reserved_cpu="16", reserved_memory="64Gi")
+
+
+def _requests(t: PodTemplate, resource: str):
+    total = 0
+    for _, c in t.containers():
+        res = c.get("resources") or {}
+        value = (res.get("requests") or {}).get(resource) or (res.get("limits") or {}).get(resource)
+        total += parse_quantity(value) if value is not None else 0
+    return total
+
+
+def gpu_pods_fit_node(objs, node: NodeShape = A10_NODE):
+    """Pods that fill a node's GPUs also fit its allocatable CPU and memory."""
+    problems = []
+    cpu = parse_quantity(node.cpu) - parse_quantity(node.reserved_cpu)
+    memory = parse_quantity(node.memory) - parse_quantity(node.reserved_memory)
+    for t in pod_templates(objs):
+        gpus = sum(gpu_limit(c) or 0 for _, c in t.containers())
+        if not gpus:
+            continue
+        if gpus > node.gpus:
+            problems.append(f"{t.where}: {gpus} GPUs per pod > {node.gpus} per node")
+            continue
+        per_node = node.gpus // gpus
+        need_cpu, need_mem = _requests(t, "cpu") * per_node, _requests(t, "memory") * per_node
+        if not _requests(t, "cpu") or not _requests(t, "memory"):
+            problems.append(f"{t.where}: GPU pod without CPU/memory requests")
+        if need_cpu > cpu:
+            problems.append(f"{t.where}: {per_node} pods x {_requests(t, 'cpu')} CPU = {need_cpu} > "
+                            f"{cpu} allocatable CPU per node")
+        if need_mem > memory:
+            problems.append(f"{t.where}: {per_node} pods x {_requests(t, 'memory') / 2**30:.0f}Gi = "
+                            f"{need_mem / 2**30:.0f}Gi > {memory / 2**30:.0f}Gi allocatable memory per node")
+    return problems
+
+
+def images_pinned(objs):
+    problems = []
+    for t in pod_templates(objs):
+        for path, c in t.containers():
+            image = str(c.get("image", ""))
+            last = image.rsplit("/", 1)[-1]
+            if "@sha256:" in image:
+                continue
+            if ":" not in last:
+                problems.append(f"{describe(t.owner)}: {path}.image {image!r} has no tag")
+            elif last.rsplit(":", 1)[1] in ("latest", ""):
+                problems.append(f"{describe(t.owner)}: {path}.image {image!r} uses the `latest` tag")
+    return problems
+
+
+def no_secret_data(objs):
+    return [f"{describe(o)}: data/stringData must not be committed (reference a Secret created out of band)"
+            for o in of_kind(objs, "Secret") if o.get("data") or o.get("stringData")]
+
+
+def secret_refs_in_namespace(objs, namespace):
+    """Cluster-scoped objects that reference Secrets (the OSS PV) name the workload namespace."""
+    problems = []
+    for pv in of_kind(objs, "PersistentVolume"):
+        ref = ((pv.get("spec") or {}).get("csi") or {}).get("nodePublishSecretRef")
+        if ref and ref.get("namespace") != namespace:
+            problems.append(f"{describe(pv)}: spec.csi.nodePublishSecretRef.namespace {ref.get('namespace')!r} "
+                            f"!= workload namespace {namespace!r}")
+    return problems
+
+
+ALL_CHECKS = [volume_mounts_have_volumes, pool_selects_leaders_only, ports_agree, parallelism_matches_resources,
+              served_names_cover_rewrites, route_backends_exist, extension_policy_wiring,
+              endpoint_override_on_8081, canary_weights_agree, images_pinned, no_secret_data]
