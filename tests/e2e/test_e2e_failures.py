@@ -1,0 +1,119 @@
+"""Failures on a live stack, in both request-body modes: a simulator killed mid-run, every
+simulator down (503 from the picker), the picker stopped (FailClose: 503 on 8081, 8080 serves)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+import uuid
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import completion, json_lines, read_sse, start_stack, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SCRAPE = 0.5  # picker scrape interval here; the bound below is two of them
+
+
+@pytest.fixture(scope="module", params=["buffered", "full-duplex"])
+def stack(request, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("failures"), f"failures-{request.param}", body_mode=request.param,
+                    scrape_interval=SCRAPE)
+    yield s
+    s.stop()
+
+
+def llm(stack, path="/v1/completions"):
+    return f"http://127.0.0.1:{stack.config.llm_port}{path}"
+
+
+def http(stack, path="/v1/completions"):
+    return f"http://127.0.0.1:{stack.config.http_port}{path}"
+
+
+def decision_times(stack, endpoint: str) -> list[float]:
+    out = []
+    for r in json_lines(stack.proc("picker").log):
+        if r.get("msg") == "decision" and r.get("endpoint") == endpoint:
+            ts = datetime.datetime.strptime(r["ts"], "%Y-%m-%dT%H:%M:%S.%fZ")
+            out.append(ts.replace(tzinfo=datetime.timezone.utc).timestamp())
+    return out
+
+
+async def test_killed_simulator_is_dropped_within_two_scrape_intervals(stack, session):
+    victim = stack.topology.sims[0]
+    results: list[tuple[float, bool, str | None]] = []
+    stop = asyncio.Event()
+
+    async def worker(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            sent, i = time.time(), i + 1
+            body = completion(prompt=f"worker {w} request {i} " * 10, max_tokens=8, stream=True)
+            try:
+                async with session.post(llm(stack), json=body, headers={"x-request-id": f"kill-{uuid.uuid4()}"}) as r:
+                    events = await read_sse(r)
+                    ok = r.status == 200 and events[-1:] == ["[DONE]"]
+                    results.append((sent, ok, r.headers.get("x-gateway-served-by")))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                results.append((sent, False, None))
+
+    workers = [asyncio.ensure_future(worker(w)) for w in range(6)]
+    await wait_for(lambda: sum(1 for _, ok, s in results if ok and s == victim.address) >= 3, timeout=20)
+    killed_at = time.time()
+    stack.kill_process(f"sim-{victim.port}")
+    bound = killed_at + 2 * SCRAPE
+    await wait_for(lambda: sum(1 for sent, *_ in results if sent > bound) >= 30, timeout=30)
+    stop.set()
+    await asyncio.gather(*workers)
+
+    last_pick = max(decision_times(stack, victim.address))
+    assert last_pick <= bound, f"picker still chose the dead endpoint {last_pick - killed_at:.2f}s after the kill"
+    late = [(ok, served) for sent, ok, served in results if sent > bound]
+    assert late and all(ok for ok, _ in late), f"{sum(not ok for ok, _ in late)} of {len(late)} late requests failed"
+    assert victim.address not in {served for _, served in late}
+    stack.restart_process(f"sim-{victim.port}")
+
+
+async def test_no_ready_endpoint_is_503_from_the_picker(stack, session):
+    for sim in stack.topology.sims:
+        stack.kill_process(f"sim-{sim.port}")
+
+    async def refused():  # until the picker notices, the gateway itself fails to connect (text/plain)
+        async with session.post(llm(stack), json=completion()) as r:
+            if r.status == 503 and r.content_type == "application/json":
+                return (await r.json())["error"]["message"]
+            assert r.status == 503
+            return None
+    assert "no ready endpoint" in await wait_for(refused, timeout=10)
+    async with session.post(http(stack), json=completion()) as r:
+        assert r.status == 503  # the gateway cannot connect to any leader
+    for sim in stack.topology.sims:
+        stack.restart_process(f"sim-{sim.port}")
+
+    async def served():
+        async with session.post(llm(stack), json=completion()) as r:
+            return r.status == 200
+    await wait_for(served, timeout=10)
+
+
+async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
+    stack.stop_process("picker")
+    for _ in range(3):
+        async with session.post(llm(stack), json=completion()) as r:
+            assert r.status == 503
+            assert "ext_proc" in await r.text()
+    for i in range(12):
+        async with session.post(http(stack), json=completion(stream=i % 2 == 1)) as r:
+            assert r.status == 200
+            await r.read()
+    # a restarted picker (new self-signed certificate) is picked up again
+    stack.restart_process("picker")
+
+    async def served():
+        async with session.post(llm(stack), json=completion()) as r:
+            return r.status == 200
+    await wait_for(served, timeout=10)
