@@ -6,27 +6,34 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# vLLM >= 0.9 names first; vllm:gpu_cache_usage_perc is the older name of the KV usage gauge.
+# name -> series; for KV usage the vLLM >= 0.9 name wins, vllm:gpu_cache_usage_perc (older vLLM,
+# e.g. the article's v0.7.2) is used only when the new one is absent (servers may expose both).
 GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage",
 }
+FALLBACKS = {"vllm:gpu_cache_usage_perc": "kv_usage"}
 SERIES = ("running", "waiting", "kv_usage")
 
 
 def parse_load(text: str) -> dict[str, float]:
-    """Sum each gauge over its label sets (one model per server in practice)."""
-    values: dict[str, float] = {}
+    """Requests summed over label sets (engines); KV usage averaged over them."""
+    found: dict[str, list[float]] = {}
+    fallback: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
-        key = GAUGES.get(family.name)
+        key, into = GAUGES.get(family.name), found
+        if key is None:
+            key, into = FALLBACKS.get(family.name), fallback
         if key is None:
             continue
         for sample in family.samples:
             if sample.name == family.name:
-                values[key] = values.get(key, 0.0) + float(sample.value)
-    return values
+                into.setdefault(key, []).append(float(sample.value))
+    for key, values in fallback.items():
+        found.setdefault(key, values)
+    return {key: (sum(v) / len(v) if key == "kv_usage" else sum(v))
+            for key, v in found.items() if v}
 
 
 def metrics_url(endpoint: str) -> str:

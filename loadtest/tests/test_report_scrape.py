@@ -15,6 +15,10 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="qwq"} 4.0
 
 def test_parse_load_reads_vllm_gauges_including_old_kv_name():
     assert parse_load(VLLM_TEXT) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25}
+    both = VLLM_TEXT + ('# TYPE vllm:kv_cache_usage_perc gauge\n'
+                        'vllm:kv_cache_usage_perc{engine="0",model_name="qwq"} 0.5\n'
+                        'vllm:kv_cache_usage_perc{engine="1",model_name="qwq"} 0.3\n')
+    assert parse_load(both)["kv_usage"] == 0.4   # new name wins, averaged over engines
     assert metrics_url("127.0.0.1:8101") == "http://127.0.0.1:8101/metrics"
     assert metrics_url("http://h:1/metrics") == "http://h:1/metrics"
 

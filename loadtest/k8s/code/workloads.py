@@ -54,12 +54,13 @@ PROFILES: dict[str, dict] = {
     # --num-prompts 300 --max-concurrency 30.
     "article": dict(kind="random", prefix_len=1000, input_len=4000, output_len=3000,
                     range_ratio=0.2, num_prompts=300, concurrency=30),
-    # Local demo against the simulator (3 groups): the article's prompt shape (long prompts cost
-    # no stream chunks, and uneven prefill work is what routing changes), short outputs so that
-    # both ports finish in about two minutes on 2 cores at simulator speedup 10-20 (18 streams
-    # at ~114 ms/15 per step are ~2,400 SSE chunks/s at most), 6 users per group so requests queue.
-    "demo": dict(kind="random", prefix_len=1000, input_len=4000, output_len=300,
-                 range_ratio=0.2, num_prompts=200, concurrency=18),
+    # Local demo against the simulator (3 groups, a10 profile: ~37.6k KV tokens per group): the
+    # article's concurrency 30 and long prompts (prompt tokens cost no stream chunks; they fill
+    # the KV cache, so requests queue and uneven prefill/KV load is what routing changes), short
+    # outputs so both ports finish in ~80 s at simulator speedup 20 (measured: ~1,300 SSE
+    # chunks/s, 2 cores shared).
+    "demo": dict(kind="random", prefix_len=1000, input_len=8000, output_len=300,
+                 range_ratio=0.2, num_prompts=200, concurrency=30),
     # Seconds-long sanity run.
     "smoke": dict(kind="random", prefix_len=16, input_len=64, output_len=16,
                   range_ratio=0.5, num_prompts=12, concurrency=4),
