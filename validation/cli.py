@@ -138,7 +138,9 @@ def run_kubeconform(args, results, builtin, crds) -> list[Problem]:
             files[path] = r.target
     schema_root = args.cache_dir / "kubeconform-schemas"
     kubeconform.write_schemas(schema_root, objects, builtin, crds)
-    return kubeconform.run(args.kubeconform, files, schema_root, args.kubernetes_version)
+    names = {(r.target, o.get("kind"), (o.get("metadata") or {}).get("name")): describe(o)
+             for r in results.values() for o in r.objects}
+    return kubeconform.run(args.kubeconform, files, schema_root, args.kubernetes_version, names)
 
 
 def main(argv=None) -> int:

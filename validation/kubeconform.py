@@ -68,8 +68,11 @@ def _split_message(msg: str) -> list[tuple[str, str]]:
     return [(p, t) for p, t in found if t != "validation failed"] or [("", msg)]
 
 
-def run(kubeconform: Path, files: dict[Path, str], schema_root: Path, k8s_version: str) -> list[Problem]:
-    """kubeconform -strict over `files` (path -> render target); its findings as Problems."""
+def run(kubeconform: Path, files: dict[Path, str], schema_root: Path, k8s_version: str,
+        names: dict | None = None) -> list[Problem]:
+    """kubeconform -strict over `files` (path -> render target); its findings as Problems.
+    `names` maps (target, kind, name) to "Kind namespace/name" (kubeconform omits the namespace)."""
+    names = names or {}
     if not files:
         return []
     if not kubeconform.is_file():
@@ -91,7 +94,7 @@ def run(kubeconform: Path, files: dict[Path, str], schema_root: Path, k8s_versio
         if res.get("status") in ("statusValid", "statusSkipped", "statusEmpty"):
             continue
         target = by_name.get(res.get("filename"), res.get("filename", "?"))
-        obj = f"{res.get('kind', '?')} {res.get('name', '?')}"
+        obj = names.get((target, res.get("kind"), res.get("name")), f"{res.get('kind', '?')} {res.get('name', '?')}")
         errors = [e for e in res.get("validationErrors") or [] if e.get("path") or e.get("msg") != "validation failed"]
         if not errors:
             for path, msg in _split_message(res.get("msg") or str(res.get("status"))):

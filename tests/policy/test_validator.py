@@ -151,8 +151,8 @@ def test_kubeconform_runs_offline_and_reports_fields(tmp_path, capsys):
     code, lines = run(tmp_path, capsys, "--kubeconform", str(kubeconform), target)
     kc = [ln for ln in lines if ln.startswith("ERROR [kubeconform]")]
     assert code == 1
-    assert any("overlays/kc: Deployment d: spec.replicas:" in ln for ln in kc), kc
-    assert any("overlays/kc: LeaderWorkerSet qwq: spec.leaderWorkerTemplate:" in ln and "sizee" in ln for ln in kc), kc
+    assert any("overlays/kc: Deployment demo/d: spec.replicas:" in ln for ln in kc), kc
+    assert any("overlays/kc: LeaderWorkerSet demo/qwq: spec.leaderWorkerTemplate:" in ln and "sizee" in ln for ln in kc), kc
 
 
 def test_workflow_schema_violation_is_reported(tmp_path):
