@@ -46,7 +46,7 @@ crds: $(VENV)/.stamp ## download the pinned upstream CRDs into .cache/crds (for 
 validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; policy suite
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
 	$(PY) -m validation --crds-dir $(CRDS_DIR) --kubeconform $(KUBECONFORM)
-	$(PY) -m pytest -q tests/policy
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
 test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
