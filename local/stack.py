@@ -78,7 +78,7 @@ class StackConfig:
 
 @dataclass
 class SimGroup:
-    service: str
+    lws: str  # the LeaderWorkerSet it stands in for
     port: int
     served_model_names: list[str]
 
@@ -129,23 +129,36 @@ def _route_refs(docs: list[dict], section: str) -> list[tuple[str, int]]:
     raise StackError(f"no HTTPRoute attached to listener {section!r} in the rendered manifests")
 
 
-def _served_names(docs: list[dict], service: str) -> list[str]:
+def _leader_sets(docs: list[dict]) -> list[tuple[str, dict, list[str]]]:
+    """(LWS name, leader pod labels, served model names) for every LeaderWorkerSet."""
+    out = []
     for d in docs:
-        if d.get("kind") == "LeaderWorkerSet" and d["metadata"]["name"] == service:
-            template = d["spec"]["leaderWorkerTemplate"]
-            pod = template.get("leaderTemplate") or template["workerTemplate"]
-            for c in pod["spec"]["containers"]:
-                words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
-                words = [x for w in words for x in w.split()]  # args may be one shell string
-                if "--served-model-name" in words:
-                    i = words.index("--served-model-name") + 1
-                    names = []
-                    while i < len(words) and not words[i].startswith("-"):
-                        names.append(words[i].strip("'\";"))
-                        i += 1
-                    if names:
-                        return names
-    raise StackError(f"no LeaderWorkerSet {service!r} with --served-model-name in the rendered overlay")
+        if d.get("kind") != "LeaderWorkerSet":
+            continue
+        template = d["spec"]["leaderWorkerTemplate"]
+        pod = template.get("leaderTemplate") or template["workerTemplate"]
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        out.append((d["metadata"]["name"], labels, _served_names(d, pod)))
+    return out
+
+
+def _served_names(lws: dict, pod: dict) -> list[str]:
+    for c in pod["spec"]["containers"]:
+        words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
+        words = [x for w in words for x in w.split()]  # args may be one shell string
+        if "--served-model-name" in words:
+            i = words.index("--served-model-name") + 1
+            names = []
+            while i < len(words) and not words[i].startswith("-"):
+                names.append(words[i].strip("'\";"))
+                i += 1
+            if names:
+                return names
+    raise StackError(f"LeaderWorkerSet {lws['metadata']['name']!r}: no --served-model-name in its leader container")
+
+
+def _service_selectors(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"].get("selector") or {} for d in docs if d.get("kind") == "Service"}
 
 
 def topology(config: StackConfig) -> Topology:
@@ -159,25 +172,41 @@ def topology(config: StackConfig) -> Topology:
     policy = next((d for d in gateway_docs if d.get("kind") == "EnvoyExtensionPolicy"), None)
     message_timeout = config.message_timeout or _duration(
         policy["spec"]["extProc"][0].get("messageTimeout") if policy else None, 10.0)
-    stable = [SimGroup(STABLE_SERVICE, ports[i], [MODEL]) for i in range(config.groups)]
     if not config.canary:
         docs = kustomize("base/inference")
-        addresses = [s.address for s in stable]
-        route = [(STABLE_SERVICE, 1, addresses)]
-        return Topology(stable, route, route, _objects(docs), message_timeout)
+        sims = [SimGroup(STABLE_SERVICE, ports[i], [MODEL]) for i in range(config.groups)]
+        route = [(STABLE_SERVICE, 1, [s.address for s in sims])]
+        return Topology(sims, route, route, _objects(docs), message_timeout)
+    # Canary: every LeaderWorkerSet of the overlay becomes simulated groups (the stable one
+    # `groups` of them, every other one a single group); each HTTPRoute backendRef Service gets
+    # the groups its selector matches, as Kubernetes endpoints would.
     docs = kustomize("overlays/a10-canary")
-    http_refs, llm_refs = _route_refs(docs, "http"), _route_refs(docs, "llm-gw")
-    sims = list(stable)
-    extra = iter(ports[config.groups:])
-    for service, _ in http_refs + llm_refs:
-        if service != STABLE_SERVICE and all(s.service != service for s in sims):
-            sims.append(SimGroup(service, next(extra), _served_names(docs, service)))
-    by_service: dict[str, list[str]] = {}
-    for s in sims:
-        by_service.setdefault(s.service, []).append(s.address)
-    http_route = [(svc, w, by_service[svc]) for svc, w in http_refs]
-    llm_route = [(svc, w, by_service[svc]) for svc, w in llm_refs]
-    return Topology(sims, http_route, llm_route, _objects(docs), message_timeout)
+    sims: list[SimGroup] = []
+    labels_of: dict[str, dict] = {}
+    free = iter(ports)
+    for name, labels, served in _leader_sets(docs):
+        labels_of[name] = labels
+        count = config.groups if name == STABLE_SERVICE else 1
+        sims += [SimGroup(name, next(free), served) for _ in range(count)]
+    if not any(s.lws == STABLE_SERVICE for s in sims) or len(sims) != needed:
+        raise StackError(f"overlays/a10-canary: expected LeaderWorkerSet {STABLE_SERVICE!r} and one canary, "
+                         f"found {sorted(labels_of)}")
+    selectors = _service_selectors(docs)
+
+    def route(section: str) -> list[tuple[str, int, list[str]]]:
+        groups = []
+        for service, weight in _route_refs(docs, section):
+            if service not in selectors:
+                raise StackError(f"overlays/a10-canary: HTTPRoute ({section}) backendRef Service {service!r} not found")
+            selector = selectors[service]
+            addresses = [s.address for s in sims
+                         if selector and selector.items() <= labels_of[s.lws].items()]
+            if not addresses:
+                raise StackError(f"overlays/a10-canary: Service {service!r} selects no leader ({selector})")
+            groups.append((service, weight, addresses))
+        return groups
+
+    return Topology(sims, route("http"), route("llm-gw"), _objects(docs), message_timeout)
 
 
 def _objects(docs: list[dict]) -> list[dict]:
@@ -246,17 +275,25 @@ def _alive(pid: int) -> bool:
 
 
 def stop_group(pid: int, timeout: float = 5.0) -> None:
-    """SIGTERM the process group led by pid, then SIGKILL what is left after `timeout`."""
+    stop_groups([pid], timeout)
+
+
+def stop_groups(pids: list[int], timeout: float = 5.0) -> None:
+    """SIGTERM the process groups led by pids, then SIGKILL what is left after `timeout`."""
+    pending = list(pids)
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
+        for pid in list(pending):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pending.remove(pid)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _alive(pid):
-                return
-            time.sleep(0.05)
+        while pending and time.monotonic() < deadline:
+            pending = [p for p in pending if _alive(p)]
+            if pending:
+                time.sleep(0.05)
+        if not pending:
+            return
 
 
 @dataclass
@@ -362,10 +399,8 @@ class Stack:
         if busy:
             raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
         try:
-            for p in planned:
+            for p in planned:  # all at once: the picker retries scrapes until the simulators answer
                 self._spawn(p)
-                if p.name == "picker":  # the picker needs live simulators to become ready
-                    self._wait_healthy([q for q in self.procs if q.name.startswith("sim-")])
             self._wait_healthy(self.procs)
         except BaseException:
             self.stop()
@@ -411,13 +446,15 @@ class Stack:
         if p.popen is not None:
             p.popen.wait(timeout=10)
 
-    def restart_process(self, name: str) -> None:
-        """Start a stopped process again with the same command and wait until it is healthy."""
-        p = self.proc(name)
-        self.procs.remove(p)
-        fresh = Proc(p.name, p.cmd, p.log, p.health)
-        self._spawn(fresh)
-        self._wait_healthy([fresh])
+    def restart_process(self, *names: str) -> None:
+        """Start stopped processes again with the same commands and wait until they are healthy."""
+        fresh = []
+        for name in names:
+            p = self.proc(name)
+            self.procs.remove(p)
+            fresh.append(Proc(p.name, p.cmd, p.log, p.health))
+            self._spawn(fresh[-1])
+        self._wait_healthy(fresh)
 
     def kill_process(self, name: str) -> None:
         p = self.proc(name)
@@ -426,9 +463,9 @@ class Stack:
             p.popen.wait(timeout=10)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.pid is not None:
-                stop_group(p.pid)
+        live = [p.pid for p in self.procs if p.pid is not None]
+        stop_groups(live)
+        for p in self.procs:
             if p.popen is not None:
                 try:
                     p.popen.wait(timeout=5)
@@ -481,10 +518,10 @@ def down(name: str, run_root: Path = REPO / "runs") -> int:
         print(f"no running stack {name!r} ({state_file} not found)")
         return 0
     state = json.loads(state_file.read_text())
-    for p in reversed(state["procs"]):
-        if p["pid"] and _alive(p["pid"]) and _is_ours(p["pid"], p["cmd"]):
-            stop_group(p["pid"])
-            print(f"stopped {p['name']} (pid {p['pid']})")
+    ours = [p for p in state["procs"] if p["pid"] and _alive(p["pid"]) and _is_ours(p["pid"], p["cmd"])]
+    stop_groups([p["pid"] for p in ours])
+    for p in ours:
+        print(f"stopped {p['name']} (pid {p['pid']})")
     state_file.unlink()
     return 0
 
@@ -519,7 +556,7 @@ def describe(stack: Stack) -> str:
     c = stack.config
     lines = [f"local stack {c.name!r} is up (logs and state in {c.run_dir}):"]
     for s in stack.topology.sims:
-        lines.append(f"  simulator  {s.address}  serves {' '.join(s.served_model_names)}  ({s.service})")
+        lines.append(f"  simulator  {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     lines.append(f"  picker     ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if c.picker_tls else 'plaintext'}), "
                  f"health {c.picker_health_port}, metrics http://{c.host}:{c.picker_metrics_port}/metrics")
     lines.append(f"  gateway    http://{c.host}:{c.http_port} (least request), "

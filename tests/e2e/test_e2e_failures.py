@@ -91,8 +91,7 @@ async def test_no_ready_endpoint_is_503_from_the_picker(stack, session):
     assert "no ready endpoint" in await wait_for(refused, timeout=10)
     async with session.post(http(stack), json=completion()) as r:
         assert r.status == 503  # the gateway cannot connect to any leader
-    for sim in stack.topology.sims:
-        stack.restart_process(f"sim-{sim.port}")
+    stack.restart_process(*(f"sim-{sim.port}" for sim in stack.topology.sims))
 
     async def served():
         async with session.post(llm(stack), json=completion()) as r:

@@ -1,0 +1,74 @@
+"""Canary split (overlays/a10-canary rendered by the launcher: one extra simulated group serving
+`qwq-canary qwq`, the HTTPRoute backendRef weights on the gateway, the InferenceModelRewrite
+weights in the picker), in both request-body modes.
+
+Tolerance: with N requests and a 10 % share the count is binomial, sd = sqrt(N * 0.1 * 0.9);
+N = 300 gives sd 5.2 requests (1.7 %), and the tests accept 10 % +- 6 % (3.5 sd)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.e2e.conftest import completion, start_stack
+
+pytestmark = pytest.mark.e2e
+
+N = 300
+SHARE, TOLERANCE = 0.10, 0.06
+
+
+@pytest.fixture(scope="module", params=["buffered", "full-duplex"])
+def stack(request, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("canary"), f"canary-{request.param}", canary=True,
+                    body_mode=request.param)
+    yield s
+    s.stop()
+
+
+def canary(stack):
+    sims = [s for s in stack.topology.sims if "qwq-canary" in s.served_model_names]
+    assert len(sims) == 1 and sims[0].served_model_names == ["qwq-canary", "qwq"]
+    return sims[0]
+
+
+async def send_all(session, port: int) -> list[tuple[int, str, str]]:
+    """N small requests, 20 at a time: (status, served-by, model in the response)."""
+    sem = asyncio.Semaphore(20)
+
+    async def one(i):
+        async with sem:
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                    json=completion(prompt=f"canary check {i}", max_tokens=1)) as r:
+                data = await r.json()
+                return r.status, r.headers.get("x-gateway-served-by"), data.get("model")
+    return await asyncio.gather(*(one(i) for i in range(N)))
+
+
+async def test_8080_splits_by_backend_weights(stack, session):
+    weights = {name: w for name, w, _ in stack.topology.http_route}
+    assert weights == {"qwq-dist-v1": 90, "qwq-dist-v2": 10}
+    results = await send_all(session, stack.config.http_port)
+    assert all(status == 200 for status, _, _ in results)
+    share = sum(served == canary(stack).address for _, served, _ in results) / N
+    assert abs(share - SHARE) <= TOLERANCE, share
+
+
+async def test_8081_splits_by_model_rewrite_weights(stack, session, request):
+    """The picker rewrites `qwq` to `qwq-canary` for 10 % of requests and only the canary group
+    serves that name; every request must succeed."""
+    if len(stack.topology.llm_route) > 1:
+        # Known manifest problem, reproduced faithfully by the gateway: with weighted backendRefs
+        # on the 8081 HTTPRoute, Envoy draws the Service (cluster) first and applies the
+        # endpointOverride only inside it, so a request the picker sent to the canary lands on a
+        # stable leader ~90 % of the time, which does not serve `qwq-canary` (404).
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "overlays/a10-canary puts weighted backendRefs on the 8081 HTTPRoute; it needs one "
+            "backendRef whose Service selects every leader (the pool's selector)")))
+    results = await send_all(session, stack.config.llm_port)
+    statuses = [status for status, _, _ in results]
+    assert statuses.count(200) == N, {s: statuses.count(s) for s in set(statuses)}
+    rewritten = [served for _, served, model in results if model == "qwq-canary"]
+    assert abs(len(rewritten) / N - SHARE) <= TOLERANCE, len(rewritten) / N
+    assert set(rewritten) == {canary(stack).address}
