@@ -75,20 +75,19 @@ def app_path_problems(rendered: Rendered, root: Path) -> tuple[list[Problem], li
 
 
 def render_all(args) -> dict[str, Rendered]:
+    """Render the targets, then every Git path the rendered Applications point at (repeatedly)."""
     targets = list(dict.fromkeys(args.targets or discover_targets(args.root)))
     results: dict[str, Rendered] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
         while targets:
-            for r in pool.map(lambda t: render(args.root, t, args.crds_dir), targets):
-                results[r.target] = r
+            new = list(pool.map(lambda t: render(args.root, t, args.crds_dir), targets))
             follow = []
-            for r in list(results.values()):
+            for r in new:
+                results[r.target] = r
                 problems, paths = app_path_problems(r, args.root)
-                if not getattr(r, "_apps_checked", False):
-                    r.problems.extend(problems)
-                    r._apps_checked = True
-                follow.extend(p for p in paths if p not in results and p not in follow)
-            targets = follow
+                r.problems.extend(problems)
+                follow.extend(p for p in paths if p not in results and p not in follow and p not in targets)
+            targets = [p for p in follow if p not in results]
     return results
 
 
