@@ -1,0 +1,88 @@
+"""Unit tests of the launcher: topology from the rendered manifests, cleanup, `down`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from local import stack as st
+from local.stack import Stack, StackConfig, StackError, topology
+
+
+def test_plain_topology_uses_base_manifests():
+    topo = topology(StackConfig(groups=2, sim_ports=[1001, 1002]))
+    assert [s.address for s in topo.sims] == ["127.0.0.1:1001", "127.0.0.1:1002"]
+    assert topo.http_route == topo.llm_route == [("qwq-dist-v1", 1, ["127.0.0.1:1001", "127.0.0.1:1002"])]
+    assert {o["kind"] for o in topo.objects} == {"InferenceObjective", "InferenceModelRewrite"}
+    assert topo.message_timeout == 10.0  # base/gateway EnvoyExtensionPolicy messageTimeout: 10s
+
+
+def test_canary_topology_follows_the_overlay():
+    topo = topology(StackConfig(groups=3, canary=True, sim_ports=[1, 2, 3, 4]))
+    canary = [s for s in topo.sims if s.lws != "qwq-dist-v1"]
+    assert len(topo.sims) == 4 and len(canary) == 1
+    assert canary[0].served_model_names == ["qwq-canary", "qwq"]
+    weights = {name: (w, len(eps)) for name, w, eps in topo.http_route}
+    assert weights == {"qwq-dist-v1": (90, 3), "qwq-dist-v2": (10, 1)}
+    rewrite = next(o for o in topo.objects if o["kind"] == "InferenceModelRewrite")
+    targets = {t["modelRewrite"]: t["weight"] for t in rewrite["spec"]["rules"][0]["targets"]}
+    assert targets == {"qwq": 90, "qwq-canary": 10}
+
+
+def test_helpers():
+    assert st._duration("10s", 1) == 10 and st._duration("250ms", 1) == 0.25 and st._duration(None, 7) == 7
+    with pytest.raises(StackError):
+        st._duration("soon", 1)
+    with pytest.raises(StackError):
+        topology(StackConfig(groups=3, sim_ports=[1, 2]))
+
+
+def test_a_busy_port_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        stack = Stack(StackConfig(name="busy", run_root=tmp_path, groups=1, sim_ports=[busy]))
+        with pytest.raises(StackError, match=str(busy)):
+            stack.start()
+    assert stack.procs == []
+
+
+def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypatch):
+    """The simulators here get a bogus option and exit; everything started must be gone."""
+    ports = []
+    for _ in range(8):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    config = StackConfig(name="broken", run_root=tmp_path, groups=2, sim_ports=ports[:2], http_port=ports[2],
+                         llm_port=ports[3], admin_port=ports[4], picker_grpc_port=ports[5],
+                         picker_health_port=ports[6], picker_metrics_port=ports[7],
+                         sim_args=["--no-such-option"], startup_timeout=30)
+    stack = Stack(config)
+    with pytest.raises(StackError, match="exited"):
+        stack.start()
+    assert stack.procs and all(not st._alive(p.pid) for p in stack.procs)
+    assert not stack.state_file.exists()
+
+
+def test_down_stops_the_recorded_process_group(tmp_path):
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    child = subprocess.Popen(cmd, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not st._is_ours(child.pid, cmd):  # until the fork has exec'd the command
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    run = tmp_path / "x"
+    run.mkdir()
+    (run / "state.json").write_text(json.dumps({"name": "x", "procs": [
+        {"name": "sleeper", "cmd": cmd, "log": "", "health": "http:", "pid": child.pid}]}))
+    assert st.down("x", run_root=tmp_path) == 0
+    assert child.wait(timeout=10) is not None
+    assert not (run / "state.json").exists()
+    assert st.down("x", run_root=tmp_path) == 0  # nothing left: still fine
