@@ -163,3 +163,17 @@ def test_workflow_schema_violation_is_reported(tmp_path):
     problems = workflows.check(tmp_path)
     assert len(problems) == 1 and "bad.yaml" in problems[0].message
     assert workflows.check(ROOT) == []
+
+
+@pytest.mark.parametrize("second_namespace,errors", [("a", 1), ("b", 0)])
+def test_cel_sees_escaped_property_names(second_namespace, errors):
+    """Gateway API rules read `p.__namespace__`: the CEL input must escape `namespace` like Kubernetes."""
+    from validation.crdschema import CRDStore
+    store = CRDStore(default_crds_dir(ROOT), ROOT / ".cache/validation")
+    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "r"},
+             "spec": {"parentRefs": [{"name": "g", "namespace": "a"}, {"name": "g", "namespace": second_namespace}],
+                      "rules": [{"backendRefs": [{"name": "s", "port": 80}]}]}}
+    found = [e.message for e in store.validate(route)]
+    assert len(found) == errors
+    if errors:
+        assert found[0].startswith("sectionName or port must be unique")
