@@ -48,8 +48,10 @@ class Progress:
 
 
 def run_one(host: str, options: RunOptions, concurrency: int, recorder: LoadRecorder,
-            label: str, progress: Progress, run_timeout: float) -> list[RequestSample]:
-    """One headless locust run of the whole workload against options.ports; returns samples."""
+            label: str, progress: Progress, run_timeout: float) -> tuple[list[RequestSample], int]:
+    """One headless locust run of the whole workload against options.ports.
+
+    Returns the samples and the number of prompts (more than samples after a run timeout)."""
     env = Environment(user_classes=[locustfile.OpenAIUser], events=events,
                       host=host if "://" in host else f"http://{host}")
     env.loadtest_options = options
@@ -69,7 +71,7 @@ def run_one(host: str, options: RunOptions, concurrency: int, recorder: LoadReco
                 progress.show(f"{label}: run timeout after {run_timeout:g}s, stopping", True)
                 break
         progress.show(f"{label}: {plan.progress()}", final=True)
-        return list(plan.samples)
+        return list(plan.samples), plan.total
     finally:
         runner.quit()
         scraper.kill(block=False)
@@ -104,6 +106,7 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             "metrics_endpoints": endpoints, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "runs": []}
     by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
+    unfinished = {p: 0 for p in ports}
     scrape_errors: dict[str, str] = {}
     for rep in range(1, repetitions + 1):
         order = ports if rep % 2 == 1 else list(reversed(ports))
@@ -111,10 +114,12 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             recorder = LoadRecorder(endpoints, interval=scrape_interval, sleep=gevent.sleep)
             wait_idle(recorder, idle_timeout, progress)
             label = f"port {port} rep {rep}/{repetitions}"
-            samples = run_one(host, replace(options, ports=[port]), concurrency, recorder,
+            samples, total = run_one(host, replace(options, ports=[port]), concurrency, recorder,
                               label, progress, run_timeout)
             stem = f"{port}-rep{rep}"
-            save_run(out / stem, samples, **_run_meta(meta, port, concurrency))
+            save_run(out / stem, samples, **_run_meta(meta, port, concurrency),
+                     unfinished=total - len(samples))
+            unfinished[port] += total - len(samples)
             with open(out / f"{stem}.load.jsonl", "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(row) + "\n" for row in recorder.rows)
             scrape_errors.update(recorder.errors)
@@ -124,7 +129,7 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
         # all repetitions together; duration = the sum of the runs' wall times
         save_run(out / str(port), [s for run in runs for s in run],
                  duration=sum(run_duration(run) for run in runs),
-                 **_run_meta(meta, port, concurrency))
+                 **_run_meta(meta, port, concurrency), unfinished=unfinished[port])
     meta["scrape_errors"] = scrape_errors
     (out / "compare.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return write_report(out)

@@ -210,7 +210,8 @@ def _on_test_start(environment, **_kw):
         plan = RunPlan(specs, options)
     elif isinstance(runner, WorkerRunner):
         count = int(getattr(environment.parsed_options, "loadtest_worker_count", 1) or 1)
-        plan = RunPlan(specs, options, worker_index=runner.worker_index % count,
+        # a worker that joined after the start (index >= count) gets no prompts
+        plan = RunPlan(specs, options, worker_index=runner.worker_index,
                        worker_count=count,
                        on_sample=lambda s: runner.send_message("loadtest_sample", asdict(s)),
                        on_done=lambda: runner.send_message("loadtest_done", runner.worker_index))

@@ -94,6 +94,10 @@ def markdown(meta: dict, results: dict[str, dict], runs: list[dict]) -> str:
         "better, for throughput positive is better.", "",
         comparison_table(results),
     ]
+    for port, r in results.items():
+        if r.get("unfinished"):
+            lines += [f"**Port {port}: {r['unfinished']} requests did not finish before the run "
+                      "timeout; they are in neither count.**", ""]
     if any(errors.values()):
         lines += ["## Failures", ""]
         for port, counts in errors.items():

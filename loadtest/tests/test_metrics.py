@@ -1,10 +1,11 @@
+import json
 import math
 
 import numpy as np
 import pytest
 
 from loadtest.metrics import (RequestSample, StreamTimer, read_samples, run_duration,
-                              summarize, write_samples)
+                              save_run, summarize, write_samples)
 
 
 def chunk(text="x"):
@@ -86,3 +87,18 @@ def test_samples_roundtrip_and_duration(tmp_path):
     back = read_samples(tmp_path / "s.jsonl")
     assert back == [a, b]
     assert run_duration(back) == pytest.approx(11.0 + 1.5 - 10.0)
+
+
+def test_save_run_writes_result_samples_and_per_port_numbers(tmp_path):
+    a = timed_sample([0.1, 0.2], completion_tokens=2)
+    a.target = "8080"
+    b = timed_sample([0.3, 0.4], completion_tokens=2)
+    b.target = "8081"
+    bad = StreamTimer(100.0, 0.0, target="8081").finish(1.0, error="HTTP 429: shed")
+    result = save_run(tmp_path / "run-1", [a, b, bad], model_id="qwq")
+    on_disk = json.loads((tmp_path / "run-1.json").read_text())
+    assert on_disk == result and result["model_id"] == "qwq"
+    assert result["errors_by_reason"] == {"HTTP 429: shed": 1}
+    assert result["by_target"]["8080"]["mean_ttft_ms"] == pytest.approx(100.0)
+    assert result["by_target"]["8081"]["failed"] == 1
+    assert len(read_samples(tmp_path / "run-1.samples.jsonl")) == 3

@@ -198,6 +198,11 @@ def save_run(stem: str | Path, samples: list[RequestSample], duration: float | N
     stem.parent.mkdir(parents=True, exist_ok=True)
     result = summarize(samples, duration, **meta)
     result["errors_by_reason"] = error_counts(samples)
-    (stem.parent / (stem.name + ".json")).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    write_samples(stem.with_name(stem.name + ".samples.jsonl"), samples)
+    targets = sorted({s.target for s in samples})
+    if len(targets) > 1:  # one run over several ports: each port's own numbers too
+        result["by_target"] = {t: summarize([s for s in samples if s.target == t])
+                               for t in targets}
+    text = json.dumps(result, indent=2) + "\n"
+    (stem.parent / (stem.name + ".json")).write_text(text, encoding="utf-8")
+    write_samples(stem.parent / (stem.name + ".samples.jsonl"), samples)
     return result
