@@ -75,3 +75,6 @@ loadtest: setup ## locust web UI on http://127.0.0.1:8089 driving ports 8080+808
 compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
 	$(PY) -m loadtest compare --host $(LT_HOST) --ports 8080 8081 --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/compare-$$(date +%Y%m%d-%H%M%S) $(COMPARE_ARGS)
+
+bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
+	$(PY) -m local.gateway.bench
