@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.metrics import (RequestSample, StreamTimer, read_samples, run_duration,
+from loadtest.metrics import (StreamTimer, read_samples, run_duration,
                               save_run, summarize, write_samples)
 
 
