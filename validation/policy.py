@@ -432,7 +432,7 @@ def canary_weights_agree(objs):
     for rw in of_kind(objs, "InferenceModelRewrite"):
         for i, rule in enumerate((rw.get("spec") or {}).get("rules") or []):
             rewrite = _shares({t["modelRewrite"]: t.get("weight", 1) for t in rule.get("targets") or []})
-            for port in (8080, 8081):
+            for port in (8080,):   # 8081 has a single backend: see llm_route_holds_whole_pool
                 for route in routes_on_port(objs, port):
                     for k, rrule in enumerate((route.get("spec") or {}).get("rules") or []):
                         refs = rrule.get("backendRefs") or []
@@ -447,6 +447,36 @@ def canary_weights_agree(objs):
                             problems.append(f"{describe(route)} (port {port}): spec.rules[{k}].backendRefs weights "
                                             f"{show(route_shares)} != {describe(rw)} spec.rules[{i}].targets "
                                             f"{show(rewrite)}")
+    return problems
+
+
+def llm_route_holds_whole_pool(objs):
+    """Each 8081 route rule has one backend, a Service selecting exactly the pool's leaders: Envoy
+    draws a weighted backend first and applies endpointOverride only inside it, so the picker's
+    choice must always be inside the one backend."""
+    problems = []
+    pools = of_kind(objs, "InferencePool")
+    services = {(ns_of(s), name_of(s)): s for s in of_kind(objs, "Service")}
+    templates = [t for t in pod_templates(objs)]
+    for route in routes_on_port(objs, 8081):
+        for i, rule in enumerate((route.get("spec") or {}).get("rules") or []):
+            refs = rule.get("backendRefs") or []
+            where = f"{describe(route)}: spec.rules[{i}].backendRefs"
+            if len(refs) != 1:
+                problems.append(f"{where}: {len(refs)} backends; the 8081 route needs exactly one holding "
+                                f"every leader of the pool (split versions with the InferenceModelRewrite)")
+                continue
+            svc = services.get((refs[0].get("namespace") or ns_of(route), refs[0].get("name")))
+            if svc is None:
+                continue   # route_backends_exist reports it
+            selector = (svc.get("spec") or {}).get("selector") or {}
+            via_service = {id(t) for t in templates if ns_of(t.owner) == ns_of(svc) and matches(selector, t.labels)}
+            for pool in pools:
+                pool_sel = ((pool.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+                via_pool = {id(t) for t in templates if ns_of(t.owner) == ns_of(pool) and matches(pool_sel, t.labels)}
+                if via_service != via_pool:
+                    problems.append(f"{where}[0]: Service {name_of(svc)} selector {selector} does not select the "
+                                    f"same pods as {describe(pool)} spec.selector.matchLabels {pool_sel}")
     return problems
 
 
@@ -529,4 +559,5 @@ def secret_refs_in_namespace(objs, namespace):
 
 ALL_CHECKS = [volume_mounts_have_volumes, pool_selects_leaders_only, ports_agree, parallelism_matches_resources,
               served_names_cover_rewrites, route_backends_exist, extension_policy_wiring,
-              endpoint_override_on_8081, canary_weights_agree, images_pinned, no_secret_data]
+              endpoint_override_on_8081, canary_weights_agree, llm_route_holds_whole_pool, images_pinned,
+              no_secret_data]

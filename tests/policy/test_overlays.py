@@ -181,7 +181,24 @@ def test_canary_only_on_one_port_is_caught():
     objs = rendered("overlays/a10")
     find(objs, "InferenceModelRewrite", "qwq")["spec"]["rules"][0]["targets"].append(
         {"modelRewrite": "qwq-canary", "weight": 10})
-    assert len(policy.canary_weights_agree(objs)) == 2   # both routes disagree with the rewrite
+    problems = policy.canary_weights_agree(objs)
+    assert len(problems) == 1 and "(port 8080)" in problems[0]
+
+
+def test_weighted_backends_on_the_8081_route_are_caught():
+    objs = rendered(CANARY)
+    refs = find(objs, "HTTPRoute", "reasoning-inference")["spec"]["rules"][0]["backendRefs"]
+    assert [r["name"] for r in refs] == ["qwq-leaders"]
+    refs[:] = [{"name": "qwq-dist-v1", "port": 8000, "weight": 90}, {"name": "qwq-dist-v2", "port": 8000, "weight": 10}]
+    problems = policy.llm_route_holds_whole_pool(objs)
+    assert len(problems) == 1 and "2 backends" in problems[0]
+
+
+def test_8081_backend_missing_part_of_the_pool_is_caught():
+    objs = rendered(CANARY)
+    find(objs, "HTTPRoute", "reasoning-inference")["spec"]["rules"][0]["backendRefs"][0]["name"] = "qwq-dist-v1"
+    problems = policy.llm_route_holds_whole_pool(objs)
+    assert len(problems) == 1 and "does not select the same pods as InferencePool llm/reasoning-pool" in problems[0]
 
 
 def test_pods_that_do_not_fit_the_node_are_caught():

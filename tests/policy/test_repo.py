@@ -48,6 +48,7 @@ def test_split_is_written_once():
 
 
 def test_editing_the_split_moves_both_ports(tmp_path):
+    """8080: route weights; 8081: InferenceModelRewrite weights (the picker applies them)."""
     for folder in ("base", "components", "overlays"):
         shutil.copytree(ROOT / folder, tmp_path / folder)
     split = tmp_path / "components/canary/split.yaml"
@@ -56,9 +57,11 @@ def test_editing_the_split_moves_both_ports(tmp_path):
     result = kustomize(tmp_path, "overlays/a10-canary")
     assert result.problems == []
     objs = result.objects
-    for route in ("reasoning-backend", "reasoning-inference"):
-        refs = find(objs, "HTTPRoute", route)["spec"]["rules"][0]["backendRefs"]
-        assert {r["name"]: r["weight"] for r in refs} == {"qwq-dist-v1": 70, "qwq-dist-v2": 30}, route
+    refs = find(objs, "HTTPRoute", "reasoning-backend")["spec"]["rules"][0]["backendRefs"]
+    assert {r["name"]: r["weight"] for r in refs} == {"qwq-dist-v1": 70, "qwq-dist-v2": 30}
+    # 8081: one backend with every leader; the picker splits by the rewrite weights.
+    assert [r["name"] for r in find(objs, "HTTPRoute", "reasoning-inference")["spec"]["rules"][0]["backendRefs"]] \
+        == ["qwq-leaders"]
     targets = find(objs, "InferenceModelRewrite", "qwq")["spec"]["rules"][0]["targets"]
     assert {t["modelRewrite"]: t["weight"] for t in targets} == {"qwq": 70, "qwq-canary": 30}
     assert policy.canary_weights_agree(objs) == []
