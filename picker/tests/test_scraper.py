@@ -1,0 +1,86 @@
+"""The scraper against fake vLLM /metrics servers started in-test on 127.0.0.1."""
+import asyncio
+
+from aiohttp import web
+
+from picker.signals.scraper import Scraper
+
+from .helpers import make_router, metrics_text
+
+
+class FakeVllm:
+    def __init__(self):
+        self.text = metrics_text(waiting=2, running=1, kv=0.3)
+        self.status = 200
+        self.hits = 0
+
+    async def metrics(self, request):
+        self.hits += 1
+        return web.Response(text=self.text, status=self.status)
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+async def until(pred, timeout=5.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end
+        await asyncio.sleep(0.01)
+
+
+async def test_scrapes_on_interval_and_follows_endpoint_changes():
+    a, b = await FakeVllm().start(), await FakeVllm().start()
+    router = make_router(scrape=False)
+    router.set_endpoints([a.address])
+    scraper = Scraper(router, interval=0.02)
+    await scraper.start()
+    try:
+        await until(lambda: a.hits >= 3)
+        state = router.endpoints[a.address]
+        assert state.ready and state.metrics.waiting == 2 and state.metrics.kv_usage == 0.3
+        router.set_endpoints([b.address])
+        scraper.sync()
+        await until(lambda: router.endpoints[b.address].ready)
+        hits = a.hits
+        await until(lambda: b.hits >= hits + 3)
+        assert a.hits <= hits + 1  # a's task was stopped
+    finally:
+        await scraper.close()
+        await a.stop()
+        await b.stop()
+
+
+async def test_failing_endpoint_is_out_until_it_answers_again():
+    a = await FakeVllm().start()
+    router = make_router(scrape=False)
+    router.set_endpoints([a.address, "127.0.0.1:9"])  # port 9: nothing listens
+    scraper = Scraper(router, interval=0.02)
+    await scraper.start()
+    try:
+        await until(lambda: router.endpoints[a.address].ready)
+        assert not router.endpoints["127.0.0.1:9"].ready
+        assert router.endpoints["127.0.0.1:9"].scrape_errors >= 1
+        a.status = 500
+        await until(lambda: not router.endpoints[a.address].ready)
+        a.status, a.text = 200, "not metrics at all\n"
+        hits = a.hits
+        await until(lambda: a.hits > hits + 1)
+        assert not router.endpoints[a.address].ready  # unparsable page counts as a failure
+        a.text = metrics_text(waiting=7)
+        await until(lambda: router.endpoints[a.address].ready)
+        assert router.endpoints[a.address].metrics.waiting == 7
+    finally:
+        await scraper.close()
+        await a.stop()
