@@ -576,7 +576,7 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
         before, t0 = stack.cpu_seconds(), time.monotonic()
         cmd = [sys.executable, "-m", "loadtest", "compare", "--host", config.host,
                "--ports", str(config.http_port), str(config.llm_port), "--workload", workload,
-               "--seed", str(config.seed), "--out", str(out),
+               "--seed", str(config.seed), "--out", str(out), "--repetitions", "2",  # A B, B A
                "--metrics-endpoints", *(s.address for s in stack.topology.sims), *compare_args]
         print("$ " + " ".join(cmd[1:]), flush=True)
         client_before = _children_cpu()

@@ -55,17 +55,12 @@ async def test_8080_splits_by_backend_weights(stack, session):
     assert abs(share - SHARE) <= TOLERANCE, share
 
 
-async def test_8081_splits_by_model_rewrite_weights(stack, session, request):
+async def test_8081_splits_by_model_rewrite_weights(stack, session):
     """The picker rewrites `qwq` to `qwq-canary` for 10 % of requests and only the canary group
     serves that name; every request must succeed."""
-    if len(stack.topology.llm_route) > 1:
-        # Known manifest problem, reproduced faithfully by the gateway: with weighted backendRefs
-        # on the 8081 HTTPRoute, Envoy draws the Service (cluster) first and applies the
-        # endpointOverride only inside it, so a request the picker sent to the canary lands on a
-        # stable leader ~90 % of the time, which does not serve `qwq-canary` (404).
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "overlays/a10-canary puts weighted backendRefs on the 8081 HTTPRoute; it needs one "
-            "backendRef whose Service selects every leader (the pool's selector)")))
+    # Envoy draws a weighted backendRef's Service before applying the endpoint override, so
+    # this only works with one 8081 backendRef selecting every leader (overlays/a10-canary).
+    assert len(stack.topology.llm_route) == 1
     results = await send_all(session, stack.config.llm_port)
     statuses = [status for status, _, _ in results]
     assert statuses.count(200) == N, {s: statuses.count(s) for s in set(statuses)}
