@@ -78,3 +78,6 @@ compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<
 
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
 	$(PY) -m local.gateway.bench
+
+bench-picker: setup ## benchmark the picker: decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
+	mkdir -p results && $(PY) -m picker.bench --json results/bench-picker.json

@@ -44,3 +44,15 @@ def test_two_engines_sum_queues_and_take_max_kv():
 def test_unusable_text_raises(text):
     with pytest.raises(MetricsParseError):
         parse_vllm_metrics(text)
+
+
+def test_label_escapes_spaces_and_timestamps():
+    text = ('vllm:num_requests_waiting{model_name="a\\"b\\\\c d",engine="0"} 3 1700000000000\n'
+            'vllm:num_requests_running 2\n')
+    m = parse_vllm_metrics(text)
+    assert m.models == {'a"b\\c d'} and (m.waiting, m.running) == (3, 2)
+
+
+def test_sim_style_page_with_both_kv_names_prefers_the_new_one():
+    text = metrics_text(kv=0.25) + 'vllm:gpu_cache_usage_perc{engine="0",model_name="qwq"} 0.99\n'
+    assert parse_vllm_metrics(text).kv_usage == 0.25

@@ -202,8 +202,9 @@ class Router:
             raise PickerError(404, f"no endpoint serves model {target!r}"
                               + (f" (rewritten from {model!r})" if target != model else ""),
                               "model_not_found", model, target)
+        oldest = now - self.settings.staleness
         for e in candidates:
-            self._mark_stale(e, now)
+            e.stale = e.scraped_at is None or e.scraped_at < oldest
         profile = self.profile
         if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
             if self.metrics is not None:
@@ -222,8 +223,10 @@ class Router:
         cached = ctx.cached_tokens(chosen.address)
         uncached = parsed.prompt_tokens - cached
         if ctx.hashes:
-            m = chosen.metrics
-            self.prefix.add(chosen.address, ctx.hashes, m.num_gpu_blocks if m else None)
+            # The server holds as many of our blocks as its KV cache has tokens for.
+            cap_tokens = chosen.metrics.kv_capacity_tokens if chosen.metrics else None
+            self.prefix.add(chosen.address, ctx.hashes,
+                            cap_tokens // profile.block_size_tokens if cap_tokens else None)
         self.avg_prompt_tokens += self.settings.avg_prompt_alpha * (uncached - self.avg_prompt_tokens)
         self.inflight[request_id] = add_inflight(chosen, uncached, now)
         out_body = body if target == model else rewrite_model(parsed, target)

