@@ -23,7 +23,8 @@ def _set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def strip_control_headers() -> ep.CommonResponse:
-    return ep.CommonResponse(header_mutation=ep.HeaderMutation(remove_headers=CONTROL_HEADERS[1:]))
+    """BUFFERED headers answer: drop every client-sent control header (the body answer sets ours)."""
+    return ep.CommonResponse(header_mutation=ep.HeaderMutation(remove_headers=CONTROL_HEADERS))
 
 
 def routing_common(endpoint: str, content_length: int | None) -> ep.CommonResponse:
