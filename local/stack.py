@@ -671,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from(args)
     # Ctrl-C and SIGTERM both unwind through Stack.start/stop, which stop every process group.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # also when started in the background (SIGINT ignored)
     try:
         if args.command == "demo":
             return demo(config, args.out, args.workload, rest)
