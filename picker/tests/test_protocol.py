@@ -198,3 +198,14 @@ async def test_concurrent_streams_all_routed(picker):
     dests = await asyncio.gather(*(one(i) for i in range(30)))
     assert set(dests) <= set(router.endpoints) and len(set(dests)) == 3
     await wait_for(lambda: not router.inflight)
+
+
+async def test_internal_error_is_a_500_answer_not_a_broken_stream(picker, monkeypatch):
+    router, stub, _, _ = picker
+
+    def broken(info):
+        raise RuntimeError("bug")
+    monkeypatch.setattr(router, "decide", broken)
+    call, answers = await c.send_full_duplex(stub, c.post_headers(), body())
+    imm = answers[-1].immediate_response
+    assert imm.status.code == 500 and json.loads(imm.body)["error"]["code"] == "internal_error"

@@ -125,6 +125,10 @@ class RequestStream:
             d = self.router.decide(info)
         except PickerError as err:
             return self._error(err)
+        except Exception:  # a bug must not leave Envoy without an answer: 500, logged in full
+            log.exception("decision failed", extra={"path": info.path})
+            return self._error(PickerError(500, "internal error in the endpoint picker",
+                                           "internal_error"))
         self.decision = d
         if log.isEnabledFor(logging.DEBUG):
             log.debug("decision", extra={"request_id": d.request_id, "model": d.model,
