@@ -8,7 +8,7 @@ model seconds.
 
 Fault options for tests: `error_rate` (fraction of completion requests answered 500),
 `metrics_delay` (seconds before /metrics answers), `metrics_fail` (/metrics answers 500),
-`stall_after` (after that many accepted requests the engine stops stepping: requests hang while
+`stall_after` (when one more request than that arrives, the engine stops stepping: requests hang while
 /health and /metrics keep answering, like a wedged GPU worker).
 """
 
@@ -82,7 +82,7 @@ class SimServer:
     @property
     def stalled(self) -> bool:
         s = self.faults.stall_after
-        return s is not None and self.accepted >= s
+        return s is not None and self.accepted > s
 
     # ----- the engine loop ---------------------------------------------------------------
 
@@ -109,6 +109,11 @@ class SimServer:
         self.wakeup = asyncio.Event()
         self.loop_task = asyncio.create_task(self.run_engine())
 
+    async def on_shutdown(self, app: web.Application) -> None:
+        """End every open request at once, so a stopping server does not wait for them."""
+        for queue in self.streams.values():
+            queue.put_nowait(None)
+
     async def on_cleanup(self, app: web.Application) -> None:
         if self.loop_task:
             self.loop_task.cancel()
@@ -125,6 +130,7 @@ class SimServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self.on_startup)
+        app.on_shutdown.append(self.on_shutdown)
         app.on_cleanup.append(self.on_cleanup)
         return app
 
@@ -238,7 +244,9 @@ class SimServer:
                                                        "Cache-Control": "no-cache"})
         await resp.prepare(request)
         while True:
-            out: StepOutput = await queue.get()
+            out: Optional[StepOutput] = await queue.get()
+            if out is None:                 # shutting down: cut the stream like a dying server
+                return resp
             await resp.write(ctx.sse(ctx.chunk(out)))
             if out.finished:
                 break
@@ -251,7 +259,9 @@ class SimServer:
     async def _collect(self, queue: asyncio.Queue, ctx: "_Response") -> web.Response:
         words = []
         while True:
-            out: StepOutput = await queue.get()
+            out: Optional[StepOutput] = await queue.get()
+            if out is None:
+                return _error(503, "the server is shutting down", "ServiceUnavailableError")
             words.append(ctx.word(out.num_output_tokens - 1))
             if out.finished:
                 break

@@ -1,0 +1,66 @@
+"""Tokenizer convention and the /metrics exposition."""
+
+import zlib
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from local.sim.engine import Engine
+from local.sim.metrics import cache_config_labels, render_gauges, render_metrics
+from local.sim.profiles import TINY
+from local.sim.tokens import chat_token_ids, count_chat_tokens, count_tokens, token_ids
+
+
+def test_one_word_one_stable_token():
+    assert count_tokens("  alpha beta\n gamma ") == 3
+    assert token_ids("alpha beta") == [token_ids("alpha")[0], token_ids("beta")[0]]
+    assert token_ids("alpha") == [zlib.crc32(b"alpha")] == [3504355690]  # CRC-32, stable across processes
+
+
+def test_chat_count_matches_template_ids():
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello there you"}]}]
+    assert count_chat_tokens(msgs) == len(chat_token_ids(msgs)) == 5 + 2 * 4 + 3
+
+
+def families(text):
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_metrics_names_types_labels_and_values():
+    t = [0.0]
+    engine = Engine(TINY, lambda: t[0])
+    engine.add_request("a", list(range(8)), max_tokens=2)
+    engine.add_request("b", list(range(100, 108)), max_tokens=2)
+    result = engine.step()
+    t[0] = result.end_time
+    fams = families(render_metrics(engine, "qwq"))
+    assert fams["vllm:num_requests_running"].type == "gauge"
+    assert fams["vllm:num_requests_running"].samples[0].value == 2
+    assert fams["vllm:num_requests_running"].samples[0].labels == {"model_name": "qwq",
+                                                                  "engine": "0"}
+    assert fams["vllm:kv_cache_usage_perc"].samples[0].value == 4 / 16
+    assert fams["vllm:gpu_cache_usage_perc"].samples[0].value == 4 / 16
+    info = fams["vllm:cache_config_info"].samples[0]
+    assert info.labels["block_size"] == "4" and info.labels["num_gpu_blocks"] == "16"
+    assert fams["vllm:prompt_tokens"].type == "counter"
+    assert fams["vllm:prompt_tokens"].samples[0].value == 16
+    assert fams["vllm:generation_tokens"].samples[0].value == 2
+    assert fams["vllm:prefix_cache_queries"].samples[0].name == "vllm:prefix_cache_queries_total"
+    ttft = fams["vllm:time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    count = [s for s in ttft.samples if s.name.endswith("_count")][0]
+    assert count.value == 2
+    for name in ("vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:num_requests_waiting",
+                 "vllm:request_success"):
+        assert name in fams
+
+
+def test_gauges_only_and_snapshot_render_agree():
+    engine = Engine(TINY, lambda: 0.0)
+    engine.add_request("a", list(range(8)), max_tokens=2)
+    engine.step()
+    quick = render_metrics(engine, "qwq", gauges_only=True)
+    assert "histogram" not in quick and "vllm:num_requests_running" in quick
+    assert quick == render_gauges("qwq", 1, 0, engine.kv_cache_usage(),
+                                  cache_config_labels(engine))
