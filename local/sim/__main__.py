@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds /metrics waits before answering")
     p.add_argument("--metrics-fail", action="store_true", help="/metrics answers HTTP 500")
     p.add_argument("--stall-after", type=int, metavar="N",
-                   help="after N accepted requests the engine stops making progress")
+                   help="serve N requests, then the engine stops making progress (a stall)")
     args = p.parse_args(argv)
     if not 0.0 <= args.error_rate <= 1.0:
         p.error("--error-rate must be in [0, 1]")

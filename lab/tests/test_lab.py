@@ -1,0 +1,101 @@
+"""Routing lab: determinism, result format, policy behaviour, the picker adapter."""
+
+import json
+import random
+
+import pytest
+
+from lab.__main__ import main as lab_main
+from lab.policies import LabEndpoint, LeastRequest, make_policy
+from lab.runner import LabConfig, prepare_requests, run_lab
+from local.sim.engine import Engine
+from local.sim.profiles import A10_QWQ32B
+from loadtest.workloads import build_workload
+
+N = 30
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return prepare_requests(build_workload("demo", seed=3, num_prompts=N), 16)
+
+
+def config(**kw):
+    return LabConfig(concurrency=kw.pop("concurrency", 15), seed=kw.pop("seed", 1), **kw)
+
+
+def test_same_seed_same_result(requests):
+    a = run_lab(requests, make_policy("random"), config()).summary
+    b = run_lab(requests, make_policy("random"), config()).summary
+    c = run_lab(requests, make_policy("random"), config(seed=2)).summary
+    assert a == b
+    assert a["per_endpoint"] != c["per_endpoint"]
+
+
+def test_result_has_vllm_fields_and_consistent_totals(requests):
+    run = run_lab(requests, make_policy("least-request"), config())
+    s = run.summary
+    assert s["completed"] == N and s["failed"] == 0
+    assert s["total_output_tokens"] == sum(r.max_tokens for r in requests)
+    assert s["total_input_tokens"] == sum(len(r.token_ids) for r in requests)
+    assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration"])
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert f"{stat}_{m}_ms" in s
+    # Unloaded lower bound: a prefill of >= 800 new tokens takes >= 2 stages x base time.
+    assert s["median_ttft_ms"] > 2 * A10_QWQ32B.stage_base_s * 1000
+    series = run.series["127.0.0.1:8101"]
+    assert len(series["t"]) > 5 and max(series["kv"]) > 0
+    assert len(series["t"]) == len(series["kv"]) == len(series["running"])
+
+
+def test_round_robin_spreads_exactly(requests):
+    run = run_lab(requests, make_policy("round-robin"), config())
+    assert [v["requests"] for v in run.per_endpoint.values()] == [10, 10, 10]
+
+
+def test_concurrency_limit_is_respected(requests):
+    one = run_lab(requests, make_policy("round-robin"), config(concurrency=1))
+    many = run_lab(requests, make_policy("round-robin"), config(concurrency=30))
+    starts_ends = sorted((s.start, s.end) for s in one.samples)
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(starts_ends, starts_ends[1:]))
+    assert many.summary["duration"] < one.summary["duration"]
+
+
+def test_least_request_prefers_the_less_loaded_and_keeps_first_on_ties():
+    eps = [LabEndpoint(i, f"e{i}", Engine(A10_QWQ32B)) for i in range(3)]
+    eps[0].inflight = 5
+    policy = LeastRequest()
+    policy.start(eps, lambda: 0.0, random.Random(7))
+    picks = [policy.pick(None).index for _ in range(900)]
+    # endpoint 0 wins only when both draws hit it: 1/9 of the time.
+    assert 60 < picks.count(0) < 140
+    eps[0].inflight = 0
+    rng_copy = random.Random(11)
+    policy.start(eps, lambda: 0.0, random.Random(11))
+    assert policy.pick(None).index == rng_copy.randrange(3)
+
+
+def test_picker_policy_uses_router_with_scrapes(requests):
+    policy = make_policy("picker")
+    run = run_lab(requests, policy, config())
+    assert run.summary["completed"] == N
+    assert policy.scrapes >= 3 and not policy.router.inflight   # every request reported done
+    assert sum(1 for v in run.per_endpoint.values() if v["requests"]) == 3
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest")
+
+
+def test_cli_run_writes_results(tmp_path, capsys):
+    rc = lab_main(["run", "--workload", "smoke", "--policy", "round-robin", "--policy",
+                   "least-request", "--seeds", "0", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["policies"]) == {"round-robin", "least-request"}
+    one = json.loads((tmp_path / "smoke-least-request-seed1.json").read_text())
+    assert one["completed"] == 12 and one["policy"] == "least-request"
+    assert (tmp_path / "smoke-round-robin-seed0.series.json").exists()
+    assert "round-robin" in capsys.readouterr().out
