@@ -26,6 +26,8 @@ bodies = st.one_of(
     st.integers(1, 3000).map(lambda n: b'{"model":"qwq","prompt":' + b"[" * n + b"]" * n + b"}"),
     st.text(max_size=200).map(lambda t: json.dumps({"model": "qwq", "prompt": t}).encode("utf-8", "surrogatepass")),
     st.binary(max_size=50).map(lambda b: b'{"model":"qwq","prompt":"' + b + b'"}'),
+    st.integers(1, 60_000).map(lambda n: b'{"model":"qwq","prompt":[' + b"7," * n + b'7]}'),  # huge
+    st.integers(1, 5000).map(lambda n: b'{"model":"qwq","max_tokens":1' + b"0" * n + b"}"),  # huge int
 )
 
 ROUTER = make_router(n=3, settings=RouterSettings(max_body_bytes=100_000))

@@ -32,6 +32,9 @@ class App:
                                     default_objective=args.default_objective),
             metrics=self.metrics)
         self.metrics.watch_router(self.router)
+        # Static objects are read before anything starts, so a broken file fails fast and clean.
+        self.static_objects = (load_objects(args.objects) if args.discovery == "static"
+                               and args.objects else ([], []))
         self.scraper = Scraper(self.router, args.scrape_interval)
         self.synced = False
         self.servers: Servers | None = None
@@ -50,8 +53,7 @@ class App:
     def _start_discovery(self) -> None:
         a = self.args
         if a.discovery == "static":
-            objectives, rewrites = load_objects(a.objects) if a.objects else ([], [])
-            self.apply(a.endpoints, objectives, rewrites)
+            self.apply(a.endpoints, *self.static_objects)
             self.synced = True
             return
         from picker.discovery.kubernetes import PoolState, api_watches, start_threads
@@ -116,11 +118,11 @@ class App:
 
 async def run(args: Namespace) -> None:
     app = App(args)
-    await app.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, app.request_stop)
     try:
+        await app.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, app.request_stop)
         await app.maintain()
     finally:
         await app.stop()
