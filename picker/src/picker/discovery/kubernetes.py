@@ -9,6 +9,7 @@ so each watch runs in a thread and PoolState.publish hands results to a callback
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -142,14 +143,17 @@ class ResourceWatch:
         self.relists += 1
         self.state.reset(self.kind, items)
 
-    def run_once(self) -> None:
+    def run_once(self) -> int:
         """Consume one watch stream from the current resourceVersion (listing first if needed).
 
-        Returns when the stream ends; raises WatchExpired on 410 (the caller lists again).
+        Returns the number of events when the stream ends; raises WatchExpired on 410 (the
+        caller lists again).
         """
         if self.resource_version is None:
             self.relist()
+        events = 0
         for event in self.watch_fn(self.resource_version):
+            events += 1
             etype = event.get("type")
             obj = event.get("raw_object") or event.get("object")
             if not isinstance(obj, dict):
@@ -163,12 +167,15 @@ class ResourceWatch:
                 continue
             if etype in ("ADDED", "MODIFIED", "DELETED"):
                 self.state.apply(self.kind, etype, obj)
+        return events
 
     def run(self, stop: threading.Event, backoff: float = 1.0) -> None:
         from kubernetes.client.exceptions import ApiException
         while not stop.is_set():
             try:
-                self.run_once()
+                started = time.monotonic()
+                if self.run_once() == 0 and time.monotonic() - started < 1.0:
+                    stop.wait(backoff)  # an API server ending empty watches at once: no hot loop
             except WatchExpired:
                 self.resource_version = None
             except ApiException as exc:
@@ -192,7 +199,8 @@ def api_watches(state: PoolState, namespace: str, timeout_seconds: int = 300) ->
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # $KUBECONFIG read now: the client reads it once at import time otherwise.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     core, custom = client.CoreV1Api(), client.CustomObjectsApi()
 
     def custom_list(group: str, version: str, plural: str) -> ListFn:
