@@ -99,3 +99,20 @@ def test_cli_run_writes_results(tmp_path, capsys):
     assert one["completed"] == 12 and one["policy"] == "least-request"
     assert (tmp_path / "smoke-round-robin-seed0.series.json").exists()
     assert "round-robin" in capsys.readouterr().out
+
+
+def test_request_rate_spreads_arrivals(requests):
+    run = run_lab(requests, make_policy("round-robin"),
+                  config(concurrency=None, request_rate=0.5))
+    starts = sorted(s.start for s in run.samples)
+    assert starts[0] > 0 and starts[-1] > 20        # 30 arrivals at 0.5/s: about 60 s apart
+    assert run.summary["completed"] == N
+
+
+def test_smoke_picker_beats_least_request_on_the_article_workload():
+    """Smoke version of the issue-6 benchmark: 1 seed, 120 of the article's 300 prompts."""
+    reqs = prepare_requests(build_workload("article", seed=0, num_prompts=120), 16)
+    least = run_lab(reqs, make_policy("least-request"), LabConfig(seed=0)).summary
+    picker = run_lab(reqs, make_policy("picker"), LabConfig(seed=0)).summary
+    assert least["completed"] == picker["completed"] == 120
+    assert picker["mean_ttft_ms"] < least["mean_ttft_ms"]
