@@ -174,3 +174,10 @@ def test_metrics_count_outcomes():
     assert reg.get_sample_value("picker_requests_total", {"model": "nope", "target_model": "nope", "code": "404"}) == 1
     assert reg.get_sample_value("picker_endpoint_inflight", {"endpoint": "10.0.0.1:8000"}) is not None
     assert reg.get_sample_value("picker_decision_duration_seconds_count") == 2
+
+
+def test_request_faults_are_reported_before_pool_state():
+    empty = make_router(scrape=False, settings=RouterSettings(max_body_bytes=50))
+    assert status_of(empty, req(b"{bad")) == (400, "invalid_json")
+    assert status_of(empty, req(body(prompt="x" * 100))) == (413, "body_too_large")
+    assert status_of(empty, req(body(prompt="x"))) == (503, "no_ready_endpoint")

@@ -180,20 +180,20 @@ class Router:
 
     def _decide(self, info: RequestInfo) -> Decision:
         now = self.clock()
+        body = info.body
+        if body and len(body) > self.settings.max_body_bytes:  # the request's own faults first
+            raise PickerError(413, f"request body of {len(body)} bytes exceeds the limit of "
+                                   f"{self.settings.max_body_bytes} bytes", "body_too_large")
+        parsed = parse_body(body) if body else None
         ready = self._ready(info.subset)
         if not ready:
             raise PickerError(503, "no ready endpoint in the pool", "no_ready_endpoint")
         objective, priority = self._objective(info.headers)
         request_id = self._request_id(info.headers)
-        body = info.body
-        if not body:  # bodiless (e.g. GET /v1/models): any ready endpoint
+        if parsed is None:  # bodiless (e.g. GET /v1/models): any ready endpoint
             chosen = self.rng.choice(ready)
             self.inflight[request_id] = add_inflight(chosen, 0, now)
             return Decision(chosen.address, request_id, "", "", b"", objective, priority)
-        if len(body) > self.settings.max_body_bytes:
-            raise PickerError(413, f"request body of {len(body)} bytes exceeds the limit of "
-                                   f"{self.settings.max_body_bytes} bytes", "body_too_large")
-        parsed = parse_body(body)
         model = parsed.model
         target = choose_target(find_rule(self.rewrites, model), model, self.rng) \
             if self.rewrites else model
