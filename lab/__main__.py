@@ -3,6 +3,7 @@
     python -m lab run --workload article --policy least-request --policy picker \\
         --seeds 0 1 2 3 4 --out results/lab
     python -m lab calibrate [--seeds 0 1 2 3 4]    # least request vs the article's 8080 figures
+    python -m lab plot results/lab                 # TTFT CDF per policy, KV usage over time
 
 `run` writes one JSON per (policy, seed) in vLLM's benchmark result format (plus lab fields),
 `<name>.series.json` with per-endpoint KV usage / running / waiting over virtual time, and
@@ -67,12 +68,14 @@ def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[di
             run = run_lab(requests, make_policy(name), config)
             run.summary.update(workload=args.workload, wall_seconds=time.perf_counter() - started)
             results[name].append(run.summary)
+            ttfts = [s.ttft for s in run.samples if s.success]
             print(f"  {args.workload} {name} seed {seed}: mean TTFT "
                   f"{run.summary['mean_ttft_ms']:.0f} ms, {run.summary['wall_seconds']:.1f} s wall",
                   file=sys.stderr, flush=True)
             if out is not None:
                 stem = f"{args.workload}-{name.replace(':', '_')}-seed{seed}"
-                (out / f"{stem}.json").write_text(json.dumps(run.summary, indent=1))
+                (out / f"{stem}.json").write_text(json.dumps({**run.summary, "ttfts": ttfts},
+                                                             indent=1))
                 (out / f"{stem}.series.json").write_text(json.dumps(run.series))
     return results
 
@@ -116,9 +119,19 @@ def main(argv=None) -> int:
     run_p = sub.add_parser("run", help="run policies x seeds and write results")
     _add_run_options(run_p, ["least-request"])
     run_p.add_argument("--out", required=True, type=Path)
+    run_p.add_argument("--plots", action="store_true", help="also write the plots into --out")
     cal_p = sub.add_parser("calibrate", help="least request on the article workload vs the article")
     _add_run_options(cal_p, ["least-request"])
+    plot_p = sub.add_parser("plot", help="plots from a `run` output folder")
+    plot_p.add_argument("folder", type=Path)
+    plot_p.add_argument("--seed", type=int, default=0, help="seed of the KV-usage plots")
     args = ap.parse_args(argv)
+
+    if args.cmd == "plot":
+        from lab.plots import plot_folder
+        for path in plot_folder(args.folder, args.seed):
+            print(path)
+        return 0
 
     if args.cmd == "calibrate":
         args.workload = "article"
@@ -136,6 +149,9 @@ def main(argv=None) -> int:
     text = table(agg, args.seeds)
     (args.out / "summary.md").write_text(f"# Lab: workload {args.workload}\n\n{text}\n")
     print(text)
+    if args.plots:
+        from lab.plots import plot_folder
+        plot_folder(args.out, args.seeds[0])
     return 0
 
 

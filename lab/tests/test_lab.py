@@ -91,7 +91,7 @@ def test_unknown_policy_is_a_clear_error():
 
 def test_cli_run_writes_results(tmp_path, capsys):
     rc = lab_main(["run", "--workload", "smoke", "--policy", "round-robin", "--policy",
-                   "least-request", "--seeds", "0", "1", "--out", str(tmp_path)])
+                   "least-request", "--seeds", "0", "1", "--out", str(tmp_path), "--plots"])
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["policies"]) == {"round-robin", "least-request"}
@@ -99,6 +99,9 @@ def test_cli_run_writes_results(tmp_path, capsys):
     assert one["completed"] == 12 and one["policy"] == "least-request"
     assert (tmp_path / "smoke-round-robin-seed0.series.json").exists()
     assert "round-robin" in capsys.readouterr().out
+    assert len(one["ttfts"]) == 12
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 1000
+    assert (tmp_path / "kv_least-request_seed0.png").exists()
 
 
 def test_request_rate_spreads_arrivals(requests):
