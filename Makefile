@@ -81,5 +81,9 @@ compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
 	$(PY) -m local.gateway.bench
 
-bench-picker: setup ## benchmark the picker: decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
+bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker: decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
 	mkdir -p results && $(PY) -m picker.bench --json results/bench-picker.json
+
+# The benchmark's load generator (Go: it must not eat the server's CPU); go.sum pins its modules.
+$(TOOLS)/picker-loadclient: picker/bench/loadclient/main.go picker/bench/loadclient/go.mod picker/bench/loadclient/go.sum
+	mkdir -p $(TOOLS) && cd picker/bench/loadclient && go build -o $(CURDIR)/$(TOOLS)/picker-loadclient .

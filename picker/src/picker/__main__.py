@@ -1,11 +1,10 @@
 """python -m picker ... (see config.py / README.md)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
-from picker.app import run
+from picker.app import run, run_loop
 from picker.config import parse_args
 from picker.observability.logs import setup_logging
 
@@ -14,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
     try:
-        asyncio.run(run(args))
+        run_loop(run(args))
     except ValueError as exc:  # bad profile, objects or certificates: a clear message, exit 2
         logging.getLogger("picker").error("configuration error", extra={"error": str(exc)})
         return 2

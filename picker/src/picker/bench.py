@@ -1,12 +1,18 @@
 """`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
 
-    python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64] [--json FILE]
+    python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64]
+                           [--modes buffered,full-duplex] [--rate 1000 --hold 0.064] [--json FILE]
 
 1. In-process: Router.decide() alone (what the routing lab pays per decision).
-2. Through gRPC: the picker's real server in a child process (plaintext, full-duplex mode, the
-   default profile, metrics refreshed in-process every 100 ms as if scraped); this process drives
-   it with `--streams` concurrent ext_proc streams, each sending headers + a ~4,000-token body
-   (shared 1,000-token prefix per tenant) and timing until the routing answer arrives.
+2. Through gRPC: the picker's real server (plaintext, default profile, Prometheus metrics on,
+   metrics pages fed in-process every 100 ms as if scraped) in a child process, driven by a
+   compiled load client (picker/bench/loadclient) playing Envoy: per request one ext_proc stream
+   with request_headers + request_body (~4,000-token prompt, 1,000-token prefix shared per tenant),
+   then response_headers. Latency = stream opened -> routing answer. Closed loop: `--streams`
+   streams back to back (maximum throughput). Open loop: `--rate` new streams/s, each open
+   `--hold` s (about rate x hold streams open at once). The server's CPU per decision is read
+   from /proc/<pid>/stat (all its threads). A null server (answers without deciding) shows
+   the cost of Python gRPC itself.
 3. Scraping: 64 fake vLLM /metrics pages (realistic size, histograms included) served by a child
    process; a second child runs the real Scraper at the default interval; its CPU time is reported.
 """
@@ -19,9 +25,14 @@ import multiprocessing as mp
 import os
 import random
 import resource
-import statistics
+import subprocess
+import tempfile
 import time
 
+# The load generator is compiled (picker/bench/loadclient, built by `make bench-picker`): a
+# Python client costs as much CPU per request as the server and would share its 2 cores.
+LOAD_CLIENT = os.environ.get("PICKER_LOADCLIENT", os.path.join(
+    os.path.dirname(__file__), "..", "..", "..", ".tools", "bin", "picker-loadclient"))
 SYSTEM_PROMPTS = [f"tenant {t} system prompt: " + "policy clause %d. " % t * 180 for t in range(8)]
 
 
@@ -47,10 +58,10 @@ def vllm_page(waiting: int, running: int, kv: float, model: str = "qwq") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _router(n: int, profile: str = "default"):
+def _router(n: int, profile: str = "default", metrics=None):
     from picker.core import Router
     from picker.scheduling.profile import load_profile
-    router = Router(load_profile(profile), rng=random.Random(1))
+    router = Router(load_profile(profile), rng=random.Random(1), metrics=metrics)
     addrs = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(n)]
     router.set_endpoints(addrs)
     return router, addrs
@@ -99,11 +110,14 @@ def bench_inprocess(n: int, count: int = 3000) -> dict:
 
 
 def _serve(n: int, port_queue) -> None:
-    """Child: the real gRPC server with a router fed synthetic scrapes every 100 ms."""
+    """Child: the real gRPC server (with its Prometheus metrics) and a router fed synthetic
+    scrapes every 100 ms, as the scraper would."""
+    from picker.app import run_loop
+    from picker.observability.metrics import PickerMetrics
     from picker.protocol.server import start_servers
 
     async def main():
-        router, addrs = _router(n)
+        router, addrs = _router(n, metrics=PickerMetrics())
         rng = random.Random(3)
         _refresh(router, addrs, rng)
         servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
@@ -111,122 +125,34 @@ def _serve(n: int, port_queue) -> None:
         while True:
             await asyncio.sleep(0.1)
             _refresh(router, addrs, rng)
-    asyncio.run(main())
-
-
-def _messages():
-    from envoy.config.core.v3 import base_pb2
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-
-    rng = random.Random(4)
-    hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in (
-        (":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])
-    head = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hdrs))
-    head.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED
-    bodies = [ep.ProcessingRequest(request_body=ep.HttpBody(body=_request_body(rng), end_of_stream=True))
-              for _ in range(200)]
-    resp_head = ep.ProcessingRequest(response_headers=ep.HttpHeaders(end_of_stream=True))
-    return head, bodies, resp_head
-
-
-async def _one_request(stub, msgs, i: int, hold: float, lat: list[float]) -> bool:
-    """One ext_proc stream as Envoy drives it; hold = time the response phase takes."""
-    head, bodies, resp_head = msgs
-    call = stub.Process()
-    await call.write(head)
-    t0 = time.perf_counter()
-    await call.write(bodies[i % len(bodies)])
-    first = await call.read()
-    lat.append(time.perf_counter() - t0)
-    ok = first.HasField("request_headers")
-    if ok:
-        await call.read()  # the echoed body
-    if hold:
-        await asyncio.sleep(hold)
-    if ok:
-        await call.write(resp_head)
-        await call.read()
-    await call.done_writing()
-    await call.read()
-    return ok
-
-
-async def _drive(port: int, streams: int, seconds: float) -> dict:
-    """Closed loop: `streams` streams back to back (maximum throughput; latency is queueing)."""
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-    msgs = _messages()
-    lat: list[float] = []
-    errors = 0
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = ep_grpc.ExternalProcessorStub(ch)
-        deadline = time.perf_counter() + seconds
-
-        async def worker(w: int):
-            nonlocal errors
-            i = w
-            while time.perf_counter() < deadline:
-                errors += not await _one_request(stub, msgs, i, 0.0, lat)
-                i += streams
-
-        t_start = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(streams)))
-        wall = time.perf_counter() - t_start
-    return {"decisions_per_s": len(lat) / wall, "p50_ms": 1000 * _pct(lat, 0.5),
-            "p99_ms": 1000 * _pct(lat, 0.99), "requests": len(lat), "errors": errors}
-
-
-async def _open_loop(port: int, rate: float, hold: float, seconds: float) -> dict:
-    """Open loop: a new request every 1/rate s, each stream kept open `hold` s for its response,
-    so about rate*hold streams are open at once (Envoy keeps one per in-flight HTTP request)."""
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-    msgs = _messages()
-    lat: list[float] = []
-    open_streams = peak = 0
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = ep_grpc.ExternalProcessorStub(ch)
-
-        async def one(i):
-            nonlocal open_streams, peak
-            open_streams += 1
-            peak = max(peak, open_streams)
-            try:
-                return await _one_request(stub, msgs, i, hold, lat)
-            finally:
-                open_streams -= 1
-
-        tasks = []
-        t0 = time.perf_counter()
-        i = 0
-        while (now := time.perf_counter()) < t0 + seconds:
-            target = t0 + i / rate
-            if target > now:
-                await asyncio.sleep(target - now)
-            tasks.append(asyncio.create_task(one(i)))
-            i += 1
-        results = await asyncio.gather(*tasks)
-    return {"offered_per_s": rate, "decisions_per_s": len(lat) / seconds, "p50_ms": 1000 * _pct(lat, 0.5),
-            "p99_ms": 1000 * _pct(lat, 0.99), "requests": len(lat), "errors": results.count(False),
-            "peak_open_streams": peak}
+    run_loop(main())
 
 
 def _serve_null(port_queue) -> None:
-    """Child: an ext_proc server that answers without deciding (the Python gRPC floor)."""
+    """Child: an ext_proc server that answers without deciding (the cost of Python gRPC itself)."""
     import grpc
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+    from picker.app import run_loop
     from picker.protocol import messages as msg
+    dest = "10.0.0.1:8000"
 
     class Null(ep_grpc.ExternalProcessorServicer):
         async def Process(self, it, ctx):
+            full_duplex = False
             async for req in it:
+                if req.HasField("protocol_config"):
+                    full_duplex = req.protocol_config.request_body_mode == pm.ProcessingMode.FULL_DUPLEX_STREAMED
                 kind = req.WhichOneof("request")
-                if kind == "request_body":
-                    yield msg.headers_response(msg.routing_common("10.0.0.1:8000", None), "10.0.0.1:8000")
+                if kind == "request_headers" and not full_duplex:
+                    yield msg.headers_response(msg.strip_control_headers())
+                elif kind == "request_body" and full_duplex:
+                    yield msg.headers_response(msg.routing_common(dest, None), dest)
                     for r in msg.streamed_body_responses(req.request_body.body):
                         yield r
+                elif kind == "request_body":
+                    yield msg.buffered_body_response(dest, None)
                 elif kind == "response_headers":
                     yield msg.response_headers_response()
 
@@ -237,16 +163,28 @@ def _serve_null(port_queue) -> None:
         await server.start()
         port_queue.put(port)
         await server.wait_for_termination()
-    asyncio.run(main())
+    run_loop(main())
 
 
 def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a whole process (all its threads, e.g. gRPC's poller)."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_grpc(n: int | None, streams: int, seconds: float, rate: float, hold: float) -> dict:
-    """n endpoints (None: the null server). Closed-loop maximum, then open-loop latency."""
+def _load_client(port: int, bodies: str, mode: str, seconds: float, streams: int = 64,
+                 rate: float = 0.0, hold: float = 0.0) -> dict:
+    cmd = [LOAD_CLIENT, "-addr", f"127.0.0.1:{port}", "-bodies", bodies, "-mode", mode,
+           "-seconds", str(seconds), "-streams", str(streams), "-warmup", "0",
+           "-rate", str(rate), "-hold", f"{hold}s"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 120)
+    return json.loads(out.stdout)
+
+
+def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rate: float, hold: float,
+               bodies: str) -> dict:
+    """n endpoints (None: the null server). Closed loop (`streams` streams back to back: the
+    maximum throughput), then open loop (`rate` new streams/s, each open `hold` s)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q))
@@ -254,15 +192,22 @@ def bench_grpc(n: int | None, streams: int, seconds: float, rate: float, hold: f
     proc.start()
     try:
         port = q.get(timeout=60)
-        asyncio.run(_drive(port, streams, 1.0))  # warm-up
-        cpu0 = _cpu_seconds(proc.pid)
-        closed = asyncio.run(_drive(port, streams, seconds))
-        closed["server_cpu_ms_per_request"] = 1000 * (_cpu_seconds(proc.pid) - cpu0) / max(1, closed["requests"])
-        opened = asyncio.run(_open_loop(port, rate, hold, seconds)) if rate else None
+        _load_client(port, bodies, mode, 1.0, streams)  # warm-up: connections, caches, prefix index
+        out = {"endpoints": n, "mode": mode}
+        runs = [("closed_loop", {"streams": streams})]
+        if rate:
+            runs.append(("open_loop", {"rate": rate, "hold": hold}))
+        for name, kw in runs:
+            cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
+            r = _load_client(port, bodies, mode, seconds, **kw)
+            cpu, wall = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - t0
+            r["server_cpu_ms_per_request"] = 1000 * cpu / max(1, r["requests"])
+            r["server_cpu_cores"] = cpu / wall
+            out[name] = r
     finally:
         proc.terminate()
         proc.join()
-    return {"endpoints": n, "streams": streams, "closed_loop": closed, "open_loop": opened}
+    return out
 
 
 def _fake_vllm_fleet(n: int, port_queue) -> None:
@@ -324,19 +269,31 @@ def bench_scrape(n: int, interval: float, seconds: float) -> dict:
     return out
 
 
+def _write_bodies(path: str, count: int = 200) -> None:
+    rng = random.Random(4)
+    with open(path, "wb") as f:
+        for _ in range(count):
+            f.write(_request_body(rng) + b"\n")
+
+
 def main() -> None:
     from picker.signals.scraper import DEFAULT_INTERVAL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--streams", type=int, default=64, help="closed-loop concurrent streams")
     p.add_argument("--endpoints", default="3,16,64")
-    p.add_argument("--rate", type=float, default=200.0, help="open-loop requests per second")
-    p.add_argument("--hold", type=float, default=0.5, help="open-loop seconds each stream stays open")
+    p.add_argument("--modes", default="buffered,full-duplex", help="request body modes to run")
+    p.add_argument("--rate", type=float, default=1000.0, help="open-loop new streams per second")
+    p.add_argument("--hold", type=float, default=0.064,
+                   help="open-loop seconds each stream stays open (rate x hold streams open at once)")
     p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL)
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
+    if not os.access(LOAD_CLIENT, os.X_OK):
+        raise SystemExit(f"{LOAD_CLIENT} not found: build it with `make bench-picker` "
+                         "(or set PICKER_LOADCLIENT)")
     sizes = [int(x) for x in a.endpoints.split(",")]
-    results = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+    results = {"machine": {"cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]},
                "inprocess": [], "grpc": [], "scrape": None}
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared machine?)")
     print("\nRouter.decide() in process (default profile, ~4,000-token prompts):")
@@ -345,29 +302,42 @@ def main() -> None:
         results["inprocess"].append(r)
         print(f"  {n:3d} endpoints: {r['decisions_per_s']:8.0f} decisions/s  "
               f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
-    print(f"\nthrough gRPC (plaintext, FULL_DUPLEX_STREAMED, ~24 KB bodies), {a.seconds:.0f} s per run:")
-    print(f"  closed loop = {a.streams} streams back to back (max throughput; latency is queueing)")
-    print(f"  open loop   = {a.rate:.0f} requests/s, each stream held {a.hold} s for its response")
-    for n in [None] + sizes:
-        r = bench_grpc(n, a.streams, a.seconds, 0 if n is None else a.rate, a.hold)
-        results["grpc"].append(r)
-        c, o = r["closed_loop"], r["open_loop"]
-        label = "null server" if n is None else f"{n:3d} endpoints"
-        line = (f"  {label:>13}: closed {c['decisions_per_s']:6.0f}/s p50 {c['p50_ms']:6.1f} ms "
-                f"p99 {c['p99_ms']:6.1f} ms, server CPU {c['server_cpu_ms_per_request']:.2f} ms/request")
-        if o:
-            line += (f" | open {o['decisions_per_s']:5.0f}/s p50 {o['p50_ms']:5.2f} ms p99 {o['p99_ms']:6.2f} ms"
-                     f" ({o['peak_open_streams']} streams open, {o['errors'] + c['errors']} errors)")
-        print(line)
+    print(f"\nthrough gRPC (plaintext, ~24 KB bodies, Go load client), {a.seconds:g} s per run; "
+          "latency = stream opened -> routing answer received")
+    print(f"  closed = {a.streams} streams back to back (max throughput; latency is mostly queueing)")
+    print(f"  open   = {a.rate:g} new streams/s, each held {a.hold:g} s for its response phase")
+    with tempfile.TemporaryDirectory() as tmp:
+        bodies = os.path.join(tmp, "bodies.jsonl")
+        _write_bodies(bodies)
+        for mode in a.modes.split(","):
+            print(f" {mode}:")
+            for n in [None] + sizes:
+                r = bench_grpc(n, mode, a.streams, a.seconds, a.rate, a.hold, bodies)
+                results["grpc"].append(r)
+                print("  " + _grpc_line(r))
     s = bench_scrape(64, a.scrape_interval, a.seconds)
     results["scrape"] = s
     print(f"\nscraping {s['endpoints']} endpoints every {s['interval_s']} s ({s['page_bytes']} B pages): "
           f"{s['scrapes_per_s']:.0f} scrapes/s, {s['cpu_cores']:.2f} CPU cores, "
           f"{s['cpu_ms_per_scrape']:.2f} ms CPU per scrape, {s['ready_endpoints']} ready")
+    results["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
     results["machine"]["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _grpc_line(r: dict) -> str:
+    c, o = r["closed_loop"], r.get("open_loop")
+    label = "null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints"
+    line = (f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s p50 {c['p50_ms']:6.1f} p99 "
+            f"{c['p99_ms']:6.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
+            f"({c['server_cpu_cores']:.2f} cores)")
+    if o:
+        line += (f" | open {o['decisions_per_s']:5.0f}/s p50 {o['p50_ms']:6.2f} p99 {o['p99_ms']:7.2f} ms, "
+                 f"server {o['server_cpu_ms_per_request']:.2f} ms CPU/decision")
+    errors = c["errors"] + (o["errors"] if o else 0)
+    return line + (f", {errors} errors ({(o or c).get('first_error') or c.get('first_error')})" if errors else "")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ class RequestStream:
         self.max_body_bytes = max_body_bytes
         self.headers: dict[str, str] = {}
         self.subset: list[str] | None = None
-        self.body = bytearray()
+        self.chunks: list[bytes] = []  # request body messages (joined once, at the end)
+        self.body_bytes = 0
         self.decision: Decision | None = None
         self.routed = False      # the request phase is answered
         self.finished = False    # an immediate response ended the stream
@@ -101,13 +102,14 @@ class RequestStream:
             return self._route(bodiless=True)
         if self.body_mode == FULL_DUPLEX:
             return []  # held until the body is complete
-        return [msg.headers_response(msg.strip_control_headers())]
+        return [msg.strip_headers_response()]
 
     def _request_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if self.routed:
             return []
-        self.body += b.body
-        if len(self.body) > self.max_body_bytes:
+        self.chunks.append(b.body)
+        self.body_bytes += len(b.body)
+        if self.body_bytes > self.max_body_bytes:
             return self._error(PickerError(
                 413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
                 "body_too_large"))
@@ -119,8 +121,8 @@ class RequestStream:
 
     def _route(self, bodiless: bool = False) -> list[ep.ProcessingResponse]:
         self.routed = True
-        info = RequestInfo(self.headers.get(":path", ""), self.headers,
-                           bytes(self.body) if self.body else None, self.subset)
+        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        info = RequestInfo(self.headers.get(":path", ""), self.headers, body or None, self.subset)
         try:
             d = self.router.decide(info)
         except PickerError as err:

@@ -15,6 +15,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 CONTROL_HEADERS = (DESTINATION_HEADER, SUBSET_HEADER, SERVED_HEADER)
 BODY_CHUNK_BYTES = 62_000  # the reference EPP's per-message limit for streamed bodies
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# Answers that never vary are built once (below) and shared by every stream: never mutate them.
 
 
 def _set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -25,6 +26,11 @@ def _set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
 def strip_control_headers() -> ep.CommonResponse:
     """BUFFERED headers answer: drop every client-sent control header (the body answer sets ours)."""
     return ep.CommonResponse(header_mutation=ep.HeaderMutation(remove_headers=CONTROL_HEADERS))
+
+
+def strip_headers_response() -> ep.ProcessingResponse:
+    """The BUFFERED headers answer (shared, built once)."""
+    return _STRIP_HEADERS
 
 
 def routing_common(endpoint: str, content_length: int | None) -> ep.CommonResponse:
@@ -70,10 +76,12 @@ def streamed_body_responses(body: bytes) -> list[ep.ProcessingResponse]:
     return out
 
 
+_EMPTY_REQUEST_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse()))
+_EMPTY_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
+
+
 def empty_body_response(response_phase: bool = False) -> ep.ProcessingResponse:
-    body = ep.BodyResponse(response=ep.CommonResponse())
-    return ep.ProcessingResponse(response_body=body) if response_phase else \
-        ep.ProcessingResponse(request_body=body)
+    return _EMPTY_RESPONSE_BODY if response_phase else _EMPTY_REQUEST_BODY
 
 
 def echo_response_body(chunk: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
@@ -82,14 +90,17 @@ def echo_response_body(chunk: bytes, end_of_stream: bool) -> ep.ProcessingRespon
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
 
 
+_RESPONSE_HEADERS = ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse()))
+_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
 def response_headers_response() -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse()))
+    return _RESPONSE_HEADERS
 
 
 def trailers_response(response_phase: bool) -> ep.ProcessingResponse:
-    tr = ep.TrailersResponse()
-    return ep.ProcessingResponse(response_trailers=tr) if response_phase else \
-        ep.ProcessingResponse(request_trailers=tr)
+    return _RESPONSE_TRAILERS if response_phase else _REQUEST_TRAILERS
 
 
 def immediate_response(status: int, body: bytes, code: str, details: str) -> ep.ProcessingResponse:
@@ -99,3 +110,6 @@ def immediate_response(status: int, body: bytes, code: str, details: str) -> ep.
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=headers, body=body,
         details=details[:200]))
+
+
+_STRIP_HEADERS = headers_response(strip_control_headers())
