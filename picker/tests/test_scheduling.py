@@ -80,6 +80,22 @@ def test_predicted_ttft_prefers_cached_prefix_over_slightly_shorter_queue():
     assert scorers.predicted_ttft_scorer()(c, [a, b])[0] == 1.0
 
 
+def test_predicted_ttft_miss_weight_keeps_affinity_against_a_longer_queue():
+    # a holds 3,000 of the 4,000 prompt tokens but has 4 requests waiting; b is idle and cold.
+    a, b = ep("a", waiting=4), ep("b")
+    c = ctx(prompt_tokens=4000, avg_prompt_tokens=1000, block_size_tokens=16,
+            hashes=list(range(250)), prefix_match={"a": 3000 // 16})
+    uncached_a = 4000 - (3000 // 16) * 16
+    assert scorers.predicted_ttft_cost(c, a, 0, 8192, 0) == 4000 + uncached_a
+    assert scorers.predicted_ttft_cost(c, b, 0, 8192, 0) == 4000
+    assert scorers.predicted_ttft_cost(c, a, 0, 8192, 0, miss_weight=3) == 4000 + 3 * uncached_a
+    assert scorers.predicted_ttft_cost(c, b, 0, 8192, 0, miss_weight=3) == 12000
+    plain = scorers.predicted_ttft_scorer(running_tokens=0)(c, [a, b])
+    weighted = scorers.predicted_ttft_scorer(running_tokens=0, miss_weight=3)(c, [a, b])
+    assert plain[1] == 1.0 and plain[0] < 1.0
+    assert weighted[0] == 1.0 and weighted[1] < 1.0
+
+
 def test_predicted_ttft_penalises_kv_that_cannot_admit_the_prompt():
     kw = dict(block_size=16, num_gpu_blocks=500)  # 8000 tokens
     full = ep("full", kv_usage=0.8, **kw)            # 1600 free

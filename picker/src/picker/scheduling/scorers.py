@@ -104,13 +104,17 @@ def lora_affinity_scorer() -> Scorer:
 
 
 def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens: float,
-                        kv_wait_tokens: float, output_reserve_tokens: int) -> float:
+                        kv_wait_tokens: float, output_reserve_tokens: int,
+                        miss_weight: float = 1.0) -> float:
     """Prefill work (in tokens) this request would wait for and do on endpoint e.
 
     queue ahead:  waiting requests (size unknown: the recent mean prompt) plus the prompt tokens
                   the picker sent since the last scrape (not yet in the server's numbers);
     batch:        running requests slow every engine step (running_tokens each);
-    own prefill:  prompt tokens not already in the endpoint's prefix cache;
+    own prefill:  prompt tokens not already in the endpoint's prefix cache, times miss_weight:
+                  in a loaded pool those tokens are also work every later request on that
+                  endpoint waits for, and their blocks displace other prompts' cached
+                  prefixes, so a miss costs the pool more than this request's own wait;
     admission:    if the KV cache cannot hold the uncached prompt now, a wait of kv_wait_tokens
                   plus the shortfall (requests must finish before blocks free up).
     """
@@ -119,7 +123,7 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
         return math.inf
     uncached = ctx.prompt_tokens - ctx.cached_tokens(e.address)
     ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
-    cost = ahead + m.running * running_tokens + uncached
+    cost = ahead + m.running * running_tokens + miss_weight * uncached
     capacity = m.kv_capacity_tokens
     if capacity:
         free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
@@ -132,10 +136,11 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
 
 
 def predicted_ttft_scorer(running_tokens: float = 16.0, kv_wait_tokens: float = 8192.0,
-                          output_reserve_tokens: int = 256) -> Scorer:
+                          output_reserve_tokens: int = 256, miss_weight: float = 1.0) -> Scorer:
     """Scores min_cost / cost over the candidates, cost = predicted_ttft_cost (+1 block)."""
     def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
-        costs = [predicted_ttft_cost(ctx, e, running_tokens, kv_wait_tokens, output_reserve_tokens)
+        costs = [predicted_ttft_cost(ctx, e, running_tokens, kv_wait_tokens, output_reserve_tokens,
+                                    miss_weight)
                  + ctx.block_size_tokens for e in eps]
         best = min(costs)
         if best == math.inf:
