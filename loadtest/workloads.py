@@ -54,12 +54,12 @@ PROFILES: dict[str, dict] = {
     # --num-prompts 300 --max-concurrency 30.
     "article": dict(kind="random", prefix_len=1000, input_len=4000, output_len=3000,
                     range_ratio=0.2, num_prompts=300, concurrency=30),
-    # Local demo against the simulator (3 groups, a10 profile: ~37.6k KV tokens per group): the
-    # article's concurrency 30 and long prompts (prompt tokens cost no stream chunks; they fill
-    # the KV cache, so requests queue and uneven prefill/KV load is what routing changes), short
-    # outputs so both ports finish in ~80 s at simulator speedup 20 (measured: ~1,300 SSE
-    # chunks/s, 2 cores shared).
-    "demo": dict(kind="random", prefix_len=1000, input_len=8000, output_len=300,
+    # Local demo (`make demo`): the article's workload with every length / 6, at its concurrency,
+    # against simulators whose KV capacity is / 6 too (local.stack DEMO_SCALE: 391 blocks per
+    # group), so requests wait for KV blocks as in the article, in ~1/6 of the time: ~256 s of
+    # model time per run, ~51 s at speedup 5, ~1,200 SSE chunks/s. Against full-size simulators
+    # (`make up`) it barely loads them.
+    "demo": dict(kind="random", prefix_len=166, input_len=666, output_len=500,
                  range_ratio=0.2, num_prompts=200, concurrency=30),
     # Seconds-long sanity run.
     "smoke": dict(kind="random", prefix_len=16, input_len=64, output_len=16,
@@ -67,10 +67,16 @@ PROFILES: dict[str, dict] = {
     # Legacy vLLM defaults for the random dataset.
     "random": dict(kind="random", prefix_len=0, input_len=1024, output_len=128,
                    range_ratio=1.0, num_prompts=1000, concurrency=None),
-    # Multi-tenant shared system prompts (shape of inference-perf's shared_prefix).
-    "shared-prefix": dict(kind="shared-prefix", num_groups=6, users_per_group=10,
-                          system_prompt_len=2000, question_len=200, output_len=200,
-                          num_prompts=240, concurrency=15),
+    # Multi-tenant shared system prompts, shaped like the llm-d prefix-cache benchmarks (many
+    # customers x a few users, long system prompts, questions 1/5 of the prompt) and sized on
+    # the a10 profile (37.6k KV tokens per group, 3 groups): 12 tenants x 4,000 tokens = 48k
+    # distinct prefix tokens, more than one group's KV cache (so a group that serves every
+    # tenant keeps evicting system prompts) but well within the pool's 113k (a group that
+    # serves a third of the tenants keeps theirs, 16k tokens, plus the KV of its ~10 running
+    # requests). Concurrency 30 (the article's) queues: prefill is the bottleneck.
+    "shared-prefix": dict(kind="shared-prefix", num_groups=12, users_per_group=5,
+                          system_prompt_len=4000, question_len=800, output_len=300,
+                          num_prompts=400, concurrency=30),
     # ShareGPT file by path (no download): build_workload("sharegpt", path="...").
     "sharegpt": dict(kind="sharegpt", path=None, output_len=None, num_prompts=300,
                      concurrency=30),

@@ -67,10 +67,16 @@ PROFILES: dict[str, dict] = {
     # Legacy vLLM defaults for the random dataset.
     "random": dict(kind="random", prefix_len=0, input_len=1024, output_len=128,
                    range_ratio=1.0, num_prompts=1000, concurrency=None),
-    # Multi-tenant shared system prompts (shape of inference-perf's shared_prefix).
-    "shared-prefix": dict(kind="shared-prefix", num_groups=6, users_per_group=10,
-                          system_prompt_len=2000, question_len=200, output_len=200,
-                          num_prompts=240, concurrency=15),
+    # Multi-tenant shared system prompts, shaped like the llm-d prefix-cache benchmarks (many
+    # customers x a few users, long system prompts, questions 1/5 of the prompt) and sized on
+    # the a10 profile (37.6k KV tokens per group, 3 groups): 12 tenants x 4,000 tokens = 48k
+    # distinct prefix tokens, more than one group's KV cache (so a group that serves every
+    # tenant keeps evicting system prompts) but well within the pool's 113k (a group that
+    # serves a third of the tenants keeps theirs, 16k tokens, plus the KV of its ~10 running
+    # requests). Concurrency 30 (the article's) queues: prefill is the bottleneck.
+    "shared-prefix": dict(kind="shared-prefix", num_groups=12, users_per_group=5,
+                          system_prompt_len=4000, question_len=800, output_len=300,
+                          num_prompts=400, concurrency=30),
     # ShareGPT file by path (no download): build_workload("sharegpt", path="...").
     "sharegpt": dict(kind="sharegpt", path=None, output_len=None, num_prompts=300,
                      concurrency=30),
