@@ -87,3 +87,12 @@ bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker: decision
 # The benchmark's load generator (Go: it must not eat the server's CPU); go.sum pins its modules.
 $(TOOLS)/picker-loadclient: picker/bench/loadclient/main.go picker/bench/loadclient/go.mod picker/bench/loadclient/go.sum
 	mkdir -p $(TOOLS) && cd picker/bench/loadclient && go build -o $(CURDIR)/$(TOOLS)/picker-loadclient .
+
+# Routing lab (lab/): virtual time, 3 simulated A10 groups; results/lab-<workload>/summary.{json,md} + PNGs.
+LAB_SEEDS    ?= 0 1 2 3 4
+LAB_POLICIES ?= --policy least-request --policy picker --policy picker-upstream
+.PHONY: lab
+lab: setup ## routing lab: article + shared-prefix workloads, least request vs picker default vs upstream-default, 5 seeds, plots -> results/lab-<workload>/
+	for w in article shared-prefix; do \
+		$(PY) -m lab run --workload $$w $(LAB_POLICIES) --seeds $(LAB_SEEDS) --out results/lab-$$w --plots || exit 1; \
+	done

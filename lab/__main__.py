@@ -27,6 +27,8 @@ from lab.runner import LabConfig, prepare_requests, run_lab
 
 TABLE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
               "output_throughput", "total_token_throughput", "duration", "failed")
+COMPARE_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")
+BASELINE = "least-request"   # the 8080 route: Envoy Gateway's least request
 
 # The article's 8080 run (Envoy Gateway least request), REFERENCE.md §10.
 ARTICLE_8080 = {"mean_ttft_ms": 10909.0, "median_ttft_ms": 2446.0, "p99_ttft_ms": 119309.0,
@@ -46,6 +48,16 @@ def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) ->
     p.add_argument("--engine-profile", default="a10-qwq32b", choices=sorted(ENGINE_PROFILES))
     p.add_argument("--num-gpu-blocks", type=int, help="override the engine profile's KV capacity")
     p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt")
+
+
+def run_settings(args) -> dict:
+    """What was run: the workload's settings and the lab's, for the machine-readable summary."""
+    extra = {"path": args.sharegpt_path} if args.workload == "sharegpt" else {}
+    settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
+    settings["concurrency"] = args.concurrency or settings.get("concurrency")
+    settings["request_rate"] = "inf" if np.isinf(args.request_rate) else args.request_rate
+    return {"workload": settings, "engines": args.engines, "engine_profile": args.engine_profile,
+            "num_gpu_blocks": args.num_gpu_blocks or get_profile(args.engine_profile).num_gpu_blocks}
 
 
 def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
@@ -81,15 +93,32 @@ def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[di
 
 
 def aggregate(results: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
-    """policy -> key -> {mean, std, min, max} over seeds."""
+    """policy -> key -> {mean, std, min, max, values} over seeds (std with ddof 0)."""
     agg = {}
     for policy, runs in results.items():
         agg[policy] = {}
         for key in TABLE_KEYS:
             vals = np.array([r[key] for r in runs], dtype=float)
             agg[policy][key] = {"mean": float(vals.mean()), "std": float(vals.std()),
-                                "min": float(vals.min()), "max": float(vals.max())}
+                                "min": float(vals.min()), "max": float(vals.max()),
+                                "values": vals.tolist()}
     return agg
+
+
+def versus(agg: dict[str, dict[str, dict]], baseline: str = BASELINE) -> dict[str, dict]:
+    """policy -> key -> change of the mean against the baseline policy, in % (and the ratio)."""
+    if baseline not in agg:
+        return {}
+    out = {}
+    for policy, stats in agg.items():
+        if policy == baseline:
+            continue
+        out[policy] = {}
+        for key in COMPARE_KEYS:
+            base, mine = agg[baseline][key]["mean"], stats[key]["mean"]
+            out[policy][key] = {"change_pct": (mine - base) / base * 100 if base else None,
+                                "baseline_over_policy": base / mine if mine else None}
+    return out
 
 
 def table(agg: dict[str, dict[str, dict]], seeds: list[int]) -> str:
@@ -99,6 +128,15 @@ def table(agg: dict[str, dict[str, dict]], seeds: list[int]) -> str:
     for policy, stats in agg.items():
         cells = [f"{stats[k]['mean']:.1f} ± {stats[k]['std']:.1f}" for k in TABLE_KEYS]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    changes = versus(agg)
+    if changes:
+        lines += ["", f"change of the mean against {BASELINE}", "",
+                  "| policy | " + " | ".join(COMPARE_KEYS) + " | mean TTFT ratio |",
+                  "|---" * (len(COMPARE_KEYS) + 2) + "|"]
+        for policy, ch in changes.items():
+            cells = [f"{ch[k]['change_pct']:+.1f} %" for k in COMPARE_KEYS]
+            ratio = ch["mean_ttft_ms"]["baseline_over_policy"]
+            lines.append(f"| {policy} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     return "\n".join(lines)
 
 
@@ -145,7 +183,8 @@ def main(argv=None) -> int:
     results = run_matrix(args, policies, args.out)
     agg = aggregate(results)
     (args.out / "summary.json").write_text(json.dumps(
-        {"workload": args.workload, "seeds": args.seeds, "policies": agg}, indent=1))
+        {"workload": args.workload, "seeds": args.seeds, "settings": run_settings(args),
+         "baseline": BASELINE, "policies": agg, "versus_baseline": versus(agg)}, indent=1))
     text = table(agg, args.seeds)
     (args.out / "summary.md").write_text(f"# Lab: workload {args.workload}\n\n{text}\n")
     print(text)

@@ -95,6 +95,12 @@ def test_cli_run_writes_results(tmp_path, capsys):
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["policies"]) == {"round-robin", "least-request"}
+    assert summary["settings"]["workload"]["num_prompts"] == 12
+    lr, rr = (summary["policies"][p]["mean_ttft_ms"] for p in ("least-request", "round-robin"))
+    assert len(rr["values"]) == 2 and rr["mean"] == pytest.approx(sum(rr["values"]) / 2)
+    change = summary["versus_baseline"]["round-robin"]["mean_ttft_ms"]["change_pct"]
+    assert change == pytest.approx((rr["mean"] - lr["mean"]) / lr["mean"] * 100)
+    assert "least-request" not in summary["versus_baseline"]
     one = json.loads((tmp_path / "smoke-least-request-seed1.json").read_text())
     assert one["completed"] == 12 and one["policy"] == "least-request"
     assert (tmp_path / "smoke-round-robin-seed0.series.json").exists()
