@@ -1,7 +1,7 @@
 """`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
 
     python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64]
-                           [--modes buffered,full-duplex] [--rate 1000 --hold 0.064] [--json FILE]
+                           [--modes buffered,full-duplex] [--rates 250,1000 --hold 0.064] [--json FILE]
 
 1. In-process: Router.decide() alone (what the routing lab pays per decision).
 2. Through gRPC: the picker's real server (plaintext, default profile, Prometheus metrics on,
@@ -9,7 +9,7 @@
    compiled load client (picker/bench/loadclient) playing Envoy: per request one ext_proc stream
    with request_headers + request_body (~4,000-token prompt, 1,000-token prefix shared per tenant),
    then response_headers. Latency = stream opened -> routing answer. Closed loop: `--streams`
-   streams back to back (maximum throughput). Open loop: `--rate` new streams/s, each open
+   streams back to back (maximum throughput). Open loop: each of `--rates` new streams/s, each open
    `--hold` s (about rate x hold streams open at once). The server's CPU per decision is read
    from /proc/<pid>/stat (all its threads). A null server (answers without deciding) shows
    the cost of Python gRPC itself.
@@ -181,10 +181,10 @@ def _load_client(port: int, bodies: str, mode: str, seconds: float, streams: int
     return json.loads(out.stdout)
 
 
-def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rate: float, hold: float,
-               bodies: str) -> dict:
+def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: list[float],
+               hold: float, bodies: str) -> dict:
     """n endpoints (None: the null server). Closed loop (`streams` streams back to back: the
-    maximum throughput), then open loop (`rate` new streams/s, each open `hold` s)."""
+    maximum throughput), then open loop at each rate (new streams/s, each open `hold` s)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q))
@@ -193,17 +193,19 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rate: flo
     try:
         port = q.get(timeout=60)
         _load_client(port, bodies, mode, 1.0, streams)  # warm-up: connections, caches, prefix index
-        out = {"endpoints": n, "mode": mode}
-        runs = [("closed_loop", {"streams": streams})]
-        if rate:
-            runs.append(("open_loop", {"rate": rate, "hold": hold}))
+        out = {"endpoints": n, "mode": mode, "open_loop": []}
+        runs = [("closed_loop", {"streams": streams})] + [
+            ("open_loop", {"rate": rate, "hold": hold}) for rate in rates]
         for name, kw in runs:
             cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
             r = _load_client(port, bodies, mode, seconds, **kw)
             cpu, wall = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - t0
             r["server_cpu_ms_per_request"] = 1000 * cpu / max(1, r["requests"])
             r["server_cpu_cores"] = cpu / wall
-            out[name] = r
+            if name == "open_loop":
+                out[name].append({"offered_per_s": kw["rate"], **r})
+            else:
+                out[name] = r
     finally:
         proc.terminate()
         proc.join()
@@ -283,7 +285,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=64, help="closed-loop concurrent streams")
     p.add_argument("--endpoints", default="3,16,64")
     p.add_argument("--modes", default="buffered,full-duplex", help="request body modes to run")
-    p.add_argument("--rate", type=float, default=1000.0, help="open-loop new streams per second")
+    p.add_argument("--rates", default="250,1000", help="open-loop new streams per second (list)")
     p.add_argument("--hold", type=float, default=0.064,
                    help="open-loop seconds each stream stays open (rate x hold streams open at once)")
     p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL)
@@ -305,14 +307,15 @@ def main() -> None:
     print(f"\nthrough gRPC (plaintext, ~24 KB bodies, Go load client), {a.seconds:g} s per run; "
           "latency = stream opened -> routing answer received")
     print(f"  closed = {a.streams} streams back to back (max throughput; latency is mostly queueing)")
-    print(f"  open   = {a.rate:g} new streams/s, each held {a.hold:g} s for its response phase")
+    rates = [float(x) for x in a.rates.split(",") if x]
+    print(f"  open   = {a.rates} new streams/s, each held {a.hold:g} s for its response phase")
     with tempfile.TemporaryDirectory() as tmp:
         bodies = os.path.join(tmp, "bodies.jsonl")
         _write_bodies(bodies)
         for mode in a.modes.split(","):
             print(f" {mode}:")
             for n in [None] + sizes:
-                r = bench_grpc(n, mode, a.streams, a.seconds, a.rate, a.hold, bodies)
+                r = bench_grpc(n, mode, a.streams, a.seconds, rates, a.hold, bodies)
                 results["grpc"].append(r)
                 print("  " + _grpc_line(r))
     s = bench_scrape(64, a.scrape_interval, a.seconds)
@@ -328,16 +331,20 @@ def main() -> None:
 
 
 def _grpc_line(r: dict) -> str:
-    c, o = r["closed_loop"], r.get("open_loop")
+    c = r["closed_loop"]
     label = "null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints"
-    line = (f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s p50 {c['p50_ms']:6.1f} p99 "
-            f"{c['p99_ms']:6.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
-            f"({c['server_cpu_cores']:.2f} cores)")
-    if o:
-        line += (f" | open {o['decisions_per_s']:5.0f}/s p50 {o['p50_ms']:6.2f} p99 {o['p99_ms']:7.2f} ms, "
-                 f"server {o['server_cpu_ms_per_request']:.2f} ms CPU/decision")
-    errors = c["errors"] + (o["errors"] if o else 0)
-    return line + (f", {errors} errors ({(o or c).get('first_error') or c.get('first_error')})" if errors else "")
+    lines = [f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s p50 {c['p50_ms']:7.1f} p99 "
+             f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
+             f"({c['server_cpu_cores']:.2f} cores){_errors(c)}"]
+    for o in r["open_loop"]:
+        lines.append(f"{'':>13}  open {o['offered_per_s']:5.0f}/s offered: {o['decisions_per_s']:5.0f}/s "
+                     f"p50 {o['p50_ms']:7.1f} p99 {o['p99_ms']:7.1f} ms, server "
+                     f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_errors(o)}")
+    return "\n  ".join(lines)
+
+
+def _errors(r: dict) -> str:
+    return f", {r['errors']} errors ({r.get('first_error')})" if r["errors"] else ""
 
 
 if __name__ == "__main__":
