@@ -60,8 +60,9 @@ up: setup ## start the local stack in the background (simulators, picker, gatewa
 down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
-demo: setup ## start the stack, compare 8080 vs 8081 on the demo workload (article-style table), stop it
-	$(PY) -m local.stack demo --name demo --groups $(GROUPS) --speedup $(SPEEDUP)
+DEMO_ARGS ?=
+demo: setup ## start the stack, compare 8080 vs 8081 on the article workload scaled / 6 (speedup 5, ~4 min), print the table, stop it
+	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 LT_HOST      ?= 127.0.0.1
@@ -80,6 +81,9 @@ compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<
 
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
 	$(PY) -m local.gateway.bench
+
+bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck, gateway; 10-20 min) -> BENCHMARKS.md
+	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker: decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
 	mkdir -p results && $(PY) -m picker.bench --json results/bench-picker.json

@@ -65,6 +65,12 @@ class StackConfig:
     picker_metrics_port: int = 9090
     profile: str = "default"
     message_timeout: float | None = None  # None: the EnvoyExtensionPolicy's messageTimeout
+    # The picker's scrape interval and staleness in MODEL seconds (None: the picker's own defaults,
+    # which are meant for real time). The launcher divides them by the speedup, so the picker sees
+    # the simulated engines as often, in model time, as it would see real ones (see picker_timing).
+    picker_scrape_interval: float | None = None
+    picker_staleness: float | None = None
+    kv_scale: int = 1  # simulators get the profile's KV capacity / kv_scale (the demo uses DEMO_SCALE)
     sim_args: list[str] = field(default_factory=list)
     picker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -216,6 +222,52 @@ def _objects(docs: list[dict]) -> list[dict]:
     return objects
 
 
+# -- picker timing in model time ---------------------------------------------------------------
+
+# Below this the picker and the simulators would spend a large part of the 2 cores on /metrics
+# alone, which distorts latencies: a simulator needs ~1.5 ms of CPU to render one page, so 3
+# endpoints every 20 ms (the demo at speedup 5) already cost ~0.2 cores in the simulators.
+MIN_WALL_SCRAPE_INTERVAL = 0.02
+
+
+@dataclass(frozen=True)
+class PickerTiming:
+    scrape_interval: float  # wall seconds, what the picker is started with
+    staleness: float        # wall seconds
+    model_scrape_interval: float  # what that is in model seconds (x speedup)
+    model_staleness: float
+
+
+def picker_timing(config: StackConfig) -> PickerTiming | None:
+    """The picker's scrape interval and staleness in wall time for this speedup.
+
+    The simulators run `speedup` times faster than real time, but the picker's timers run in wall
+    time: left at its defaults (0.1 s, 1 s) at speedup 20 it would scrape every 2 s of model time,
+    20 x less often than in production, and route on older numbers than it ever would. So the
+    launcher divides both by the speedup (staleness keeps its ratio to the interval), with a floor
+    on the interval (MIN_WALL_SCRAPE_INTERVAL). None when picker_args set either one explicitly
+    (the end-to-end tests do): then the caller's wall-time values apply unchanged.
+    """
+    if any(a.split("=")[0] in ("--scrape-interval", "--staleness") for a in config.picker_args):
+        return None
+    from picker.config import parser as picker_parser
+
+    defaults = picker_parser()
+    model_interval = config.picker_scrape_interval or defaults.get_default("scrape_interval")
+    model_staleness = config.picker_staleness or defaults.get_default("staleness")
+    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, model_interval / config.speedup)
+    wall_staleness = model_staleness * wall_interval / model_interval
+    return PickerTiming(wall_interval, wall_staleness, wall_interval * config.speedup,
+                        wall_staleness * config.speedup)
+
+
+def picker_timing_args(config: StackConfig) -> list[str]:
+    timing = picker_timing(config)
+    if timing is None:
+        return []
+    return ["--scrape-interval", f"{timing.scrape_interval:.6g}", "--staleness", f"{timing.staleness:.6g}"]
+
+
 # -- processes ---------------------------------------------------------------------------------
 
 def _env() -> dict[str, str]:
@@ -353,7 +405,7 @@ class Stack:
             cmd = [py, "-m", "local.sim", "--host", c.host, "--port", str(sim.port)]
             for n in sim.served_model_names:
                 cmd += ["--served-model-name", n]
-            cmd += ["--speedup", str(c.speedup), "--seed", str(c.seed + i), *c.sim_args]
+            cmd += ["--speedup", str(c.speedup), "--seed", str(c.seed + i), *kv_scale_args(c), *c.sim_args]
             procs.append(Proc(f"sim-{sim.port}", cmd, str(run / f"sim-{sim.port}.log"),
                               f"http:http://{sim.address}/health"))
         endpoints = ",".join(s.address for s in topo.sims)
@@ -362,7 +414,7 @@ class Stack:
                   "--secure-serving" if c.picker_tls else "--no-secure-serving",
                   "--discovery", "static", "--endpoints", endpoints, "--objects", str(objects),
                   "--profile", c.profile, "--request-body-mode", c.body_mode, "--bind", c.host,
-                  *c.picker_args]
+                  *picker_timing_args(c), *c.picker_args]
         procs.append(Proc("picker", picker, str(run / "picker.log"),
                           f"grpc:{c.host}:{c.picker_health_port}"))
         gateway = [py, "-m", "local.gateway", "--host", c.host, "--http-port", str(c.http_port),
@@ -559,10 +611,36 @@ def describe(stack: Stack) -> str:
         lines.append(f"  simulator  {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     lines.append(f"  picker     ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if c.picker_tls else 'plaintext'}), "
                  f"health {c.picker_health_port}, metrics http://{c.host}:{c.picker_metrics_port}/metrics")
+    timing = picker_timing(c)
+    if timing is not None:
+        lines.append(f"             scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "
+                     f"{timing.model_scrape_interval:g} s model time (speedup {c.speedup:g}), "
+                     f"staleness {timing.model_staleness:g} s model time")
     lines.append(f"  gateway    http://{c.host}:{c.http_port} (least request), "
                  f"http://{c.host}:{c.llm_port} (picker, {c.body_mode}, fail-{c.fail_mode}), "
                  f"stats http://{c.host}:{c.admin_port}/gateway/stats")
     return "\n".join(lines)
+
+
+# `make demo` runs the article's workload scaled down by DEMO_SCALE: every length / DEMO_SCALE
+# (loadtest/workloads.py "demo") on simulators with the KV capacity / DEMO_SCALE, at the article's
+# concurrency. Queueing for KV blocks, which is what routing changes, then happens as in the
+# article, in 1/DEMO_SCALE of the time (measured in the lab: least request vs picker within a few
+# points of the full-size gap). DEMO_SPEEDUP keeps the SSE chunk rate ~1,200/s, low enough that
+# the stack's CPU use does not distort latencies on 2 cores (see GATEWAY.md, "make demo").
+DEMO_SCALE = 6
+DEMO_SPEEDUP = 5.0
+DEMO_SIM_PROFILE = "a10-qwq32b"  # the simulator's default profile
+
+
+def kv_scale_args(config: StackConfig) -> list[str]:
+    if config.kv_scale <= 1 or "--num-gpu-blocks" in config.sim_args:
+        return []
+    from local.sim.profiles import get_profile
+
+    profile = config.sim_args[config.sim_args.index("--profile") + 1] if "--profile" in config.sim_args \
+        else DEMO_SIM_PROFILE
+    return ["--num-gpu-blocks", str(get_profile(profile).num_gpu_blocks // config.kv_scale)]
 
 
 def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str]) -> int:
@@ -618,7 +696,13 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--name", default="local", help="run folder runs/<name>")
         if name in ("up", "demo"):
             s.add_argument("--groups", type=int, default=3, help="simulated vLLM groups (stable)")
-            s.add_argument("--speedup", type=float, default=20.0, help="simulator time speedup")
+            s.add_argument("--speedup", type=float, default=DEMO_SPEEDUP if name == "demo" else 20.0,
+                           help="simulator time speedup (default: 20 for up, 5 for demo)")
+            s.add_argument("--scrape-interval", type=float, dest="picker_scrape_interval",
+                           help="picker scrape interval in MODEL seconds (default: the picker's, "
+                                "0.1); the picker gets it divided by the speedup")
+            s.add_argument("--staleness", type=float, dest="picker_staleness",
+                           help="picker staleness in MODEL seconds (default: the picker's, 1.0)")
             s.add_argument("--seed", type=int, default=0)
             s.add_argument("--body-mode", choices=["buffered", "full-duplex"], default="buffered")
             s.add_argument("--response-body-mode", choices=["skip", "none", "streamed", "full-duplex"])
@@ -637,6 +721,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
             s.add_argument("--startup-timeout", type=float, default=60.0)
+            s.add_argument("--kv-scale", type=int, default=DEMO_SCALE if name == "demo" else 1,
+                           help="simulators get the profile's KV capacity / this (default: 1 for up, "
+                                f"{DEMO_SCALE} for demo, whose workload is the article's / {DEMO_SCALE})")
         if name == "up":
             s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the stack")
         if name == "demo":
@@ -653,7 +740,9 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port, admin_port=args.admin_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
         picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],
-        picker_args=[a for x in args.picker_arg for a in x.split()], startup_timeout=args.startup_timeout)
+        picker_args=[a for x in args.picker_arg for a in x.split()], startup_timeout=args.startup_timeout,
+        picker_scrape_interval=args.picker_scrape_interval, picker_staleness=args.picker_staleness,
+        kv_scale=args.kv_scale)
 
 
 def _interrupt(signum, frame):

@@ -1,6 +1,6 @@
 """Benchmark of the gateway's streaming path: SSE events per second through 8080 and 8081.
 
-    python -m local.gateway.bench [--streams 32] [--requests 256] [--events 200]
+    python -m local.gateway.bench [--streams 32] [--requests 256] [--events 200] [--json FILE]
 
 Starts, on free loopback ports: a fast fake vLLM upstream (one SSE event per write, no model
 time), the real picker (static discovery, plaintext) and the gateway, each in its own process;
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -111,8 +112,10 @@ def cpu(p: subprocess.Popen) -> float:
     return t.user + t.system
 
 
-async def run(args) -> None:
+async def run(args) -> dict:
     up, http, llm, admin, grpc_port, health, metrics = free_ports(7)
+    result = {"streams": args.streams, "requests": args.requests, "events_per_stream": args.events,
+              "cpus": psutil.cpu_count(), "load_average_start": psutil.getloadavg()[0], "listeners": []}
     py = sys.executable
     procs = [spawn([py, "-m", "local.gateway.bench", "--serve-upstream", str(up), "--events", str(args.events)])]
     try:
@@ -139,10 +142,14 @@ async def run(args) -> None:
                                                     args.requests)
                 g, p = cpu(gateway) - g0, cpu(picker) - p0
                 print(f"{name:<28} {events / seconds:>10,.0f} {1000 * g / events:>20.3f} {1000 * p / events:>19.3f}")
+                result["listeners"].append({"listener": name, "events_per_s": events / seconds,
+                                            "gateway_cpu_s_per_1k_events": 1000 * g / events,
+                                            "picker_cpu_s_per_1k_events": 1000 * p / events})
             stop_groups([picker.pid, gateway.pid])
             procs = procs[:1]
     finally:
         stop_groups([p.pid for p in procs])
+    return result
 
 
 def main() -> None:
@@ -150,12 +157,16 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--events", type=int, default=200)
+    p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_upstream:
         serve_upstream(args.serve_upstream, args.events)
-    else:
-        asyncio.run(run(args))
+        return
+    result = asyncio.run(run(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -86,3 +86,44 @@ def test_down_stops_the_recorded_process_group(tmp_path):
     assert child.wait(timeout=10) is not None
     assert not (run / "state.json").exists()
     assert st.down("x", run_root=tmp_path) == 0  # nothing left: still fine
+
+
+def test_picker_scrapes_at_the_production_interval_in_model_time():
+    timing = st.picker_timing(StackConfig(speedup=5))
+    assert timing.scrape_interval == pytest.approx(0.02) and timing.staleness == pytest.approx(0.2)
+    assert timing.model_scrape_interval == pytest.approx(0.1) and timing.model_staleness == pytest.approx(1.0)
+    args = st.picker_timing_args(StackConfig(speedup=5, picker_scrape_interval=0.5, picker_staleness=2.0))
+    assert args == ["--scrape-interval", "0.1", "--staleness", "0.4"]
+
+
+def test_picker_scrape_interval_has_a_wall_time_floor_and_keeps_the_staleness_ratio():
+    timing = st.picker_timing(StackConfig(speedup=100))
+    assert timing.scrape_interval == st.MIN_WALL_SCRAPE_INTERVAL
+    assert timing.staleness / timing.scrape_interval == pytest.approx(10.0)
+    assert timing.model_scrape_interval == pytest.approx(st.MIN_WALL_SCRAPE_INTERVAL * 100)
+
+
+def test_explicit_picker_timing_args_are_left_alone():
+    config = StackConfig(speedup=100, picker_args=["--scrape-interval", "0.2"])
+    assert st.picker_timing(config) is None and st.picker_timing_args(config) == []
+
+
+def test_kv_scale_divides_the_simulator_capacity():
+    from local.sim.profiles import get_profile
+
+    full = get_profile(st.DEMO_SIM_PROFILE).num_gpu_blocks
+    assert st.kv_scale_args(StackConfig(kv_scale=st.DEMO_SCALE)) == ["--num-gpu-blocks", str(full // st.DEMO_SCALE)]
+    assert st.kv_scale_args(StackConfig()) == []
+    assert st.kv_scale_args(StackConfig(kv_scale=6, sim_args=["--num-gpu-blocks", "99"])) == []
+
+
+def test_demo_defaults_scale_the_article_workload():
+    from loadtest.workloads import PROFILES
+
+    args = st.parser().parse_args(["demo"])
+    assert args.speedup == st.DEMO_SPEEDUP and args.kv_scale == st.DEMO_SCALE
+    assert st.parser().parse_args(["up"]).kv_scale == 1
+    article, demo = PROFILES["article"], PROFILES["demo"]
+    for key in ("prefix_len", "input_len", "output_len"):
+        assert demo[key] == article[key] // st.DEMO_SCALE
+    assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]
