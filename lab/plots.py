@@ -16,9 +16,17 @@ import numpy as np  # noqa: E402
 
 
 def _runs(folder: Path) -> list[tuple[Path, dict]]:
+    """The folder's result files; when summary.json is there, only the runs it summarises (an
+    earlier run into the same folder may have left files of other policies or seeds)."""
+    wanted = None
+    summary = folder / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        wanted = {f"{s['workload']}-{policy.replace(':', '_')}-seed{seed}.json"
+                  for policy in s.get("policies", {}) for seed in s.get("seeds", [])}
     out = []
     for path in sorted(folder.glob("*-seed*.json")):
-        if path.name.endswith(".series.json"):
+        if path.name.endswith(".series.json") or (wanted is not None and path.name not in wanted):
             continue
         out.append((path, json.loads(path.read_text())))
     if not out:
