@@ -22,7 +22,7 @@ import numpy as np
 
 from loadtest.workloads import PROFILES as WORKLOADS, build_workload, profile_settings
 from local.sim.profiles import PROFILES as ENGINE_PROFILES, get_profile
-from lab.policies import make_policy
+from lab.policies import file_name, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
 TABLE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
@@ -85,7 +85,7 @@ def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[di
                   f"{run.summary['mean_ttft_ms']:.0f} ms, {run.summary['wall_seconds']:.1f} s wall",
                   file=sys.stderr, flush=True)
             if out is not None:
-                stem = f"{args.workload}-{name.replace(':', '_')}-seed{seed}"
+                stem = f"{args.workload}-{file_name(name)}-seed{seed}"
                 (out / f"{stem}.json").write_text(json.dumps({**run.summary, "ttfts": ttfts},
                                                              indent=1))
                 (out / f"{stem}.series.json").write_text(json.dumps(run.series))

@@ -14,6 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lab.policies import file_name  # noqa: E402
+
 
 def _runs(folder: Path) -> list[tuple[Path, dict]]:
     """The folder's result files; when summary.json is there, only the runs it summarises (an
@@ -22,7 +24,7 @@ def _runs(folder: Path) -> list[tuple[Path, dict]]:
     summary = folder / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
-        wanted = {f"{s['workload']}-{policy.replace(':', '_')}-seed{seed}.json"
+        wanted = {f"{s['workload']}-{file_name(policy)}-seed{seed}.json"
                   for policy in s.get("policies", {}) for seed in s.get("seeds", [])}
     out = []
     for path in sorted(folder.glob("*-seed*.json")):
@@ -71,7 +73,7 @@ def plot_kv_series(folder: Path, seed: int = 0) -> list[Path]:
         ax.set_ylim(0, 1.02)
         ax.set_title(f"KV usage per group: {run['policy']}, seed {seed}")
         ax.legend(fontsize=8)
-        out = folder / f"kv_{run['policy'].replace(':', '_')}_seed{seed}.png"
+        out = folder / f"kv_{file_name(run['policy'])}_seed{seed}.png"
         fig.tight_layout()
         fig.savefig(out, dpi=110)
         plt.close(fig)

@@ -14,6 +14,7 @@ Policies that read the engines' /metrics (the picker) override `scrape_interval`
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -116,6 +117,11 @@ class LeastRequest(Policy):
 
 
 BASIC_POLICIES = {p.name: p for p in (RoundRobin, RandomChoice, LeastRequest)}
+
+
+def file_name(policy: str) -> str:
+    """A policy name made safe for a file name: `picker:/x/my.yaml` -> `picker_x_my.yaml`."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", policy)
 
 
 def make_policy(name: str, **options) -> Policy:

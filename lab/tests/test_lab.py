@@ -141,3 +141,17 @@ def test_smoke_picker_keeps_tenant_affinity_on_the_shared_prefix_workload():
     assert least.summary["completed"] == picker.summary["completed"] == 150
     assert hit_rate(picker) > hit_rate(least) + 0.2
     assert picker.summary["mean_ttft_ms"] < least.summary["mean_ttft_ms"] / 2
+
+
+def test_cli_runs_a_profile_file_and_names_its_results_safely(tmp_path):
+    profile = tmp_path / "profiles" / "mine.yaml"
+    profile.parent.mkdir()
+    profile.write_text("name: mine\nscorers: [{type: queue, weight: 1}]\npicker: {type: max-score}\n")
+    out = tmp_path / "out"
+    rc = lab_main(["run", "--workload", "smoke", "--policy", f"picker:{profile}", "--out",
+                   str(out), "--plots"])
+    assert rc == 0
+    results = [p.name for p in out.glob("smoke-picker_*-seed0.json")]
+    assert len(results) == 1 and "/" not in results[0] and results[0].endswith("mine.yaml-seed0.json")
+    assert json.loads((out / results[0]).read_text())["completed"] == 12
+    assert len(list(out.glob("kv_picker_*mine.yaml_seed0.png"))) == 1
