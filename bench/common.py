@@ -1,0 +1,85 @@
+"""Shared helpers: where results go, machine facts, running a command and timing it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "results" / "bench"
+PY = sys.executable
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    paths = [str(REPO), str(REPO / "picker" / "src")]
+    if e.get("PYTHONPATH"):
+        paths.append(e["PYTHONPATH"])
+    e["PYTHONPATH"] = os.pathsep.join(paths)
+    e.setdefault("PYTHONUNBUFFERED", "1")
+    return e
+
+
+def machine() -> dict:
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gb = int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": cpu_model or platform.processor(),
+            "memory_gb": round(mem_gb, 1) if mem_gb else None, "python": platform.python_version(),
+            "kernel": platform.release()}
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def run(cmd: list[str], log: Path | None = None, check: bool = True) -> float:
+    """Run cmd from the repo root (output to log, or inherited); returns its wall seconds."""
+    print("$ " + shlex.join(cmd), flush=True)
+    started = time.monotonic()
+    if log is None:
+        rc = subprocess.call(cmd, cwd=REPO, env=env())
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            rc = subprocess.call(cmd, cwd=REPO, env=env(), stdout=f, stderr=subprocess.STDOUT)
+    wall = time.monotonic() - started
+    if check and rc != 0:
+        where = f"; output in {log}" if log else ""
+        raise RuntimeError(f"{shlex.join(cmd)} exited with {rc}{where}")
+    return wall
+
+
+def save(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path.relative_to(REPO)}", flush=True)
+    return path
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def stamp() -> dict:
+    return {"finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average_end": load_average()}

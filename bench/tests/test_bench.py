@@ -1,0 +1,50 @@
+"""bench: conversion of HTTP results to model time, the crosscheck verdict, the report from saved JSONs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import common, crosscheck, report
+
+
+def http_result(mean_ttft_ms: float) -> dict:
+    return {"num_prompts": 150, "completed": 300, "failed": 0, "unfinished": 0, "duration": 80.0,
+            "output_throughput": 1000.0, "mean_ttft_ms": mean_ttft_ms, "median_ttft_ms": 100.0,
+            "p99_ttft_ms": 2000.0, "mean_tpot_ms": 25.0}
+
+
+def test_http_results_are_converted_to_model_time_per_run():
+    r = crosscheck.to_model_time(http_result(400.0), speedup=5)
+    assert r["mean_ttft_ms"] == 2000.0 and r["mean_tpot_ms"] == 125.0
+    assert r["output_throughput"] == 200.0
+    assert r["duration"] == 200.0  # 80 s wall over 2 repetitions, x 5
+
+
+def stats(mean_ttft: float) -> dict:
+    return {k: mean_ttft if k == "mean_ttft_ms" else 100.0 for k in crosscheck.KEYS}
+
+
+def test_verdict_checks_order_and_tolerance():
+    http = {"least-request": stats(3000), "picker": stats(2000)}
+    ok = crosscheck.verdict(http, {"least-request": stats(2500), "picker": stats(1600)})
+    assert ok["same_order"] and ok["within_tolerance"]
+    assert ok["lab_vs_http_mean_ttft"]["picker"] == pytest.approx(-0.2)
+    far = crosscheck.verdict(http, {"least-request": stats(2000), "picker": stats(1400)})
+    assert far["same_order"] and not far["within_tolerance"]  # least request -33 %
+    flipped = crosscheck.verdict(http, {"least-request": stats(2000), "picker": stats(2500)})
+    assert not flipped["same_order"]
+
+
+def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    agg = lambda v: {k: {"mean": v, "std": 1.0} for k, _ in report.LAB_KEYS}  # noqa: E731
+    summary = {"policies": {"least-request": agg(10000.0), "picker": agg(5000.0)}}
+    (tmp_path / "lab-article.json").write_text(json.dumps({"summary": summary, "wall_s": 60.0}))
+    text = report.write()
+    assert "| article 8080 | 10,909 |" in text and "| article 8081 | 7,336 |" in text
+    assert "| mean TTFT | -50.0 % | -32.8 % | at least -40 % |" in text
+    assert "## Validation time\n\n(not run)" in text
+    assert (tmp_path / "BENCHMARKS.md").read_text() == text
