@@ -90,6 +90,20 @@ async def wait(check, what: str, timeout: float = 30) -> None:
         await asyncio.sleep(0.1)
 
 
+async def wait_routable(url: str, timeout: float = 30) -> None:
+    """Until the picker has scraped the upstream once, 8081 answers 503 (no ready endpoint)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.post(url, json={"model": "qwq", "prompt": "hi", "stream": True}) as r:
+                await r.read()
+                if r.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} still answers {r.status} after {timeout:g} s")
+            await asyncio.sleep(0.1)
+
+
 async def stream_load(url: str, streams: int, requests: int) -> tuple[int, float]:
     events = 0
     sem = asyncio.Semaphore(streams)
@@ -127,7 +141,10 @@ async def run(args) -> dict:
             picker = spawn([py, "-m", "picker", "--grpc-port", str(grpc_port), "--health-port", str(health),
                             "--metrics-port", str(metrics), "--no-secure-serving", "--discovery", "static",
                             "--endpoints", f"127.0.0.1:{up}", "--request-body-mode", mode, "--bind", "127.0.0.1",
-                            "--log-level", "warning"])
+                            "--log-level", "warning",
+                            # The fake upstream's event loop is busy streaming, so its /metrics can
+                            # answer late; this measures streaming, not freshness: lenient timers.
+                            "--scrape-interval", "0.5", "--staleness", "10"])
             gateway = spawn([py, "-m", "local.gateway", "--endpoints", f"127.0.0.1:{up}", "--http-port", str(http),
                              "--llm-port", str(llm), "--admin-port", str(admin), "--picker", f"127.0.0.1:{grpc_port}",
                              "--body-mode", mode, "--log-level", "WARNING"])
@@ -137,6 +154,7 @@ async def run(args) -> dict:
             listeners = [("http", http)] if mode == "buffered" else []
             listeners.append((f"llm-gw ({mode})", llm))
             for name, port in listeners:
+                await wait_routable(f"http://127.0.0.1:{port}/v1/completions")
                 g0, p0 = cpu(gateway), cpu(picker)
                 events, seconds = await stream_load(f"http://127.0.0.1:{port}/v1/completions", args.streams,
                                                     args.requests)
