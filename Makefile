@@ -95,8 +95,9 @@ $(TOOLS)/picker-loadclient: picker/bench/loadclient/main.go picker/bench/loadcli
 # Routing lab (lab/): virtual time, 3 simulated A10 groups; results/lab-<workload>/summary.{json,md} + PNGs.
 LAB_SEEDS    ?= 0 1 2 3 4
 LAB_POLICIES ?= --policy least-request --policy picker --policy picker-upstream
+LAB_OUT      ?= results
 .PHONY: lab
 lab: setup ## routing lab: article + shared-prefix workloads, least request vs picker default vs upstream-default, 5 seeds, plots -> results/lab-<workload>/
 	for w in article shared-prefix; do \
-		$(PY) -m lab run --workload $$w $(LAB_POLICIES) --seeds $(LAB_SEEDS) --out results/lab-$$w --plots || exit 1; \
+		$(PY) -m lab run --workload $$w $(LAB_POLICIES) --seeds $(LAB_SEEDS) --out $(LAB_OUT)/lab-$$w --plots || exit 1; \
 	done
