@@ -1,27 +1,13 @@
-"""Command line: `python -m loadtest compare ...`, `report DIR`, `sync-k8s`.
+"""Command line: `python -m loadtest compare ...`, `report DIR`.
 
 Locust (and with it gevent's monkey-patching) is imported only for `compare`.
 """
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-from pathlib import Path
 
 from loadtest.workloads import PROFILES
-
-HERE = Path(__file__).resolve().parent
-# What the in-cluster locust needs (the locustfile and what it imports): copied to k8s/code/.
-K8S_CODE = ["__init__.py", "locustfile.py", "metrics.py", "openai_api.py", "plan.py",
-            "workloads.py"]
-
-
-def sync_k8s(code_dir: Path = HERE / "k8s" / "code") -> list[Path]:
-    """Copy the locust modules into loadtest/k8s/code/ (kustomize's configMapGenerator)."""
-    code_dir.mkdir(parents=True, exist_ok=True)
-    return [Path(shutil.copyfile(HERE / name, code_dir / name)) for name in K8S_CODE]
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
@@ -61,7 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="rewrite report.md and the plots of a results folder")
     r.add_argument("folder")
 
-    sub.add_parser("sync-k8s", help="copy the locustfile and its modules to loadtest/k8s/code/")
     return parser
 
 
@@ -70,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from loadtest.report import write_report
         print(write_report(args.folder))
-        return 0
-    if args.command == "sync-k8s":
-        for path in sync_k8s():
-            print(f"copied {path}")
         return 0
     if args.repetitions < 1 or (args.concurrency is not None and args.concurrency < 1):
         print("error: --repetitions and --concurrency must be >= 1", file=sys.stderr)

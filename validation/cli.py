@@ -31,7 +31,7 @@ def parse_args(argv):
     root = Path.cwd()
     p = argparse.ArgumentParser(prog="python -m validation", description=__doc__)
     p.add_argument("targets", nargs="*", help="directories to render (default: every base, overlay, "
-                   "Argo CD folder and app path, loadtest/k8s)")
+                   "Argo CD folder and app path, loadtest)")
     p.add_argument("--root", type=Path, default=root, help="repository root (default: current directory)")
     p.add_argument("--crds-dir", type=Path, default=None, help="pinned CRD copies (default: $CRDS_DIR, "
                    "../shared/crds, .cache/crds)")

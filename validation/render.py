@@ -135,8 +135,8 @@ def discover_targets(root: Path) -> list[str]:
     for parent in ("base", "overlays", "argocd"):
         for kfile in sorted((root / parent).glob("*/kustomization.yaml")):
             targets.append(kfile.parent.relative_to(root).as_posix())
-    if (root / "loadtest/k8s/kustomization.yaml").is_file():
-        targets.append("loadtest/k8s")
+    if (root / "loadtest/kustomization.yaml").is_file():
+        targets.append("loadtest")
     return targets
 
 

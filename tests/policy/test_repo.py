@@ -10,7 +10,7 @@ from validation import policy
 from validation.render import kustomize
 from tests.policy.conftest import ROOT, find
 
-MANIFEST_DIRS = ["base", "overlays", "components", "argocd", "loadtest/k8s"]
+MANIFEST_DIRS = ["base", "overlays", "components", "argocd", "loadtest"]
 
 
 def manifest_files(root):
