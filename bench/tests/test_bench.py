@@ -45,6 +45,7 @@ def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):
     (tmp_path / "lab-article.json").write_text(json.dumps({"summary": summary, "wall_s": 60.0}))
     text = report.write()
     assert "| article 8080 | 10,909 |" in text and "| article 8081 | 7,336 |" in text
-    assert "| mean TTFT | -50.0 % | -32.8 % | at least -40 % |" in text
+    assert "| mean TTFT | -50.0 % | -32.8 % | at least -40 % | yes |" in text
+    assert "| output tok/s | -50.0 % | +1.7 % | not lower | no |" in text
     assert "## Validation time\n\n(not run)" in text
     assert (tmp_path / "BENCHMARKS.md").read_text() == text
