@@ -193,7 +193,7 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
     try:
         port = q.get(timeout=60)
         _load_client(port, bodies, mode, 1.0, streams)  # warm-up: connections, caches, prefix index
-        out = {"endpoints": n, "mode": mode, "open_loop": []}
+        out = {"endpoints": n, "mode": mode, "open_loops": []}
         runs = [("closed_loop", {"streams": streams})] + [
             ("open_loop", {"rate": rate, "hold": hold}) for rate in rates]
         for name, kw in runs:
@@ -203,9 +203,11 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
             r["server_cpu_ms_per_request"] = 1000 * cpu / max(1, r["requests"])
             r["server_cpu_cores"] = cpu / wall
             if name == "open_loop":
-                out[name].append({"offered_per_s": kw["rate"], **r})
+                out["open_loops"].append({"offered_per_s": kw["rate"], **r})
             else:
                 out[name] = r
+        if out["open_loops"]:  # the highest offered rate (the target), as one summary entry
+            out["open_loop"] = out["open_loops"][-1]
     finally:
         proc.terminate()
         proc.join()
@@ -336,7 +338,7 @@ def _grpc_line(r: dict) -> str:
     lines = [f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s p50 {c['p50_ms']:7.1f} p99 "
              f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
              f"({c['server_cpu_cores']:.2f} cores){_errors(c)}"]
-    for o in r["open_loop"]:
+    for o in r["open_loops"]:
         lines.append(f"{'':>13}  open {o['offered_per_s']:5.0f}/s offered: {o['decisions_per_s']:5.0f}/s "
                      f"p50 {o['p50_ms']:7.1f} p99 {o['p99_ms']:7.1f} ms, server "
                      f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_errors(o)}")
