@@ -63,19 +63,20 @@ def picker_section(d: dict | None) -> list[str]:
     out = ["## Picker decision throughput and latency", "",
            "Command: `make bench-picker` (`python -m picker.bench`, see picker/README.md): `Router.decide()` in "
            "process; the real gRPC server driven by a compiled ext_proc load client (closed loop: streams back "
-           "to back; open loop: a fixed rate of new streams); the CPU cost of scraping. The article has no "
-           "figures for this.", "",
+           "to back; open loop: a fixed rate of new streams; offered above what the server can decide, the "
+           "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", "",
            "| in process | decisions/s | p50 ms | p99 ms |", "|---|---|---|---|"]
     for x in r.get("inprocess", []):
         out.append(f"| {x['endpoints']} endpoints | {_f(x['decisions_per_s'])} | {x['p50_ms']:.3f} | {x['p99_ms']:.3f} |")
     out += ["", "| through gRPC | mode | closed loop decisions/s | p50 ms | p99 ms | server CPU ms/decision | "
-                "open loop offered/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+                "open loop offered/s | achieved/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r.get("grpc", []):
         c, o = x.get("closed_loop") or {}, x.get("open_loop") or {}
         label = "null server" if x.get("endpoints") is None else f"{x['endpoints']} endpoints"
         out.append(f"| {label} | {x.get('mode', '')} | {_f(c.get('decisions_per_s'))} | {_f(c.get('p50_ms'), 1)} | "
                    f"{_f(c.get('p99_ms'), 1)} | {_f(c.get('server_cpu_ms_per_request'), 2)} | "
-                   f"{_f(o.get('offered_per_s'))} | {_f(o.get('p50_ms'), 2)} | {_f(o.get('p99_ms'), 2)} |")
+                   f"{_f(o.get('offered_per_s'))} | {_f(o.get('decisions_per_s'))} | {_f(o.get('p50_ms'), 2)} | "
+                   f"{_f(o.get('p99_ms'), 2)} | {(c.get('errors') or 0) + (o.get('errors') or 0)} |")
     s = r.get("scrape")
     if s:
         out += ["", f"Scraping {s.get('endpoints')} endpoints every {s.get('interval_s')} s: "
