@@ -50,9 +50,7 @@ validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (de
 
 test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
-	$(PY) -m pytest -q picker/tests
-	$(PY) -m pytest -q local/tests lab/tests loadtest/tests
-	$(PY) -m pytest -q tests/e2e
+	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
 
 up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP)

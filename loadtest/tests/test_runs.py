@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, env_with_repo
+from loadtest.tests.conftest import REPO, env_with_repo
 from loadtest.metrics import read_samples
 from loadtest.workloads import build_workload
 

@@ -10,9 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from picker.app import App
 from picker.config import parse_args
 
-from . import extproc_client as c
-from .helpers import body
-from .test_scraper import FakeVllm, until
+import extproc_client as c
+from helpers import body
+from test_scraper import FakeVllm, until
 
 OBJECTIVES = """\
 apiVersion: llm-d.ai/v1alpha2

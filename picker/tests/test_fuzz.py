@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from picker.core import PickerError, RequestInfo, RouterSettings
 from picker.protocol.server import start_servers
 
-from . import extproc_client as c
-from .helpers import body, make_router
+import extproc_client as c
+from helpers import body, make_router
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=50),

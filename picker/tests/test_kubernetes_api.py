@@ -8,7 +8,7 @@ from aiohttp import web
 
 from picker.discovery.kubernetes import PoolState, api_watches, start_threads
 
-from .test_kubernetes_discovery import POOL, pod
+from test_kubernetes_discovery import POOL, pod
 
 PATHS = {
     "pool": "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools",

@@ -2,7 +2,7 @@ import pytest
 
 from picker.signals.metrics import MetricsParseError, parse_vllm_metrics
 
-from .helpers import metrics_text
+from helpers import metrics_text
 
 
 def test_parses_load_cache_config_and_model():

@@ -11,8 +11,8 @@ from picker.discovery.objects import Objective, Rewrite, RewriteRule
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import start_servers
 
-from . import extproc_client as c
-from .helpers import body, make_router, metrics_text
+import extproc_client as c
+from helpers import body, make_router, metrics_text
 
 DEST = "x-gateway-destination-endpoint"
 

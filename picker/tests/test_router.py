@@ -8,7 +8,7 @@ from picker.core import PickerError, RequestInfo, RouterSettings
 from picker.discovery.objects import Objective, Rewrite, RewriteRule
 from picker.observability.metrics import PickerMetrics
 
-from .helpers import FakeClock, body, make_router, metrics_text
+from helpers import FakeClock, body, make_router, metrics_text
 
 
 def req(b, headers=None, subset=None, path="/v1/completions"):

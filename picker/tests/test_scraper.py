@@ -5,7 +5,7 @@ from aiohttp import web
 
 from picker.signals.scraper import Scraper
 
-from .helpers import make_router, metrics_text
+from helpers import make_router, metrics_text
 
 
 class FakeVllm:
