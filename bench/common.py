@@ -11,19 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+from local.stack import python_env
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results" / "bench"
 PY = sys.executable
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    paths = [str(REPO), str(REPO / "picker" / "src")]
-    if e.get("PYTHONPATH"):
-        paths.append(e["PYTHONPATH"])
-    e["PYTHONPATH"] = os.pathsep.join(paths)
-    e.setdefault("PYTHONUNBUFFERED", "1")
-    return e
 
 
 def machine() -> dict:
@@ -56,11 +48,11 @@ def run(cmd: list[str], log: Path | None = None, check: bool = True) -> float:
     print("$ " + shlex.join(cmd), flush=True)
     started = time.monotonic()
     if log is None:
-        rc = subprocess.call(cmd, cwd=REPO, env=env())
+        rc = subprocess.call(cmd, cwd=REPO, env=python_env())
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as f:
-            rc = subprocess.call(cmd, cwd=REPO, env=env(), stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(cmd, cwd=REPO, env=python_env(), stdout=f, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     if check and rc != 0:
         where = f"; output in {log}" if log else ""

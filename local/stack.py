@@ -270,7 +270,8 @@ def picker_timing_args(config: StackConfig) -> list[str]:
 
 # -- processes ---------------------------------------------------------------------------------
 
-def _env() -> dict[str, str]:
+def python_env() -> dict[str, str]:
+    """This environment with the repo and picker/src on PYTHONPATH, unbuffered output."""
     env = dict(os.environ)
     paths = [str(REPO), str(REPO / "picker" / "src")]
     if env.get("PYTHONPATH"):
@@ -461,7 +462,7 @@ class Stack:
 
     def _spawn(self, p: Proc) -> None:
         with open(p.log, "ab") as log:
-            p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+            p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=python_env(), stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         p.pid = p.popen.pid
         self.procs.append(p)
@@ -658,7 +659,7 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
                "--metrics-endpoints", *(s.address for s in stack.topology.sims), *compare_args]
         print("$ " + " ".join(cmd[1:]), flush=True)
         client_before = _children_cpu()
-        rc = subprocess.call(cmd, cwd=REPO, env=_env())
+        rc = subprocess.call(cmd, cwd=REPO, env=python_env())
         after, wall = stack.cpu_seconds(), time.monotonic() - t0
         after["loadtest"] = _children_cpu() - client_before  # the load generator, for comparison
     print(cpu_table(before, after, wall))
