@@ -7,9 +7,16 @@ virtual time. A discrete-event loop advances that time from event to event:
   when the client's concurrency limit allows, else when a running request finishes (vLLM
   benchmark semantics: `--request-rate` gaps, then a `--max-concurrency` semaphore).
 - send: the policy picks an endpoint; the request is added to that engine; an idle engine
-  starts a step at the same instant (after the other events of that instant).
+  starts a step at once, with only the requests it holds at that moment. Requests sent later,
+  even at the same virtual instant, join its next step: a real client's requests reach the
+  engine one by one and vLLM (like local.sim.server) starts stepping on the first. (Deferring
+  the step until every event of the instant was handled put the whole first wave of an
+  infinite-rate run into each engine's first step; that synchronised the closed loop and gave
+  least request a ~20 % higher mean TTFT than the HTTP stack; see bench/README.md.)
 - STEP_DONE: the step's tokens are delivered to the client (one chunk per request per step, as
-  the simulator streams), finished requests free their slot, and the engine steps again.
+  the simulator streams), finished requests free their slot, the engine starts its next step,
+  and then the client sends what the freed slots allow (an engine does not wait for the
+  client's next request; over HTTP it arrives a round trip later).
 
 Client metrics follow vLLM's benchmark definitions (loadtest.metrics): no network, so TTFT is
 the first token's time minus the send time.
@@ -31,7 +38,7 @@ from local.sim.tokens import token_ids
 from lab.policies import LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
-_ARRIVAL, _STEP_START, _STEP_DONE = 0, 1, 2
+_ARRIVAL, _STEP_DONE = 0, 2
 
 
 @dataclass
@@ -161,7 +168,7 @@ class Lab:
         self._snapshot(ep)
         if not ep.busy:
             ep.busy = True
-            self._push(self.now, _STEP_START, ep)
+            self._step(ep)
 
     def _send_pending(self) -> None:
         while self.pending_head < len(self.pending) and self._can_send():
@@ -204,8 +211,8 @@ class Lab:
             c.tokens += 1
             if out.finished:
                 self._finish(c, ep)
-        self._send_pending()
         self._step(ep)
+        self._send_pending()
 
     # ----- main loop -----------------------------------------------------------------------
 
@@ -219,8 +226,6 @@ class Lab:
             self.now = t
             if kind == _STEP_DONE:
                 self._deliver(*obj)
-            elif kind == _STEP_START:
-                self._step(obj)
             else:
                 self.pending.append(obj)
                 self._send_pending()

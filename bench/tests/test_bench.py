@@ -35,6 +35,11 @@ def test_verdict_checks_order_and_tolerance():
     assert far["same_order"] and not far["within_tolerance"]  # least request -33 %
     flipped = crosscheck.verdict(http, {"least-request": stats(2000), "picker": stats(2500)})
     assert not flipped["same_order"]
+    lab = {"least-request": stats(2500), "picker": stats(1600), crosscheck.MATCHED: stats(3300)}
+    matched = crosscheck.verdict(http, lab)
+    # the same-draws row is reported, the verdict still uses the mean over policy seeds
+    assert matched["least_request_same_draws_vs_http"] == pytest.approx(0.1)
+    assert matched["lab_vs_http_mean_ttft"]["least-request"] == pytest.approx(-1 / 6)
 
 
 def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):

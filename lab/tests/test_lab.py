@@ -155,3 +155,29 @@ def test_cli_runs_a_profile_file_and_names_its_results_safely(tmp_path):
     assert len(results) == 1 and "/" not in results[0] and results[0].endswith("mine.yaml-seed0.json")
     assert json.loads((out / results[0]).read_text())["completed"] == 12
     assert len(list(out.glob("kv_picker_*mine.yaml_seed0.png"))) == 1
+
+
+def test_an_idle_engine_steps_on_the_first_request_and_later_ones_join_the_next_step(requests):
+    # Two prompts sent at the same instant to one engine: like vLLM (and local.sim.server), the
+    # engine starts stepping when the first arrives; the second waits for the next step.
+    two = requests[:2]
+    run = run_lab(two, make_policy("round-robin"), config(num_engines=1, concurrency=None))
+    first, second = sorted(run.samples, key=lambda s: s.ttft)
+    alone = A10_QWQ32B.pipeline_stages * (
+        A10_QWQ32B.stage_base_s + A10_QWQ32B.stage_prefill_token_s * first.prompt_tokens
+        + A10_QWQ32B.stage_context_token_s * first.prompt_tokens)
+    assert first.ttft == pytest.approx(alone)
+    assert second.ttft > first.ttft + A10_QWQ32B.pipeline_stages * A10_QWQ32B.stage_base_s
+
+
+def test_least_request_can_replay_the_local_gateways_draws():
+    from local.gateway.balancer import Route
+
+    route = Route.build([("pool", 1, ["e0", "e1", "e2"])], seed=5)
+    eps = [LabEndpoint(i, f"e{i}", Engine(A10_QWQ32B)) for i in range(3)]
+    policy = LeastRequest(draw_seed=5, skip_picks=40)
+    policy.start(eps, lambda: 0.0, random.Random(0))
+    for _ in range(40):
+        route.pick()
+    # equal in-flight counts: each pick is the first draw, so the sequences must agree
+    assert [route.pick().address for _ in range(50)] == [policy.pick(None).address for _ in range(50)]
