@@ -364,13 +364,18 @@ class ExtProcExchange:
         self._sent_chunks.put_nowait(b"")
         yield pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True))
 
+    async def _response_body_answer(self):
+        """The picker's next answer to a response_body message (None: it closed the stream)."""
+        msg = await self._expect("response_body")
+        if msg is not None and msg.HasField("immediate_response"):
+            raise ExtProcError("ext_proc immediate response after response headers were sent")
+        return msg
+
     async def _full_duplex_body(self) -> AsyncIterator[bytes]:
         while True:
-            msg = await self._expect("response_body")
+            msg = await self._response_body_answer()
             if msg is None:
                 return
-            if msg.HasField("immediate_response"):
-                raise ExtProcError("ext_proc immediate response after response headers were sent")
             mutation = msg.response_body.response.body_mutation
             if not mutation.HasField("streamed_response"):
                 raise ExtProcError("ext_proc protocol error: FULL_DUPLEX_STREAMED body answer without streamed_response")
@@ -381,11 +386,9 @@ class ExtProcExchange:
 
     async def _streamed_body(self) -> AsyncIterator[bytes]:
         while True:
-            msg = await self._expect("response_body")
+            msg = await self._response_body_answer()
             if msg is None:
                 return
-            if msg.HasField("immediate_response"):
-                raise ExtProcError("ext_proc immediate response after response headers were sent")
             original = await self._sent_chunks.get()
             mutation = msg.response_body.response.body_mutation
             if mutation.HasField("body"):
