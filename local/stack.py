@@ -565,12 +565,17 @@ def _tail(path: str, lines: int = 15) -> str:
 
 # -- commands ----------------------------------------------------------------------------------
 
-def down(name: str, run_root: Path = REPO / "runs") -> int:
+def _read_state(name: str, run_root: Path) -> tuple[Path, dict | None]:
+    """The state file of stack `name` and its contents (None if no such stack runs)."""
     state_file = Path(run_root) / name / "state.json"
-    if not state_file.exists():
+    return state_file, json.loads(state_file.read_text()) if state_file.exists() else None
+
+
+def down(name: str, run_root: Path = REPO / "runs") -> int:
+    state_file, state = _read_state(name, run_root)
+    if state is None:
         print(f"no running stack {name!r} ({state_file} not found)")
         return 0
-    state = json.loads(state_file.read_text())
     ours = [p for p in state["procs"] if p["pid"] and _alive(p["pid"]) and _is_ours(p["pid"], p["cmd"])]
     stop_groups([p["pid"] for p in ours])
     for p in ours:
@@ -589,11 +594,10 @@ def _is_ours(pid: int, cmd: list[str]) -> bool:
 
 
 def status(name: str, run_root: Path = REPO / "runs") -> int:
-    state_file = Path(run_root) / name / "state.json"
-    if not state_file.exists():
+    state_file, state = _read_state(name, run_root)
+    if state is None:
         print(f"no running stack {name!r}")
         return 1
-    state = json.loads(state_file.read_text())
     bad = 0
     for p in state["procs"]:
         proc = Proc(p["name"], p["cmd"], p["log"], p["health"], p["pid"])

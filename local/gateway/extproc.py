@@ -269,14 +269,20 @@ class ExtProcExchange:
             out.immediate = _immediate(msg.immediate_response)
         return out
 
-    async def _request_buffered(self, headers: HeaderMap, body: bytes, has_body: bool) -> RequestOutcome:
-        await self._send(self._first_message(headers, has_body))
+    async def _headers_answer(self, headers: HeaderMap, body: bytes,
+                              has_body: bool) -> RequestOutcome | None:
+        """Apply the answer to request_headers; an outcome if processing ends there, else None."""
         msg = await self._expect("request_headers")
         if msg is None or msg.HasField("immediate_response"):
             return self._outcome(headers, body, msg)
         apply_header_mutation(headers, msg.request_headers.response.header_mutation, is_request=True)
-        if not has_body:
-            return self._outcome(headers, body, msg)
+        return None if has_body else self._outcome(headers, body, msg)
+
+    async def _request_buffered(self, headers: HeaderMap, body: bytes, has_body: bool) -> RequestOutcome:
+        await self._send(self._first_message(headers, has_body))
+        done = await self._headers_answer(headers, body, has_body)
+        if done is not None:
+            return done
         processor_length = headers.get("content-length")
         await self._send(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
         msg = await self._expect("request_body")
@@ -305,12 +311,9 @@ class ExtProcExchange:
                         request_body=pb.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1))
 
         self._spawn_writer(messages())
-        msg = await self._expect("request_headers")
-        if msg is None or msg.HasField("immediate_response"):
-            return self._outcome(headers, body, msg)
-        apply_header_mutation(headers, msg.request_headers.response.header_mutation, is_request=True)
-        if not has_body:
-            return self._outcome(headers, body, msg)
+        done = await self._headers_answer(headers, body, has_body)
+        if done is not None:
+            return done
         parts = []
         while True:
             msg = await self._expect("request_body")
