@@ -60,11 +60,16 @@ def _pool(spec: dict[str, Any], where: str) -> str | None:
     return ref["name"]
 
 
+def _name(doc: dict[str, Any], where: str) -> str:
+    name = (doc.get("metadata") or {}).get("name")
+    if not isinstance(name, str):
+        raise ObjectError(f"{where}: metadata.name is required")
+    return name
+
+
 def parse_objective(doc: dict[str, Any], source: str = "<api>") -> Objective:
     where = _where(doc, source)
-    meta = doc.get("metadata") or {}
-    if not isinstance(meta.get("name"), str):
-        raise ObjectError(f"{where}: metadata.name is required")
+    name = _name(doc, where)
     spec = doc.get("spec") or {}
     if not isinstance(spec, dict):
         raise ObjectError(f"{where}: spec must be a mapping")
@@ -73,14 +78,12 @@ def parse_objective(doc: dict[str, Any], source: str = "<api>") -> Objective:
         priority = 0
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ObjectError(f"{where}: spec.priority must be an integer, got {priority!r}")
-    return Objective(meta["name"], priority, _pool(spec, where))
+    return Objective(name, priority, _pool(spec, where))
 
 
 def parse_rewrite(doc: dict[str, Any], source: str = "<api>") -> Rewrite:
     where = _where(doc, source)
-    meta = doc.get("metadata") or {}
-    if not isinstance(meta.get("name"), str):
-        raise ObjectError(f"{where}: metadata.name is required")
+    name = _name(doc, where)
     spec = doc.get("spec") or {}
     rules_in = spec.get("rules") if isinstance(spec, dict) else None
     if not isinstance(rules_in, list) or not rules_in:
@@ -115,7 +118,7 @@ def parse_rewrite(doc: dict[str, Any], source: str = "<api>") -> Rewrite:
                 raise ObjectError(f"{where}: {tf}.weight must be an integer 1..1000000")
             targets.append((t["modelRewrite"], float(weight)))
         rules.append(RewriteRule(tuple(models), tuple(targets)))
-    return Rewrite(meta["name"], tuple(rules), _pool(spec, where),
+    return Rewrite(name, tuple(rules), _pool(spec, where),
                    str(meta.get("creationTimestamp") or ""))
 
 
