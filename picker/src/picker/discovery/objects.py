@@ -119,7 +119,7 @@ def parse_rewrite(doc: dict[str, Any], source: str = "<api>") -> Rewrite:
             targets.append((t["modelRewrite"], float(weight)))
         rules.append(RewriteRule(tuple(models), tuple(targets)))
     return Rewrite(name, tuple(rules), _pool(spec, where),
-                   str(meta.get("creationTimestamp") or ""))
+                   str((doc.get("metadata") or {}).get("creationTimestamp") or ""))
 
 
 def objects_from_docs(docs: Iterable[Any], source: str) -> tuple[list[Objective], list[Rewrite]]:
