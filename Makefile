@@ -33,7 +33,7 @@ $(KUBECONFORM):
 	mkdir -p $(TOOLS)
 	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/yannh/kubeconform/cmd/kubeconform@$(KUBECONFORM_VERSION)
 
-tools: $(KUBECONFORM) ## install pinned CLI tools (kubeconform) into .tools/bin
+tools: $(KUBECONFORM) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, the picker benchmark's load client
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv

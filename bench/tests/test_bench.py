@@ -54,3 +54,25 @@ def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):
     assert "| output tok/s | -50.0 % | +1.7 % | not lower | no |" in text
     assert "## Validation time\n\n(not run)" in text
     assert (tmp_path / "BENCHMARKS.md").read_text() == text
+
+
+def grpc_run(endpoints, closed_per_s: float, decide_p99: float, open_p99: dict[float, float]) -> dict:
+    opens = [{"offered_per_s": rate, "decisions_per_s": rate, "p50_ms": 1.0, "p99_ms": p99, "errors": 0}
+             for rate, p99 in open_p99.items()]
+    best = max((o["offered_per_s"] for o in opens if o["p99_ms"] <= 5), default=None)
+    return {"endpoints": endpoints, "mode": "buffered", "open_loops": opens, "max_rate_p99_within_target": best,
+            "closed_loop": {"decisions_per_s": closed_per_s, "p50_ms": 30.0, "p99_ms": 50.0, "errors": 0,
+                            "server_cpu_ms_per_request": 0.6,
+                            "decide": {"count": 10, "p50_ms": 0.1, "p99_ms": decide_p99}}}
+
+
+def test_picker_section_states_each_part_of_the_target_separately():
+    met = {"result": {"grpc": [grpc_run(None, 2000, 0, {500: 3.0, 1000: 4.0}),
+                               grpc_run(16, 1500, 0.3, {500: 2.0, 1000: 4.5})]}}
+    text = "\n".join(report.picker_section(met))
+    assert "| 16 endpoints | buffered | 1,500 | 30.0 / 50.0 | 0.30 | 0.60 | 2.0 | 4.5 | 1,000/s | 0 |" in text
+    assert "1,500/s, met;" in text and "0.30 ms, met;" in text and "up to 1,000/s offered." in text
+    missed = {"result": {"grpc": [grpc_run(16, 900, 6.0, {500: 4.0, 1000: 27.0})]}}
+    text = "\n".join(report.picker_section(missed))
+    assert "900/s, not met;" in text and "6.00 ms, not met;" in text
+    assert "up to 500/s offered, not at 1,000/s." in text

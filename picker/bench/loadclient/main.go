@@ -3,7 +3,8 @@
 //
 // Each request is one bidirectional Process stream: request_headers (with protocol_config),
 // request_body (end_of_stream), wait for the routing answer, then response_headers
-// (end_of_stream), close. Closed loop: -streams workers send requests back to back for -seconds;
+// (end_of_stream) unless -response-phase=false (the deployed EnvoyExtensionPolicy sends only the
+// request phase), close. Closed loop: -streams workers send requests back to back for -seconds;
 // open loop (-rate): a new stream every 1/rate s, each held open -hold for its response phase.
 // Bodies come from -bodies (one JSON request body per line) so the Python benchmark and this
 // client send the same requests. Prints one JSON object with the results.
@@ -74,7 +75,7 @@ func headersMsg(mode pmv3.ProcessingMode_BodySendMode) *extproc.ProcessingReques
 // oneRequest returns the time from opening the stream to receiving the routing answer (what
 // Envoy waits before it can pick the upstream); hold is how long the response phase is delayed.
 func oneRequest(ctx context.Context, client extproc.ExternalProcessorClient, head, body *extproc.ProcessingRequest,
-	fullDuplex bool, hold time.Duration) (time.Duration, error) {
+	fullDuplex, responsePhase bool, hold time.Duration) (time.Duration, error) {
 	t0 := time.Now()
 	stream, err := client.Process(ctx)
 	if err != nil {
@@ -121,13 +122,15 @@ func oneRequest(ctx context.Context, client extproc.ExternalProcessorClient, hea
 	if hold > 0 {
 		time.Sleep(hold)
 	}
-	resp := &extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_ResponseHeaders{
-		ResponseHeaders: &extproc.HttpHeaders{EndOfStream: true}}}
-	if err := stream.Send(resp); err != nil {
-		return 0, err
-	}
-	if _, err := stream.Recv(); err != nil {
-		return 0, err
+	if responsePhase {
+		resp := &extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_ResponseHeaders{
+			ResponseHeaders: &extproc.HttpHeaders{EndOfStream: true}}}
+		if err := stream.Send(resp); err != nil {
+			return 0, err
+		}
+		if _, err := stream.Recv(); err != nil {
+			return 0, err
+		}
 	}
 	if err := stream.CloseSend(); err != nil {
 		return 0, err
@@ -153,7 +156,8 @@ func main() {
 	bodiesPath := flag.String("bodies", "", "file with one request body per line")
 	mode := flag.String("mode", "buffered", "request body mode: buffered or full-duplex")
 	rate := flag.Float64("rate", 0, "open loop: start this many requests per second (0: closed loop)")
-	hold := flag.Duration("hold", 0, "open loop: time each stream stays open for its response phase")
+	hold := flag.Duration("hold", 0, "open loop: time each stream stays open after its routing answer")
+	responsePhase := flag.Bool("response-phase", true, "send response_headers before closing (false: request phase only)")
 	flag.Parse()
 	bodies, err := readBodies(*bodiesPath)
 	if err != nil {
@@ -212,7 +216,7 @@ func main() {
 				wg.Add(1)
 				go func(i int) {
 					defer wg.Done()
-					record(oneRequest(ctx, client, head, bodyMsgs[i%len(bodyMsgs)], fullDuplex, *hold))
+					record(oneRequest(ctx, client, head, bodyMsgs[i%len(bodyMsgs)], fullDuplex, *responsePhase, *hold))
 				}(i)
 			}
 			wg.Wait() // until the last stream ends: a server that falls behind shows a lower rate
@@ -230,7 +234,7 @@ func main() {
 				mine := make([]time.Duration, 0, 1024)
 				errs, first := 0, ""
 				for i := w; time.Now().Before(deadline); i += *streams {
-					lat, err := oneRequest(ctx, client, head, bodyMsgs[i%len(bodyMsgs)], fullDuplex, 0)
+					lat, err := oneRequest(ctx, client, head, bodyMsgs[i%len(bodyMsgs)], fullDuplex, *responsePhase, 0)
 					if err != nil {
 						errs++
 						if first == "" {

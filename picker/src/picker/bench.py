@@ -1,17 +1,21 @@
 """`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
 
     python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64]
-                           [--modes buffered,full-duplex] [--rates 250,1000 --hold 0.064] [--json FILE]
+                           [--modes buffered,full-duplex] [--rates 250,500,750,1000 --hold 0.064]
+                           [--response-phase] [--json FILE]
 
 1. In-process: Router.decide() alone (what the routing lab pays per decision).
 2. Through gRPC: the picker's real server (plaintext, default profile, Prometheus metrics on,
    metrics pages fed in-process every 100 ms as if scraped) in a child process, driven by a
    compiled load client (picker/bench/loadclient) playing Envoy: per request one ext_proc stream
    with request_headers + request_body (~4,000-token prompt, 1,000-token prefix shared per tenant),
-   then response_headers. Latency = stream opened -> routing answer. Closed loop: `--streams`
-   streams back to back (maximum throughput). Open loop: each of `--rates` new streams/s, each open
-   `--hold` s (about rate x hold streams open at once). The server's CPU per decision is read
-   from /proc/<pid>/stat (all its threads). A null server (answers without deciding) shows
+   then (with --response-phase) response_headers, then close: by default only the request phase,
+   as the deployed EnvoyExtensionPolicy sends. Latency = stream opened -> routing answer, as the
+   client sees it (queueing in gRPC included); `decide` = the server's own decide() time.
+   Closed loop: `--streams` streams back to back (maximum throughput). Open loop: each of
+   `--rates` new streams/s, each open `--hold` s (about rate x hold streams open at once); the
+   highest rate served with round-trip p99 <= 5 ms is reported. The server's CPU per decision is
+   read from /proc/<pid>/stat (all its threads). A null server (answers without deciding) shows
    the cost of Python gRPC itself.
 3. Scraping: 64 fake vLLM /metrics pages (realistic size, histograms included) served by a child
    process; a second child runs the real Scraper at the default interval; its CPU time is reported.
@@ -109,15 +113,26 @@ def bench_inprocess(n: int, count: int = 3000) -> dict:
             "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99)}
 
 
-def _serve(n: int, port_queue) -> None:
+def _serve(n: int, port_queue, ctl, timings) -> None:
     """Child: the real gRPC server (with its Prometheus metrics) and a router fed synthetic
-    scrapes every 100 ms, as the scraper would."""
+    scrapes every 100 ms, as the scraper would. On each message on `ctl` it puts the decide()
+    times (what picker_decision_duration_seconds observes) recorded since the last one on
+    `timings`."""
+    import queue
+
     from picker.app import run_loop
     from picker.observability.metrics import PickerMetrics
     from picker.protocol.server import start_servers
 
+    seconds: list[float] = []
+
+    class TimedMetrics(PickerMetrics):
+        def record_decision(self, d, s: float) -> None:
+            super().record_decision(d, s)
+            seconds.append(s)
+
     async def main():
-        router, addrs = _router(n, metrics=PickerMetrics())
+        router, addrs = _router(n, metrics=TimedMetrics())
         rng = random.Random(3)
         _refresh(router, addrs, rng)
         servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
@@ -125,6 +140,13 @@ def _serve(n: int, port_queue) -> None:
         while True:
             await asyncio.sleep(0.1)
             _refresh(router, addrs, rng)
+            try:
+                ctl.get_nowait()
+            except queue.Empty:
+                continue
+            timings.put({"count": len(seconds), "p50_ms": 1000 * _pct(seconds, 0.5) if seconds else None,
+                         "p99_ms": 1000 * _pct(seconds, 0.99) if seconds else None})
+            seconds.clear()
     run_loop(main())
 
 
@@ -173,45 +195,65 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _load_client(port: int, bodies: str, mode: str, seconds: float, streams: int = 64,
-                 rate: float = 0.0, hold: float = 0.0) -> dict:
+                 rate: float = 0.0, hold: float = 0.0, response_phase: bool = False) -> dict:
     cmd = [LOAD_CLIENT, "-addr", f"127.0.0.1:{port}", "-bodies", bodies, "-mode", mode,
            "-seconds", str(seconds), "-streams", str(streams), "-warmup", "0",
-           "-rate", str(rate), "-hold", f"{hold}s"]
+           "-rate", str(rate), "-hold", f"{hold}s", f"-response-phase={str(response_phase).lower()}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 120)
     return json.loads(out.stdout)
 
 
 def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: list[float],
-               hold: float, bodies: str) -> dict:
+               hold: float, bodies: str, response_phase: bool = False) -> dict:
     """n endpoints (None: the null server). Closed loop (`streams` streams back to back: the
     maximum throughput), then open loop at each rate (new streams/s, each open `hold` s)."""
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q))
+    q, ctl, timings = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q, ctl, timings))
     proc = ctx.Process(target=target, args=args, daemon=True)
     proc.start()
     try:
         port = q.get(timeout=60)
         _load_client(port, bodies, mode, 1.0, streams)  # warm-up: connections, caches, prefix index
-        out = {"endpoints": n, "mode": mode, "open_loops": []}
+        out = {"endpoints": n, "mode": mode, "response_phase": response_phase, "open_loops": []}
         runs = [("closed_loop", {"streams": streams})] + [
             ("open_loop", {"rate": rate, "hold": hold}) for rate in rates]
         for name, kw in runs:
+            if n is not None:
+                _decide_times(ctl, timings)  # reset
             cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
-            r = _load_client(port, bodies, mode, seconds, **kw)
+            r = _load_client(port, bodies, mode, seconds, response_phase=response_phase, **kw)
             cpu, wall = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - t0
             r["server_cpu_ms_per_request"] = 1000 * cpu / max(1, r["requests"])
             r["server_cpu_cores"] = cpu / wall
+            if n is not None:
+                r["decide"] = _decide_times(ctl, timings)
             if name == "open_loop":
                 out["open_loops"].append({"offered_per_s": kw["rate"], **r})
             else:
                 out[name] = r
         if out["open_loops"]:  # the highest offered rate (the target), as one summary entry
             out["open_loop"] = out["open_loops"][-1]
+        out["max_rate_p99_within_target"] = max(
+            (o["offered_per_s"] for o in out["open_loops"] if _meets_latency_target(o)), default=None)
     finally:
         proc.terminate()
         proc.join()
     return out
+
+
+P99_TARGET_MS = 5.0
+
+
+def _meets_latency_target(run: dict) -> bool:
+    """The offered rate was served (within 2 %, no errors) with round-trip p99 <= the target."""
+    return (not run["errors"] and run["decisions_per_s"] >= 0.98 * run["offered_per_s"]
+            and run["p99_ms"] <= P99_TARGET_MS)
+
+
+def _decide_times(ctl, timings) -> dict:
+    ctl.put("report")
+    return timings.get(timeout=30)
 
 
 def _fake_vllm_fleet(n: int, port_queue) -> None:
@@ -287,9 +329,13 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=64, help="closed-loop concurrent streams")
     p.add_argument("--endpoints", default="3,16,64")
     p.add_argument("--modes", default="buffered,full-duplex", help="request body modes to run")
-    p.add_argument("--rates", default="250,1000", help="open-loop new streams per second (list)")
+    p.add_argument("--rates", default="250,500,750,1000",
+                   help="open-loop new streams per second (list)")
     p.add_argument("--hold", type=float, default=0.064,
                    help="open-loop seconds each stream stays open (rate x hold streams open at once)")
+    p.add_argument("--response-phase", action="store_true",
+                   help="also send response_headers (as the local gateway does); by default only "
+                        "the request phase, as the deployed EnvoyExtensionPolicy configures")
     p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL)
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
@@ -310,14 +356,17 @@ def main() -> None:
           "latency = stream opened -> routing answer received")
     print(f"  closed = {a.streams} streams back to back (max throughput; latency is mostly queueing)")
     rates = [float(x) for x in a.rates.split(",") if x]
-    print(f"  open   = {a.rates} new streams/s, each held {a.hold:g} s for its response phase")
+    print(f"  open   = {a.rates} new streams/s, each held open {a.hold:g} s after its answer "
+          f"({'with' if a.response_phase else 'without'} a response phase)")
+    print(f"  decide = the server's own decide() time (picker_decision_duration_seconds) in that run")
     with tempfile.TemporaryDirectory() as tmp:
         bodies = os.path.join(tmp, "bodies.jsonl")
         _write_bodies(bodies)
         for mode in a.modes.split(","):
             print(f" {mode}:")
             for n in [None] + sizes:
-                r = bench_grpc(n, mode, a.streams, a.seconds, rates, a.hold, bodies)
+                r = bench_grpc(n, mode, a.streams, a.seconds, rates, a.hold, bodies,
+                               a.response_phase)
                 results["grpc"].append(r)
                 print("  " + _grpc_line(r))
     s = bench_scrape(64, a.scrape_interval, a.seconds)
@@ -337,12 +386,22 @@ def _grpc_line(r: dict) -> str:
     label = "null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints"
     lines = [f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s p50 {c['p50_ms']:7.1f} p99 "
              f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
-             f"({c['server_cpu_cores']:.2f} cores){_errors(c)}"]
+             f"({c['server_cpu_cores']:.2f} cores){_decide(c)}{_errors(c)}"]
     for o in r["open_loops"]:
         lines.append(f"{'':>13}  open {o['offered_per_s']:5.0f}/s offered: {o['decisions_per_s']:5.0f}/s "
                      f"p50 {o['p50_ms']:7.1f} p99 {o['p99_ms']:7.1f} ms, server "
-                     f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_errors(o)}")
+                     f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_decide(o)}{_errors(o)}")
+    best = r["max_rate_p99_within_target"]
+    lines.append(f"{'':>13}  p99 <= {P99_TARGET_MS:g} ms up to: "
+                 + (f"{best:.0f}/s offered" if best else "none of the offered rates"))
     return "\n  ".join(lines)
+
+
+def _decide(r: dict) -> str:
+    d = r.get("decide")
+    if not d or not d["count"]:
+        return ""
+    return f", decide p50 {d['p50_ms']:.2f} p99 {d['p99_ms']:.2f} ms"
 
 
 def _errors(r: dict) -> str:

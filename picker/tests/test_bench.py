@@ -1,0 +1,41 @@
+"""`make bench-picker`, tiny: the real server, the Go load client, the server's decide() timings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from picker import bench
+
+
+def test_a_rate_meets_the_latency_target_only_if_served_in_full_without_errors():
+    ok = {"offered_per_s": 1000, "decisions_per_s": 985, "errors": 0, "p99_ms": 4.9}
+    assert bench._meets_latency_target(ok)
+    assert not bench._meets_latency_target({**ok, "p99_ms": 5.1})
+    assert not bench._meets_latency_target({**ok, "errors": 1})
+    assert not bench._meets_latency_target({**ok, "decisions_per_s": 900})  # fell behind
+
+
+def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
+    assert os.access(bench.LOAD_CLIENT, os.X_OK), "load client missing: run `make tools`"
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "picker.bench", "--seconds", "0.5", "--endpoints", "3",
+         "--modes", "buffered,full-duplex", "--streams", "8", "--rates", "100", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [(g["endpoints"], g["mode"]) for g in r["grpc"]] == [
+        (None, "buffered"), (3, "buffered"), (None, "full-duplex"), (3, "full-duplex")]
+    for g in r["grpc"]:
+        runs = [g["closed_loop"], *g["open_loops"]]
+        assert all(x["errors"] == 0 and x["requests"] > 0 for x in runs), runs
+        assert 49 <= g["open_loops"][0]["requests"] <= 51  # 100/s for 0.5 s, open loop
+        if g["endpoints"] is not None:
+            # the server timed exactly the decisions of each run, no more, no fewer
+            assert [x["decide"]["count"] for x in runs] == [x["requests"] for x in runs]
+            assert all(0 < x["decide"]["p50_ms"] <= x["decide"]["p99_ms"] for x in runs)
+        assert "max_rate_p99_within_target" in g
+    assert r["scrape"]["ready_endpoints"] == 64
+    assert "p99 <= 5 ms up to" in run.stdout
