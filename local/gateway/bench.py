@@ -23,7 +23,7 @@ import aiohttp
 import psutil
 from aiohttp import web
 
-from local.stack import _env, grpc_serving, http_ok, stop_groups
+from local.stack import grpc_serving, http_ok, python_env, stop_groups
 
 METRICS = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{model_name="qwq",engine="0"}} {running}
@@ -78,7 +78,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def spawn(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 
 
@@ -160,7 +160,7 @@ async def run(args) -> dict:
                                                     args.requests)
                 g, p = cpu(gateway) - g0, cpu(picker) - p0
                 print(f"{name:<28} {events / seconds:>10,.0f} {1000 * g / events:>20.3f} {1000 * p / events:>19.3f}")
-                result["listeners"].append({"listener": name, "events_per_s": events / seconds,
+                result["listeners"].append({"listener": name, "events": events, "events_per_s": events / seconds,
                                             "gateway_cpu_s_per_1k_events": 1000 * g / events,
                                             "picker_cpu_s_per_1k_events": 1000 * p / events})
             stop_groups([picker.pid, gateway.pid])

@@ -17,6 +17,14 @@ def test_a_rate_meets_the_latency_target_only_if_served_in_full_without_errors()
     assert not bench._meets_latency_target({**ok, "decisions_per_s": 900})  # fell behind
 
 
+def test_the_latency_bounded_rate_stops_at_the_first_rate_that_misses():
+    def run(rate, p99):
+        return {"offered_per_s": rate, "decisions_per_s": rate, "errors": 0, "p99_ms": p99}
+    assert bench.latency_bounded_rate([run(500, 4), run(250, 3), run(1000, 9)]) == 500
+    assert bench.latency_bounded_rate([run(250, 3), run(500, 6), run(750, 4)]) == 250  # noise
+    assert bench.latency_bounded_rate([run(250, 6)]) is None
+
+
 def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
     assert os.access(bench.LOAD_CLIENT, os.X_OK), "load client missing: run `make tools`"
     out = tmp_path / "bench.json"
@@ -38,4 +46,4 @@ def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
             assert all(0 < x["decide"]["p50_ms"] <= x["decide"]["p99_ms"] for x in runs)
         assert "max_rate_p99_within_target" in g
     assert r["scrape"]["ready_endpoints"] == 64
-    assert "p99 <= 5 ms up to" in run.stdout
+    assert "p99 <= 5 ms at every rate up to" in run.stdout
