@@ -13,6 +13,9 @@ CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/c
 RUN_DIR     ?= runs/local
 GROUPS      ?= 3
 SPEEDUP     ?= 20
+# The stack's simulated KV capacity follows the load-test workload `make compare` will send:
+# `demo` is the article's workload / 6, so its simulators get KV / 6 (as `make demo` does).
+KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
@@ -53,7 +56,7 @@ test: setup ## make validate, then every test suite: unit, protocol, lab smoke, 
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
 
 up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it
-	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP)
+	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)
 
 down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
