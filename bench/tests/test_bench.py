@@ -72,10 +72,10 @@ def test_picker_section_states_each_part_of_the_target_separately():
     assert "| 16 endpoints | buffered | 1,500 | 30.0 / 50.0 | 0.30 | 0.60 | 2.0 | 4.5 | 1,000/s | 0 |" in text
     met["result"]["grpc"][1]["open_loops"][0]["repeats"] = [{"p99_ms": 2.0, "errors": 0}, {"p99_ms": 7.5, "errors": 0}]
     assert "| 2.0 [2.0 7.5] | 4.5 |" in "\n".join(report.picker_section(met))
-    assert "1,500/s, met;" in text and "0.30 ms, met;" in text and "up to 1,000/s offered." in text
+    assert "1,500/s (median run), met;" in text and "0.30 ms, met;" in text and "up to 1,000/s offered." in text
     nothing = {"result": {"grpc": [grpc_run(16, 900, 6.0, {250: 6.0, 1000: 27.0})]}}
     assert "not even the lowest offered rate, not at 1,000/s." in "\n".join(report.picker_section(nothing))
     missed = {"result": {"grpc": [grpc_run(16, 900, 6.0, {500: 4.0, 1000: 27.0})]}}
     text = "\n".join(report.picker_section(missed))
-    assert "900/s, not met;" in text and "6.00 ms, not met;" in text
+    assert "900/s (median run), not met;" in text and "6.00 ms, not met;" in text
     assert "up to 500/s offered, not at 1,000/s." in text

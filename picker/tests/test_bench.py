@@ -19,12 +19,14 @@ def test_a_rate_meets_the_latency_target_only_if_served_in_full_without_errors()
     assert not bench._meets_latency_target(with_repeats)  # errors in any run count
 
 
-def test_each_rate_is_reported_by_its_median_p99_run():
+def test_a_repeated_run_is_reported_by_its_median():
     runs = [{"decisions_per_s": 99.0, "p50_ms": 1.0, "p99_ms": p99, "errors": 0, "requests": i}
             for i, p99 in enumerate([9.0, 3.0, 5.0])]
-    m = bench._median_run(100, runs)
-    assert m["offered_per_s"] == 100 and m["p99_ms"] == 5.0 and m["requests"] == 2
+    m = bench._median_run(runs, "p99_ms")
+    assert m["p99_ms"] == 5.0 and m["requests"] == 2
     assert [x["p99_ms"] for x in m["repeats"]] == [9.0, 3.0, 5.0]
+    runs[0]["decisions_per_s"], runs[1]["decisions_per_s"] = 120.0, 80.0
+    assert bench._median_run(runs, "decisions_per_s")["requests"] == 2  # 80, 99, 120
 
 
 def test_the_latency_bounded_rate_stops_at_the_first_rate_that_misses():
@@ -53,6 +55,9 @@ def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
         assert 49 <= g["open_loops"][0]["requests"] <= 51  # 100/s for 0.5 s, open loop
         repeats = g["open_loops"][0]["repeats"]
         assert len(repeats) == 2 and g["open_loops"][0]["p99_ms"] == max(x["p99_ms"] for x in repeats)
+        repeats = g["closed_loop"]["repeats"]
+        assert len(repeats) == 2
+        assert g["closed_loop"]["decisions_per_s"] == max(x["decisions_per_s"] for x in repeats)
         if g["endpoints"] is not None:
             # the server timed exactly the decisions of each run, no more, no fewer
             assert [x["decide"]["count"] for x in runs] == [x["requests"] for x in runs]

@@ -14,9 +14,9 @@
    Latency = stream opened -> routing answer, as the client sees it (queueing in gRPC included);
    `decide` = the server's own decide() time. Closed loop: `--streams` streams back to back
    (maximum throughput). Open loop: each of `--rates` new streams/s, each open `--hold` s (about
-   rate x hold streams open at once), `--repeat` runs per rate, interleaved, each rate reported
-   by its median-p99 run; the highest rate at which it and every lower rate had round-trip
-   p99 <= 5 ms is reported. The server's CPU per decision is read from /proc/<pid>/stat (all
+   rate x hold streams open at once). Both `--repeat` times, interleaved: the closed loop is
+   reported by its median-throughput run, each rate by its median-p99 run, and the highest rate
+   at which it and every lower rate had round-trip p99 <= 5 ms. The server's CPU per decision is read from /proc/<pid>/stat (all
    its threads). A null server (answers without deciding) shows the cost of Python gRPC itself.
 3. Scraping: 64 fake vLLM /metrics pages (realistic size, histograms included) served by a child
    process; a second child runs the real Scraper at the default interval; its CPU time is reported.
@@ -213,7 +213,8 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
                hold: float, bodies: str, response_phase: bool = False, repeat: int = 3) -> dict:
     """n endpoints (None: the null server). Closed loop (`streams` streams back to back: the
     maximum throughput), then open loop at each rate (new streams/s, each open `hold` s),
-    `repeat` times, interleaved; each rate's entry is its median-p99 run."""
+    both `repeat` times, interleaved; the closed loop is its median-throughput run, each rate
+    its median-p99 run."""
     ctx = mp.get_context("spawn")
     q, ctl, timings = ctx.Queue(), ctx.Queue(), ctx.Queue()
     target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q, ctl, timings))
@@ -235,13 +236,16 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
     try:
         port = q.get(timeout=60)
         _load_client(port, bodies, mode, 1.0, streams)  # warm-up: connections, caches, prefix index
-        out = {"endpoints": n, "mode": mode, "response_phase": response_phase,
-               "closed_loop": measure(streams=streams)}
+        out = {"endpoints": n, "mode": mode, "response_phase": response_phase}
+        closed: list[dict] = []
         by_rate: dict[float, list[dict]] = {rate: [] for rate in rates}
-        for _ in range(repeat):  # interleaved: a slow spell of the machine hits every rate alike
+        for _ in range(repeat):  # interleaved: a slow spell of the machine hits every run alike
+            closed.append(measure(streams=streams))
             for rate in rates:
                 by_rate[rate].append(measure(rate=rate, hold=hold))
-        out["open_loops"] = [_median_run(rate, runs) for rate, runs in by_rate.items()]
+        out["closed_loop"] = _median_run(closed, "decisions_per_s")
+        out["open_loops"] = [{"offered_per_s": rate, **_median_run(runs, "p99_ms")}
+                             for rate, runs in by_rate.items()]
         if out["open_loops"]:  # the highest offered rate (the target), as one summary entry
             out["open_loop"] = out["open_loops"][-1]
         out["max_rate_p99_within_target"] = latency_bounded_rate(out["open_loops"])
@@ -251,12 +255,12 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
     return out
 
 
-def _median_run(rate: float, runs: list[dict]) -> dict:
-    """The run with the median p99 (the upper one of an even count), with every run's summary:
-    one 5 s run's p99 on 2 shared cores swings several-fold with the machine."""
-    chosen = sorted(runs, key=lambda r: r["p99_ms"])[len(runs) // 2]
+def _median_run(runs: list[dict], key: str) -> dict:
+    """The run with the median `key` (the upper one of an even count), with every run's summary:
+    on this VM one 5 s run swings up to 2x in throughput and several-fold in p99."""
+    chosen = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
     keys = ("decisions_per_s", "p50_ms", "p99_ms", "errors")
-    return {"offered_per_s": rate, **chosen, "repeats": [{k: r[k] for k in keys} for r in runs]}
+    return {**chosen, "repeats": [{k: r[k] for k in keys} for r in runs]}
 
 
 P99_TARGET_MS = 5.0
@@ -362,7 +366,8 @@ def main() -> None:
     p.add_argument("--hold", type=float, default=0.064,
                    help="open-loop seconds each stream stays open (rate x hold streams open at once)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="open-loop runs per rate (interleaved); each rate reports its median-p99 run")
+                   help="runs of the closed loop and of each rate, interleaved; reported: the "
+                        "median-throughput closed run, each rate's median-p99 run")
     p.add_argument("--response-phase", action="store_true",
                    help="also send response_headers (as the local gateway does); by default only "
                         "the request phase, as the deployed EnvoyExtensionPolicy configures")
@@ -415,7 +420,8 @@ def main() -> None:
 def _grpc_line(r: dict) -> str:
     c = r["closed_loop"]
     label = "null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints"
-    lines = [f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s p50 {c['p50_ms']:7.1f} p99 "
+    lines = [f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s {_runs(c, 'decisions_per_s', 0)} "
+             f"p50 {c['p50_ms']:7.1f} p99 "
              f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
              f"({c['server_cpu_cores']:.2f} cores){_decide(c)}{_errors(c)}"]
     for o in r["open_loops"]:
@@ -428,8 +434,8 @@ def _grpc_line(r: dict) -> str:
     return "\n  ".join(lines)
 
 
-def _runs(r: dict) -> str:
-    return "[" + " ".join(f"{x['p99_ms']:.1f}" for x in r.get("repeats", [])) + "]"
+def _runs(r: dict, key: str = "p99_ms", digits: int = 1) -> str:
+    return "[" + " ".join(f"{x[key]:.{digits}f}" for x in r.get("repeats", [])) + "]"
 
 
 def _decide(r: dict) -> str:
