@@ -60,6 +60,11 @@ def run(cmd: list[str], log: Path | None = None, check: bool = True) -> float:
     return wall
 
 
+def shown(cmd: list[str]) -> str:
+    """cmd as a reader would type it: `python` for this interpreter, paths relative to the repo."""
+    return " ".join(["python", *cmd[1:]]).replace(str(REPO) + "/", "")
+
+
 def save(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

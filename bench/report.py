@@ -7,7 +7,6 @@ import time
 from bench import crosscheck
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
-from picker.bench import latency_bounded_rate
 
 # The article's table (REFERENCE.md §10): 8080 = Envoy Gateway least request, 8081 = the EPP.
 ARTICLE = {
@@ -84,12 +83,12 @@ def picker_section(d: dict | None) -> list[str]:
         opens = {o["offered_per_s"]: o for o in x.get("open_loops", [])}
         label = "null server" if x.get("endpoints") is None else f"{x['endpoints']} endpoints"
         decide = (c.get("decide") or {}).get("p99_ms")
-        best = latency_bounded_rate(x.get("open_loops", []))
+        best = x.get("max_rate_p99_within_target")
         errors = (c.get("errors") or 0) + sum(o.get("errors") or 0 for o in opens.values())
         out.append(f"| {label} | {x.get('mode', '')} | {_spread(c, 'decisions_per_s', 0)} | "
                    f"{_f(c.get('p50_ms'), 1)} / {_f(c.get('p99_ms'), 1)} | {_f(decide, 2) if decide else '-'} | "
                    f"{_f(c.get('server_cpu_ms_per_request'), 2)} | "
-                   + " | ".join(_open_cell(opens.get(r_)) for r_ in rates)
+                   + " | ".join(_spread(opens.get(r_), "p99_ms", 1) for r_ in rates)
                    + f" | {_f(best) + '/s' if best else 'none'} | {errors} |")
     out += _picker_target(grpc)
     s = r.get("scrape")
@@ -109,10 +108,6 @@ def _spread(run: dict | None, key: str, digits: int) -> str:
     return _f(run.get(key), digits) + spread
 
 
-def _open_cell(run: dict | None) -> str:
-    return _spread(run, "p99_ms", 1)
-
-
 def _picker_target(grpc: list[dict]) -> list[str]:
     """Issue 3's target at 16 endpoints, buffered mode: >= 1,000 decisions/s and p99 <= 5 ms."""
     x = next((x for x in grpc if x.get("endpoints") == 16 and x.get("mode") == "buffered"), None)
@@ -120,7 +115,7 @@ def _picker_target(grpc: list[dict]) -> list[str]:
         return []
     c = x["closed_loop"]
     decide = (c.get("decide") or {}).get("p99_ms")
-    best = latency_bounded_rate(x.get("open_loops", []))
+    best = x.get("max_rate_p99_within_target")
     yes = lambda ok: "met" if ok else "not met"
     return ["", "Issue 3 target at 16 endpoints (buffered):", "",
             f"- at least 1,000 decisions/s with 64 streams: {_f(c['decisions_per_s'])}/s (median run), "

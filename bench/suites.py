@@ -9,7 +9,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from bench.common import PY, REPO, RESULTS, load_average, run, save, stamp
+from bench.common import PY, REPO, RESULTS, load_average, run, save, shown, stamp
 
 # Issue 6 targets for the lab (article workload: picker default vs least request).
 LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
@@ -21,12 +21,11 @@ def validation(runs: int = 3) -> dict:
     crds = REPO.parent / "shared" / "crds"
     crds_dir = crds if (crds / "README.md").exists() else REPO / ".cache" / "crds"
     cmd = [PY, "-m", "validation", "--crds-dir", str(crds_dir), "--kubeconform", str(REPO / ".tools/bin/kubeconform")]
-    RESULTS.mkdir(parents=True, exist_ok=True)
     log = RESULTS / "validation.log"
     load_start = load_average()
     cold = run(cmd, log=log)
     walls = [run(cmd, log=log) for _ in range(runs)]
-    data = {"command": " ".join(["python", *cmd[1:]]).replace(str(REPO) + "/", ""),
+    data = {"command": shown(cmd),
             "first_run_s": cold, "warm_runs_s": walls, "warm_median_s": statistics.median(walls),
             "warm_min_s": min(walls), "target_s": 20.0, "load_average_start": load_start, **stamp()}
     save("validation", data)
@@ -53,10 +52,9 @@ def lab(workload: str, seeds: list[int] | None = None) -> dict:
     cmd = [PY, "-m", "lab", "run", "--workload", workload, *(a for p in LAB_POLICIES for a in ("--policy", p)),
            "--seeds", *map(str, seeds), "--out", str(out), "--plots"]
     load_start = load_average()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     wall = run(cmd, log=RESULTS / f"lab-{workload}.log")
     summary = json.loads((out / "summary.json").read_text())
-    data = {"command": " ".join(["python", *cmd[1:]]).replace(str(REPO) + "/", ""), "workload": workload,
+    data = {"command": shown(cmd), "workload": workload,
             "seeds": seeds, "wall_s": wall, "load_average_start": load_start, "summary": summary,
             "results_dir": str(out.relative_to(REPO)), **stamp()}
     save(f"lab-{workload}", data)

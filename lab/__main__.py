@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from loadtest.workloads import PROFILES as WORKLOADS, build_workload, profile_settings
-from local.sim.profiles import PROFILES as ENGINE_PROFILES, get_profile
+from local.sim.profiles import DEFAULT_PROFILE, PROFILES as ENGINE_PROFILES, get_profile
 from lab.policies import file_name, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
@@ -45,16 +45,22 @@ def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) ->
     p.add_argument("--concurrency", type=int, help="client concurrency (default: the workload's)")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--engine-profile", default="a10-qwq32b", choices=sorted(ENGINE_PROFILES))
+    p.add_argument("--engine-profile", default=DEFAULT_PROFILE, choices=sorted(ENGINE_PROFILES))
     p.add_argument("--num-gpu-blocks", type=int, help="override the engine profile's KV capacity")
     p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt")
 
 
-def run_settings(args) -> dict:
-    """What was run: the workload's settings and the lab's, for the machine-readable summary."""
+def _workload(args) -> tuple[dict, dict]:
+    """The workload's build options (the ShareGPT path) and its settings, --concurrency applied."""
     extra = {"path": args.sharegpt_path} if args.workload == "sharegpt" else {}
     settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
     settings["concurrency"] = args.concurrency or settings.get("concurrency")
+    return extra, settings
+
+
+def run_settings(args) -> dict:
+    """What was run: the workload's settings and the lab's, for the machine-readable summary."""
+    _, settings = _workload(args)
     settings["request_rate"] = "inf" if np.isinf(args.request_rate) else args.request_rate
     return {"workload": settings, "engines": args.engines, "engine_profile": args.engine_profile,
             "num_gpu_blocks": args.num_gpu_blocks or get_profile(args.engine_profile).num_gpu_blocks}
@@ -62,9 +68,8 @@ def run_settings(args) -> dict:
 
 def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
     """Run every policy on every seed; returns policy -> list of summaries (one per seed)."""
-    extra = {"path": args.sharegpt_path} if args.workload == "sharegpt" else {}
-    settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
-    concurrency = args.concurrency or settings.get("concurrency")
+    extra, settings = _workload(args)
+    concurrency = settings["concurrency"]
     profile = get_profile(args.engine_profile)
     if args.num_gpu_blocks:
         profile = profile.with_overrides(num_gpu_blocks=args.num_gpu_blocks)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from local.sim.profiles import DEFAULT_PROFILE, get_profile
+
 REPO = Path(__file__).resolve().parent.parent
 STABLE_SERVICE = "qwq-dist-v1"
 MODEL = "qwq"
@@ -635,14 +637,12 @@ def describe(stack: Stack) -> str:
 # the stack's CPU use does not distort latencies on 2 cores (see GATEWAY.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
-DEMO_SIM_PROFILE = "a10-qwq32b"  # the simulator's default profile
+DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
 
 
 def kv_scale_args(config: StackConfig) -> list[str]:
     if config.kv_scale <= 1 or "--num-gpu-blocks" in config.sim_args:
         return []
-    from local.sim.profiles import get_profile
-
     profile = config.sim_args[config.sim_args.index("--profile") + 1] if "--profile" in config.sim_args \
         else DEMO_SIM_PROFILE
     return ["--num-gpu-blocks", str(get_profile(profile).num_gpu_blocks // config.kv_scale)]

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import common, crosscheck, report
+from picker.bench import latency_bounded_rate
 
 
 def http_result(mean_ttft_ms: float) -> dict:
@@ -60,6 +61,7 @@ def grpc_run(endpoints, closed_per_s: float, decide_p99: float, open_p99: dict[f
     opens = [{"offered_per_s": rate, "decisions_per_s": rate, "p50_ms": 1.0, "p99_ms": p99, "errors": 0}
              for rate, p99 in open_p99.items()]
     return {"endpoints": endpoints, "mode": "buffered", "open_loops": opens,
+            "max_rate_p99_within_target": latency_bounded_rate(opens),
             "closed_loop": {"decisions_per_s": closed_per_s, "p50_ms": 30.0, "p99_ms": 50.0, "errors": 0,
                             "server_cpu_ms_per_request": 0.6,
                             "decide": {"count": 10, "p50_ms": 0.1, "p99_ms": decide_p99}}}

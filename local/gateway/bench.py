@@ -159,10 +159,12 @@ async def run(args) -> dict:
                 events, seconds = await stream_load(f"http://127.0.0.1:{port}/v1/completions", args.streams,
                                                     args.requests)
                 g, p = cpu(gateway) - g0, cpu(picker) - p0
-                print(f"{name:<28} {events / seconds:>10,.0f} {1000 * g / events:>20.3f} {1000 * p / events:>19.3f}")
-                result["listeners"].append({"listener": name, "events": events, "events_per_s": events / seconds,
-                                            "gateway_cpu_s_per_1k_events": 1000 * g / events,
-                                            "picker_cpu_s_per_1k_events": 1000 * p / events})
+                row = {"listener": name, "events": events, "events_per_s": events / seconds,
+                       "gateway_cpu_s_per_1k_events": 1000 * g / events,
+                       "picker_cpu_s_per_1k_events": 1000 * p / events}
+                result["listeners"].append(row)
+                print(f"{name:<28} {row['events_per_s']:>10,.0f} {row['gateway_cpu_s_per_1k_events']:>20.3f} "
+                      f"{row['picker_cpu_s_per_1k_events']:>19.3f}")
             stop_groups([picker.pid, gateway.pid])
             procs = procs[:1]
     finally:

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from local.sim.profiles import PROFILES, get_profile
+from local.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from local.sim.server import Faults, SimServer
 
 
@@ -19,7 +19,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", action="append", dest="names", metavar="NAME",
                    help="model name clients send (repeatable; the first labels /metrics); "
                         "default qwq")
-    p.add_argument("--profile", default="a10-qwq32b", choices=sorted(PROFILES))
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     p.add_argument("--speedup", type=float, default=1.0,
                    help="divide all model time by this factor")
     p.add_argument("--seed", type=int, default=0)

@@ -62,6 +62,7 @@ TINY = Profile(
 )
 
 PROFILES = {p.name: p for p in (A10_QWQ32B, TINY)}
+DEFAULT_PROFILE = A10_QWQ32B.name  # the simulator's, the lab's and the local stack's
 
 
 def get_profile(name: str) -> Profile:

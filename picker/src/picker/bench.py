@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import time
 
-# The load generator is compiled (picker/bench/loadclient, built by `make bench-picker`): a
+# The load generator is compiled (picker/bench/loadclient, built by `make tools`): a
 # Python client costs as much CPU per request as the server and would share its 2 cores.
 LOAD_CLIENT = os.environ.get("PICKER_LOADCLIENT", os.path.join(
     os.path.dirname(__file__), "..", "..", "..", ".tools", "bin", "picker-loadclient"))
@@ -76,13 +76,18 @@ def _router(n: int, profile: str = "default", metrics=None):
 _PAGES: list[str] = []
 
 
-def _refresh(router, addrs, rng: random.Random) -> None:
-    """Feed every endpoint a (pre-rendered) page, as a scrape would; parsing cost included."""
+def _page(rng: random.Random) -> str:
+    """One of 50 pre-rendered pages with varied load (rendered on first use)."""
     if not _PAGES:
         _PAGES.extend(vllm_page(rng.randint(0, 6), rng.randint(5, 30), rng.random() * 0.9)
                       for _ in range(50))
+    return rng.choice(_PAGES)
+
+
+def _refresh(router, addrs, rng: random.Random) -> None:
+    """Feed every endpoint a page, as a scrape would; parsing cost included."""
     for a in addrs:
-        router.on_scrape_ok(a, rng.choice(_PAGES))
+        router.on_scrape_ok(a, _page(rng))
 
 
 def _request_body(rng: random.Random) -> bytes:
@@ -143,7 +148,7 @@ def _serve(n: int, port_queue, ctl, timings) -> None:
             # One page every 100 ms / n: each endpoint every 100 ms, spread out as the Scraper's
             # one-task-per-endpoint loops are (not all parsed in one burst).
             await asyncio.sleep(0.1 / n)
-            router.on_scrape_ok(addrs[i % n], rng.choice(_PAGES))
+            router.on_scrape_ok(addrs[i % n], _page(rng))
             if i % n:
                 continue
             try:
@@ -174,7 +179,7 @@ def _serve_null(port_queue) -> None:
                     full_duplex = req.protocol_config.request_body_mode == pm.ProcessingMode.FULL_DUPLEX_STREAMED
                 kind = req.WhichOneof("request")
                 if kind == "request_headers" and not full_duplex:
-                    yield msg.headers_response(msg.strip_control_headers())
+                    yield msg.strip_headers_response()
                 elif kind == "request_body" and full_duplex:
                     yield msg.headers_response(msg.routing_common(dest, None), dest)
                     for r in msg.streamed_body_responses(req.request_body.body):
@@ -246,8 +251,6 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
         out["closed_loop"] = _median_run(closed, "decisions_per_s")
         out["open_loops"] = [{"offered_per_s": rate, **_median_run(runs, "p99_ms")}
                              for rate, runs in by_rate.items()]
-        if out["open_loops"]:  # the highest offered rate (the target), as one summary entry
-            out["open_loop"] = out["open_loops"][-1]
         out["max_rate_p99_within_target"] = latency_bounded_rate(out["open_loops"])
     finally:
         proc.terminate()

@@ -148,14 +148,15 @@ class Router:
         return len(lost)
 
     def pool_saturation(self) -> float:
-        for e in self.endpoints.values():
-            self._mark_stale(e, self.clock())
+        self._mark_stale(self.endpoints.values(), self.clock())
         return pool_saturation([e for e in self.endpoints.values() if e.ready],
                                self.profile.saturation)
 
     # ---- internals -------------------------------------------------------------------------
-    def _mark_stale(self, e: EndpointState, now: float) -> None:
-        e.stale = e.scraped_at is None or now - e.scraped_at > self.settings.staleness
+    def _mark_stale(self, eps: Iterable[EndpointState], now: float) -> None:
+        oldest = now - self.settings.staleness
+        for e in eps:
+            e.stale = e.scraped_at is None or e.scraped_at < oldest
 
     def _ready(self, subset: list[str] | None) -> list[EndpointState]:
         if subset is None:
@@ -202,9 +203,7 @@ class Router:
             raise PickerError(404, f"no endpoint serves model {target!r}"
                               + (f" (rewritten from {model!r})" if target != model else ""),
                               "model_not_found", model, target)
-        oldest = now - self.settings.staleness
-        for e in candidates:
-            e.stale = e.scraped_at is None or e.scraped_at < oldest
+        self._mark_stale(candidates, now)
         profile = self.profile
         if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
             if self.metrics is not None:
