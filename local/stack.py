@@ -748,6 +748,11 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
     table = envoy_table(envoy, stack.listener_ports())
     print(table)
     print(cpu_table(before, after, wall))
+    if out.is_dir():
+        cpu = {name: after[name] - before.get(name, 0.0) for name in after}
+        (out / "dataplane.json").write_text(json.dumps(
+            {"wall_s": wall, "cores": os.cpu_count(), "cpu_s": cpu, "listeners": stack.listener_ports(),
+             "envoy_listener_stats": envoy, "speedup": config.speedup, "workload": workload}, indent=2))
     report = out / "report.md"
     if report.exists():
         with report.open("a") as f:
