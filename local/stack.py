@@ -714,7 +714,7 @@ def describe(stack: Stack) -> str:
 # concurrency. Queueing for KV blocks, which is what routing changes, then happens as in the
 # article, in 1/DEMO_SCALE of the time (measured in the lab: least request vs picker within a few
 # points of the full-size gap). DEMO_SPEEDUP keeps the SSE chunk rate ~1,200/s, low enough that
-# the stack's CPU use does not distort latencies on 2 cores (see GATEWAY.md, "make demo").
+# the stack's CPU use does not distort latencies on 2 cores (see DATAPLANE.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
 DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
