@@ -596,6 +596,10 @@ class Stack:
 
     def stop(self) -> None:
         live = [p.pid for p in self.procs if p.pid is not None]
+        if self.state_file.exists():  # `reset` from another process may have restarted some
+            recorded = json.loads(self.state_file.read_text())["procs"]
+            live += [p["pid"] for p in recorded if p["pid"] and p["pid"] not in live and _alive(p["pid"])
+                     and _is_ours(p["pid"], p["cmd"])]
         stop_groups(live)
         for p in self.procs:
             if p.popen is not None:
