@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import shlex
 import signal
 import socket
@@ -36,6 +35,8 @@ from pathlib import Path
 import yaml
 
 from local import dataplane
+from validation import manifests
+from validation.render import kustomize as render_target
 from local.dataplane import gateway_objects
 from local.sim.profiles import DEFAULT_PROFILE, get_profile
 
@@ -121,12 +122,11 @@ class Topology:
 # -- manifests ---------------------------------------------------------------------------------
 
 def kustomize(path: str | Path) -> list[dict]:
-    if shutil.which("kubectl") is None:
-        raise StackError("kubectl is needed to render the manifests (`kubectl kustomize`); install it")
-    proc = subprocess.run(["kubectl", "kustomize", str(REPO / path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise StackError(f"kubectl kustomize {path} failed: {proc.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    """The objects of a kustomization, rendered as `make validate` renders them."""
+    result = render_target(REPO, str(path))
+    if result.problems:
+        raise StackError("; ".join(str(p) for p in result.problems))
+    return result.objects
 
 
 def render(config: StackConfig) -> list[dict]:
@@ -145,45 +145,24 @@ def render(config: StackConfig) -> list[dict]:
 
 
 def _route_refs(docs: list[dict], section: str) -> list[tuple[str, int]]:
-    for d in docs:
-        if d.get("kind") != "HTTPRoute":
-            continue
-        if any(p.get("sectionName") == section for p in d["spec"].get("parentRefs", [])):
-            refs = [r for rule in d["spec"].get("rules", []) for r in rule.get("backendRefs", [])]
-            return [(r["name"], int(r.get("weight", 1))) for r in refs]
-    raise StackError(f"no HTTPRoute attached to listener {section!r} in the rendered manifests")
+    routes = manifests.routes_on_listener(docs, section)
+    if not routes:
+        raise StackError(f"no HTTPRoute attached to listener {section!r} in the rendered manifests")
+    return [(r["name"], int(r.get("weight", 1))) for r in manifests.backend_refs(routes[0])]
 
 
 def _leader_sets(docs: list[dict]) -> list[tuple[str, dict, list[str]]]:
     """(LWS name, leader pod labels, served model names) for every LeaderWorkerSet."""
+    served = manifests.served_model_names(docs)
     out = []
-    for d in docs:
-        if d.get("kind") != "LeaderWorkerSet":
+    for t in manifests.pod_templates(docs):
+        if t.role != "leader":
             continue
-        template = d["spec"]["leaderWorkerTemplate"]
-        pod = template.get("leaderTemplate") or template["workerTemplate"]
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        out.append((d["metadata"]["name"], labels, _served_names(d, pod)))
+        name = manifests.name_of(t.owner)
+        if not served.get(name):
+            raise StackError(f"LeaderWorkerSet {name!r}: no --served-model-name in its leader container")
+        out.append((name, t.labels, served[name]))
     return out
-
-
-def _served_names(lws: dict, pod: dict) -> list[str]:
-    for c in pod["spec"]["containers"]:
-        words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
-        words = [x for w in words for x in w.split()]  # args may be one shell string
-        if "--served-model-name" in words:
-            i = words.index("--served-model-name") + 1
-            names = []
-            while i < len(words) and not words[i].startswith("-"):
-                names.append(words[i].strip("'\";"))
-                i += 1
-            if names:
-                return names
-    raise StackError(f"LeaderWorkerSet {lws['metadata']['name']!r}: no --served-model-name in its leader container")
-
-
-def _service_selectors(docs: list[dict]) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d["spec"].get("selector") or {} for d in docs if d.get("kind") == "Service"}
 
 
 BODY_MODES = {"Buffered": "buffered", "FullDuplexStreamed": "full-duplex"}
@@ -221,8 +200,9 @@ def topology(config: StackConfig) -> Topology:
     if not any(s.lws == STABLE_SERVICE for s in sims) or len(sims) != needed:
         raise StackError(f"{config.overlay}: expected LeaderWorkerSet {STABLE_SERVICE!r}"
                          f"{' and one canary' if config.canary else ''}, found {sorted(labels_of)}")
-    services = {name: [s.address for s in sims if selector and selector.items() <= labels_of[s.lws].items()]
-                for name, selector in _service_selectors(docs).items()}
+    services = {manifests.name_of(svc): [s.address for s in sims if manifests.matches(
+                    (svc.get("spec") or {}).get("selector") or {}, labels_of[s.lws])]
+                for svc in manifests.of_kind(docs, "Service")}
 
     def route(section: str) -> list[tuple[str, int, list[str]]]:
         groups = []
