@@ -69,7 +69,7 @@ test: setup ## make validate, then every test suite: unit, protocol, lab smoke, 
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
 	$(MAKE) --no-print-directory test-apiserver
 
-test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~1 min)
+test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~2 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
 up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it

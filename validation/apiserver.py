@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from validation.problems import Problem, describe, format_path
+from validation.problems import Problem, describe
 from validation.render import Rendered, load_yaml_file
 
 FIELD_MANAGER = "qwq-serving"

@@ -61,13 +61,13 @@ class Picker:
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
         env["KUBECONFIG"] = str(kubeconfig)
-        self.log_path = log_path
+        self.log_path, self.log_file = log_path, log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "picker", "--discovery", "kubernetes", "--pool-name", POOL,
              "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
              "--metrics-port", str(self.metrics_port)],
-            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -96,6 +96,7 @@ class Picker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log_file.close()
 
 
 def test_picker_does_its_job_with_exactly_the_role(control_plane, deployed, picker_token, tmp_path):
