@@ -5,6 +5,7 @@ name the object and the field. An empty list means the check holds.
 """
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -18,6 +19,65 @@ from validation.manifests import (GPU, PodTemplate, argv, flag_values, gpu_limit
 from validation.problems import describe
 
 ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+
+
+# ---------------------------------------------------------------- Argo CD chart sources
+
+REPO_SECRET_TYPES = ("repository", "repo-creds")
+
+
+def _secret_value(secret, key):
+    if key in (secret.get("stringData") or {}):
+        return str(secret["stringData"][key])
+    raw = (secret.get("data") or {}).get(key)
+    return base64.b64decode(raw).decode(errors="replace") if raw is not None else None
+
+
+def oci_helm_repositories(objs) -> list[tuple[str, str]]:
+    """(secret type, url) of every Argo CD repository Secret that declares an OCI Helm repository."""
+    out = []
+    for secret in of_kind(objs, "Secret"):
+        kind = ((secret.get("metadata") or {}).get("labels") or {}).get("argocd.argoproj.io/secret-type")
+        if kind in REPO_SECRET_TYPES and _secret_value(secret, "type") == "helm" \
+                and _secret_value(secret, "enableOCI") == "true" and _secret_value(secret, "url"):
+            out.append((kind, _secret_value(secret, "url").rstrip("/")))
+    return out
+
+
+def _app_sources(app):
+    spec = app.get("spec") or {}
+    if spec.get("sources"):
+        return [(f"spec.sources[{i}]", s) for i, s in enumerate(spec["sources"])]
+    return [("spec.source", spec["source"])] if spec.get("source") else []
+
+
+def chart_sources_resolve(objs):
+    """Every Helm chart an Application names is in a form Argo CD fetches:
+    - native OCI: `repoURL: oci://<registry>/<chart>`, `path: .`, no `chart` (public: nothing else);
+    - classic Helm repository: `repoURL: https://...` + `chart`;
+    - classic form on an OCI registry (`repoURL: <registry>/<path>` without a scheme + `chart`)
+      only with a repository Secret (or repo-creds prefix) of type helm with enableOCI "true";
+      without one Argo CD fetches `<repoURL>/index.yaml`, which OCI registries do not serve."""
+    problems = []
+    declared = oci_helm_repositories(objs)
+    for app in of_kind(objs, "Application"):
+        for path, src in _app_sources(app):
+            url = str(src.get("repoURL", "")).rstrip("/")
+            where = f"{describe(app)}: {path}"
+            if url.startswith("oci://"):
+                if src.get("chart"):
+                    problems.append(f"{where}.chart: an oci:// repoURL is Argo CD's native OCI source, which "
+                                    f"takes no chart: name the chart in the repoURL (oci://<registry>/<chart>) "
+                                    f"with path: .")
+                elif src.get("path") != ".":
+                    problems.append(f"{where}.path: {src.get('path')!r}: an OCI Helm chart source needs path: .")
+            elif src.get("chart") and "://" not in url and not url.startswith("git@"):
+                if not any(url == u if kind == "repository" else url.startswith(u) for kind, u in declared):
+                    problems.append(f"{where}.repoURL: {url!r} + chart {src['chart']!r} is Argo CD's classic Helm "
+                                    f"form on an OCI registry, which needs a repository Secret (type: helm, "
+                                    f"enableOCI: \"true\") for that URL and the repo declares none: use "
+                                    f"repoURL: oci://{url}/{src['chart']}, path: . and no chart")
+    return problems
 
 
 # ---------------------------------------------------------------- checks
