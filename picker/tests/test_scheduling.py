@@ -81,8 +81,9 @@ def test_predicted_ttft_prefers_cached_prefix_over_slightly_shorter_queue():
 
 
 def test_predicted_ttft_miss_weight_keeps_affinity_against_a_longer_queue():
-    # a holds 3,000 of the 4,000 prompt tokens but has 4 requests waiting; b is idle and cold.
-    a, b = ep("a", waiting=4), ep("b")
+    # a holds 3,000 of the 4,000 prompt tokens but has 4 requests waiting; b is idle and cold; both
+    # KV caches are under pressure (usage at KV_PRESSURE), so a miss costs miss_weight x its tokens.
+    a, b = ep("a", waiting=4, kv_usage=scorers.KV_PRESSURE), ep("b", kv_usage=scorers.KV_PRESSURE)
     c = ctx(prompt_tokens=4000, avg_prompt_tokens=1000, block_size_tokens=16,
             hashes=list(range(250)), prefix_match={"a": 3000 // 16})
     uncached_a = 4000 - (3000 // 16) * 16
@@ -94,6 +95,8 @@ def test_predicted_ttft_miss_weight_keeps_affinity_against_a_longer_queue():
     weighted = scorers.predicted_ttft_scorer(running_tokens=0, miss_weight=3)(c, [a, b])
     assert plain[1] == 1.0 and plain[0] < 1.0
     assert weighted[0] == 1.0 and weighted[1] < 1.0
+    # with an empty KV cache a miss displaces nothing: it costs its own tokens only
+    assert scorers.predicted_ttft_cost(c, ep("b"), 0, 8192, 0, miss_weight=3) == 4000
 
 
 def test_predicted_ttft_penalises_kv_that_cannot_admit_the_prompt():
