@@ -61,23 +61,90 @@ def run(trials: int) -> dict:
     return out
 
 
-def main(trials: int = 10) -> dict:
+def main(trials: int = 10, http_trials: int = 3) -> dict:
     started, load_start = time.monotonic(), load_average()
     data = {"command": "python -m bench coldstart", "trials": trials, "burst": BURST,
             "prefix_tokens": PREFIX_WORDS, "question_tokens": QUESTION_WORDS, "output_tokens": OUTPUT_TOKENS,
-            "load_average_start": load_start, "lab": run(trials), "wall_s": time.monotonic() - started, **stamp()}
+            "load_average_start": load_start, "lab": run(trials), "http": run_http(http_trials) if http_trials else None,
+            "http_speedup": HTTP_SPEEDUP, "wall_s": time.monotonic() - started, **stamp()}
     save("coldstart", data)
     return data
 
 
 def report(d: dict) -> list[str]:
-    lines = [f"Command: `{d['command']}` (lab, 3 A10 groups, {d['trials']} trials): {d['burst']} requests at once, "
+    lines = [f"Command: `{d['command']}` (lab, 3 A10 groups, {d['trials']} trials; HTTP: the local stack on the real "
+             f"data plane, speedup {d.get('http_speedup', 20):g}, times in model ms, simulators and picker restarted "
+             f"before each trial): {d['burst']} requests at once, "
              f"all starting with the same new {d['prefix_tokens']:,}-token prefix (+{d['question_tokens']} distinct "
              f"tokens, {d['output_tokens']} out), to idle engines and a router that has seen nothing.", "",
              "| policy | requests on the busiest group (mean) | trials with all on one group | per trial (busiest first) "
              "| mean TTFT ms | mean of max TTFT ms |", "|---|---|---|---|---|---|"]
-    for name, r in d["lab"].items():
+    rows = [(f"lab {n}", r) for n, r in d["lab"].items()] + [(f"HTTP {n}", r) for n, r in (d.get("http") or {}).items()]
+    for name, r in rows:
         spread = " ".join("/".join(map(str, t["per_group"])) for t in r["trials"])
         lines.append(f"| {name} | {r['mean_largest_share']:.0%} | {r['all_on_one_group']} of {len(r['trials'])} | "
                      f"{spread} | {r['mean_ttft_ms']:,.0f} | {r['mean_max_ttft_ms']:,.0f} |")
     return lines
+
+
+# -- the same burst over HTTP, through the real Envoy ----------------------------------------------
+
+HTTP_SPEEDUP = 20.0
+
+
+async def _burst_http(port: int, specs, sims: list[str]) -> dict:
+    import aiohttp
+
+    async def successes(session, address):
+        async with session.get(f"http://{address}/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total"))
+
+    async def one(session, spec):
+        body = {"model": "qwq", "prompt": spec.prompt, "max_tokens": spec.output_tokens, "ignore_eos": True,
+                "stream": True}
+        sent = time.monotonic()
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            first = None
+            async for _ in r.content:
+                first = first or time.monotonic()
+        return (first - sent) * HTTP_SPEEDUP * 1000  # model ms
+
+    import asyncio
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        before = [await successes(session, a) for a in sims]
+        ttfts = await asyncio.gather(*(one(session, s) for s in specs))
+        after = [await successes(session, a) for a in sims]
+    per_group = sorted((int(b - a) for a, b in zip(before, after)), reverse=True)
+    return {"per_group": per_group, "groups_used": sum(1 for n in per_group if n),
+            "mean_ttft_ms": statistics.mean(ttfts), "max_ttft_ms": max(ttfts)}
+
+
+def run_http(trials: int) -> dict:
+    """The burst through the local stack: listener http (least request) and llm-gw with each
+    picker profile; simulators and picker restarted (cold) before every trial."""
+    import asyncio
+
+    from local.stack import Stack, StackConfig, reset
+
+    out = {}
+    for name, profile, listener in (("least-request", "default", "http"), ("picker", "default", "llm-gw"),
+                                    ("picker-upstream", "upstream-default", "llm-gw")):
+        config = StackConfig(name=f"bench-coldstart-{profile}", profile=profile, speedup=HTTP_SPEEDUP)
+        with Stack(config) as stack:
+            port = stack.http_port if listener == "http" else stack.llm_port
+            sims = [s.address for s in stack.topology.sims]
+            rows = []
+            for trial in range(trials):
+                if reset(config.name, config.run_root) != 0:
+                    raise RuntimeError("local.stack reset failed")
+                rows.append(asyncio.run(_burst_http(port, burst(trial), sims)))
+        out[name] = {"trials": rows,
+                     "mean_largest_share": statistics.mean(r["per_group"][0] for r in rows) / BURST,
+                     "all_on_one_group": sum(r["groups_used"] == 1 for r in rows),
+                     "mean_ttft_ms": statistics.mean(r["mean_ttft_ms"] for r in rows),
+                     "mean_max_ttft_ms": statistics.mean(r["max_ttft_ms"] for r in rows)}
+        print(f"HTTP {name:16} largest group {out[name]['mean_largest_share']:.0%} of the burst", flush=True)
+    return out

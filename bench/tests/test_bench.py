@@ -95,3 +95,20 @@ def test_demo_section_shows_both_listeners_cpu_and_envoy_counters():
     assert "mean TTFT -25.0 %" in text
     assert "| picker | 18.0 | 0.10 |" in text and "| envoy-gateway | 9.0 | 0.05 |" in text
     assert "| llm-gw | 300 | 300 |" in text
+
+
+def test_coldstart_report_shows_lab_and_http_spreads():
+    from bench import coldstart
+
+    trial = lambda per_group: {"per_group": per_group, "groups_used": sum(1 for n in per_group if n),  # noqa: E731
+                               "mean_ttft_ms": 100.0, "max_ttft_ms": 200.0}
+    row = lambda trials: {"trials": trials, "mean_largest_share": max(t["per_group"][0] for t in trials) / 30,  # noqa: E731
+                          "all_on_one_group": sum(t["groups_used"] == 1 for t in trials),
+                          "mean_ttft_ms": 100.0, "mean_max_ttft_ms": 200.0}
+    d = {"command": "python -m bench coldstart", "trials": 2, "burst": 30, "prefix_tokens": 2000,
+         "question_tokens": 200, "output_tokens": 300, "http_speedup": 20,
+         "lab": {"picker-upstream": row([trial([30, 0, 0]), trial([30, 0, 0])])},
+         "http": {"picker": row([trial([10, 10, 10])])}}
+    text = "\n".join(coldstart.report(d))
+    assert "| lab picker-upstream | 100% | 2 of 2 | 30/0/0 30/0/0 |" in text
+    assert "| HTTP picker | 33% | 0 of 1 | 10/10/10 |" in text
