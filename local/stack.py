@@ -593,20 +593,23 @@ class Stack:
     # -- measurement -------------------------------------------------------------------------
 
     def cpu_seconds(self) -> dict[str, float]:
-        """user+system CPU seconds so far, per process (and its children)."""
-        import psutil
+        """user+system CPU seconds so far, per process name (with its children), including what
+        the processes `reset` replaced used before they were stopped."""
+        state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        retired = state.get("retired_cpu_s", {})
+        pids = {p["name"]: p["pid"] for p in state.get("procs", [])} or {p.name: p.pid for p in self.procs}
+        return {name: process_cpu_seconds(pid) + retired.get(name, 0.0) for name, pid in pids.items()}
 
-        out = {}
-        for p in self.procs:
-            try:
-                proc = psutil.Process(p.pid)
-                total = sum(proc.cpu_times()[:2])
-                for child in proc.children(recursive=True):
-                    total += sum(child.cpu_times()[:2])
-                out[p.name] = total
-            except psutil.Error:
-                out[p.name] = float("nan")
-        return out
+
+def process_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process and its children (nan if it is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return sum(proc.cpu_times()[:2]) + sum(sum(c.cpu_times()[:2]) for c in proc.children(recursive=True))
+    except psutil.Error:
+        return float("nan")
 
 
 def _jsonable(value):
@@ -662,6 +665,9 @@ def reset(name: str, run_root: Path = REPO / "runs", timeout: float = 60.0) -> i
         if not p["name"].startswith(COLD_START):
             continue
         if p["pid"] and _alive(p["pid"]) and _is_ours(p["pid"], p["cmd"]):
+            used = process_cpu_seconds(p["pid"])  # kept, so a demo's CPU table covers every run
+            retired = state.setdefault("retired_cpu_s", {})
+            retired[p["name"]] = retired.get(p["name"], 0.0) + (0.0 if used != used else used)
             stop_group(p["pid"])
         with open(p["log"], "ab") as log:
             popen = subprocess.Popen(p["cmd"], cwd=REPO, env=python_env(), stdout=log, stderr=subprocess.STDOUT,

@@ -132,10 +132,13 @@ async def test_reset_starts_the_next_run_cold(stack, session):
             assert r.status == 200
     sims = [s.address for s in stack.topology.sims]
     assert sum([await successes(session, a) for a in sims]) >= 3
+    cpu_before = stack.cpu_seconds()
     rc = subprocess.call([sys.executable, "-m", "local.stack", "reset", "--name", stack.config.name,
                           "--run-root", str(stack.config.run_root)])
     assert rc == 0
     assert sum([await successes(session, a) for a in sims]) == 0  # new simulator processes
+    cpu_after = stack.cpu_seconds()  # the replaced processes' CPU still counts
+    assert all(cpu_after[name] >= cpu_before[name] for name in cpu_before), (cpu_before, cpu_after)
 
     async def served():
         async with session.post(llm(stack), json=completion()) as r:
