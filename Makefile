@@ -19,7 +19,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare bench bench-picker clean
+.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare sweep bench bench-picker clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -51,7 +51,7 @@ validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (de
 	$(PY) -m validation --crds-dir $(CRDS_DIR) --kubeconform $(KUBECONFORM)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
+test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
 
@@ -69,16 +69,36 @@ demo: setup ## start the stack, compare 8080 vs 8081 on the article workload sca
 LT_HOST      ?= 127.0.0.1
 WORKLOAD     ?= demo
 SEED         ?= 0
-USERS        ?= 18
+USERS        ?= 30
+# The Gateway listener ports: least request (http) first, then the picker (llm-gw).
+LT_PORTS     ?= 8080 8081
 COMPARE_ARGS ?=
+SWEEP_ARGS   ?=
+LOCUST_ARGS  ?=
+# `make loadtest` passes a flag only where no LOCUST_* variable and no ./locust.conf sets it
+# (locust: flags > env > locust.conf), and WORKLOAD/SEED only when given to make.
+LOCUST_CONF  := $(wildcard locust.conf)
+lt_flag = $(if $(or $($(1)),$(LOCUST_CONF)),,$(2))
+lt_make = $(if $(filter command line,$(origin $(1))),$(2))
 
-loadtest: setup ## locust web UI on http://127.0.0.1:8089 driving ports 8080+8081 of LT_HOST (`make up` first, or LT_HOST=<gateway IP>)
-	$(VENV)/bin/locust -f loadtest/locustfile.py --host http://$(LT_HOST) --ports "8080 8081" \
-		--workload $(WORKLOAD) --seed $(SEED) -u $(USERS) -r $(USERS) --web-host 127.0.0.1
+loadtest: setup ## locust web UI on http://127.0.0.1:8089: A/B of LT_PORTS on LT_HOST (`make up` first); LOCUST_ARGS="--autostart -t 5m ..."
+	$(VENV)/bin/locust -f loadtest/locustfile.py --web-host 127.0.0.1 \
+		$(call lt_flag,LOCUST_HOST,--host http://$(LT_HOST)) $(call lt_flag,LOCUST_PORTS,--ports "$(LT_PORTS)") \
+		$(call lt_flag,LOCUST_USERS,-u $(USERS) -r $(USERS)) \
+		$(call lt_make,WORKLOAD,--workload $(WORKLOAD)) $(call lt_make,SEED,--seed $(SEED)) $(LOCUST_ARGS)
 
-compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
-	$(PY) -m loadtest compare --host $(LT_HOST) --ports 8080 8081 --workload $(WORKLOAD) --seed $(SEED) \
+compare: setup ## headless: same workload on each of LT_PORTS in turn -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
+	$(PY) -m loadtest compare --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/compare-$$(date +%Y%m%d-%H%M%S) $(COMPARE_ARGS)
+
+sweep: setup ## headless: each of LT_PORTS at several request rates -> results/sweep-<time>/ (TTFT and goodput vs rate); SWEEP_ARGS=...
+	$(PY) -m loadtest sweep --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
+		--out results/sweep-$$(date +%Y%m%d-%H%M%S) $(SWEEP_ARGS)
+
+# The web UI test drives Debian's chromium with playwright (no browser download).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && apt-get install -y -qq chromium
 
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
 	$(PY) -m local.gateway.bench

@@ -65,13 +65,16 @@ def test_locust_headless_chat_run_survives_broken_streams(fake_server, tmp_path)
     assert result["completed"] == 6 and result["failed"] == 3, proc.stderr[-2000:]
     assert list(result["errors_by_reason"]) == [
         "broken SSE: not JSON (Expecting property name enclosed in double quotes): '{not json'"]
-    # TTFT/TPOT/E2E rows next to the POST row in locust's own stats
-    for row in ("TTFT", "TPOT", "E2E", "POST"):
-        assert re.search(rf"^{row}\s+{port} /v1/chat/completions\s+9?\d ", proc.stderr, re.M)
+    # one locust entry per request: 9 requests, 3 failures, no extra metric rows
+    assert re.search(rf"^POST\s+{port} /v1/chat/completions\s+9\s+3\(", proc.stderr, re.M)
+    assert not re.search(r"^(TTFT|TPOT|E2E)\s", proc.stderr, re.M)
+    assert re.search(r"^\s+Aggregated\s+9\s+3\(", proc.stderr, re.M)
 
 
 def test_distributed_master_collects_samples_from_workers(fake_server, tmp_path):
+    """A/B over two workers: the master opens port 2's phase when port 1's is answered."""
     port = fake_server("--ttft", "0.02", "--itl", "0.005")
+    other = fake_server("--ttft", "0.02", "--itl", "0.005")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         master_port = s.getsockname()[1]
@@ -84,7 +87,8 @@ def test_distributed_master_collects_samples_from_workers(fake_server, tmp_path)
         proc = run(common + ["--master", "--master-bind-host", "127.0.0.1",
                              "--master-bind-port", str(master_port), "--expect-workers", "2",
                              "--headless", "-u", "4", "-r", "4", "--host", "http://127.0.0.1",
-                             "--ports", str(port), "--workload", "smoke", "--num-prompts", "14",
+                             "--ports", f"{port},{other}", "--workload", "smoke",
+                             "--num-prompts", "14",
                              "--result-dir", str(tmp_path), "--only-summary"])
     finally:
         for w in workers:  # they quit when the master tells them to
@@ -94,5 +98,10 @@ def test_distributed_master_collects_samples_from_workers(fake_server, tmp_path)
                 w.kill()
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(Path(glob.glob(str(tmp_path / "run-*.json"))[0]).read_text())
-    assert result["completed"] == 14 and result["num_prompts"] == 14
+    assert result["completed"] == 28 and result["num_prompts"] == 14 and result["mode"] == "ab"
+    samples = read_samples(next(tmp_path.glob("run-*.samples.jsonl")))
+    first = [s for s in samples if s.target == str(port)]
+    second = [s for s in samples if s.target == str(other)]
+    assert len(first) == len(second) == 14
+    assert max(s.end for s in first) <= min(s.start for s in second)   # one phase after the other
 

@@ -1,0 +1,65 @@
+"""The Gateway ports a load test targets, what routing each one means, and a check that they answer.
+
+DEFAULT_PORTS is the one place in loadtest/ that names the listener ports (the Makefile passes
+its LT_PORTS the same way); everything else takes ports from options. No locust/gevent imports.
+"""
+from __future__ import annotations
+
+import http.client
+from urllib.parse import urlsplit
+
+# Gateway listeners in the order the comparisons use them: the baseline first.
+LISTENERS = (("http", "least request"), ("llm-gw", "picker"))
+DEFAULT_PORTS = (8080, 8081)
+
+
+def routing(port: int | str | None, ports=DEFAULT_PORTS) -> str:
+    """'8080/http = least request' style label for a port (the listener at that position)."""
+    if port in (None, ""):
+        return "the host's port"
+    for known, (listener, policy) in zip(ports, LISTENERS):
+        if int(port) == int(known):
+            return f"{port}/{listener} = {policy}"
+    return f"{port}"
+
+
+def describe_ports(ports) -> str:
+    return ", ".join(routing(p) for p in ports) if ports else "the host's own port"
+
+
+def host_parts(host: str) -> tuple[str, str, int | None]:
+    """'http://gw:8080' or 'gw' -> (scheme, hostname, port or None)."""
+    parts = urlsplit(host if "://" in host else f"http://{host}")
+    return parts.scheme or "http", parts.hostname or "127.0.0.1", parts.port
+
+
+def target_url(host: str, port: int | None, path: str = "") -> str:
+    scheme, hostname, own_port = host_parts(host)
+    port = port if port is not None else own_port
+    return f"{scheme}://{hostname}{f':{port}' if port else ''}{path}"
+
+
+def probe(host: str, port: int | None, timeout: float = 3.0) -> str:
+    """'' when something answers HTTP on host:port (any status), else the reason."""
+    scheme, hostname, own_port = host_parts(host)
+    port = port if port is not None else own_port
+    cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    conn = cls(hostname, port, timeout=timeout)
+    try:
+        conn.request("GET", "/v1/models")
+        conn.getresponse().read()
+        return ""
+    except (OSError, http.client.HTTPException) as err:
+        return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    finally:
+        conn.close()
+
+
+def unreachable(host: str, ports) -> str:
+    """'' if every port answers, else one message naming each silent port and what to run."""
+    silent = [(p, reason) for p in (list(ports) or [None]) if (reason := probe(host, p))]
+    if not silent:
+        return ""
+    where = "; ".join(f"{target_url(host, p)} ({reason})" for p, reason in silent)
+    return (f"nothing answers at {where}. Start the local stack with `make up` (and stop it "
+            "later with `make down`), or point --host at a Gateway that is running.")
