@@ -6,6 +6,8 @@ its LT_PORTS the same way); everything else takes ports from options. No locust/
 from __future__ import annotations
 
 import http.client
+import json
+from pathlib import Path
 from urllib.parse import urlsplit
 
 # Gateway listeners in the order the comparisons use them: the baseline first.
@@ -63,3 +65,40 @@ def unreachable(host: str, ports) -> str:
     where = "; ".join(f"{target_url(host, p)} ({reason})" for p, reason in silent)
     return (f"nothing answers at {where}. Start the local stack with `make up` (and stop it "
             "later with `make down`), or point --host at a Gateway that is running.")
+
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def local_stack(host: str, ports, run_root: Path | None = None) -> dict | None:
+    """The running local stack (runs/<name>/state.json) whose listeners are `ports` on `host`.
+
+    Returns {'name', 'speedup', 'sims': ['http://127.0.0.1:8101', ...], 'state'} or None."""
+    _, hostname, _ = host_parts(host)
+    if hostname not in LOOPBACK:
+        return None
+    wanted = {int(p) for p in ports}
+    for state_file in sorted((run_root or REPO / "runs").glob("*/state.json")):
+        try:
+            config = json.loads(state_file.read_text())["config"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if not wanted or not wanted <= {config.get("http_port"), config.get("llm_port")}:
+            continue
+        sims = config.get("sim_ports") or [config.get("sim_base_port", 8101) + i
+                                           for i in range(config.get("groups", 0))]
+        return {"name": config.get("name"), "speedup": float(config.get("speedup", 1.0)),
+                "sims": [f"http://{config.get('host', '127.0.0.1')}:{p}" for p in sims],
+                "state": str(state_file)}
+    return None
+
+
+def clock_note(speedup: float | None) -> str:
+    """How to read the times: wall clock, and what that is in model time."""
+    if speedup is None:
+        return "times are wall clock (simulator speedup unknown: pass --speedup)"
+    if speedup == 1:
+        return "times are wall clock (= model time: speedup 1)"
+    return (f"times are wall clock at simulator speedup {speedup:g} "
+            f"(model time = {speedup:g} x wall clock)")
