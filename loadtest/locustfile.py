@@ -267,10 +267,12 @@ def _on_test_start(environment, **_kw):
 
 def _abort(environment, text: str) -> None:
     _set_status(environment, text, logging.ERROR)
-    environment.process_exit_code = 2
     runner = environment.runner
-    headless = _flag(getattr(environment.parsed_options, "headless", False))
-    gevent.spawn(runner.quit if headless else runner.stop)
+    if _flag(getattr(environment.parsed_options, "headless", False)):
+        environment.process_exit_code = 2
+        gevent.spawn(runner.quit)
+    else:  # the web UI shows the reason; the user can fix the form and start again
+        gevent.spawn(runner.stop)
 
 
 def _next_phase(environment, phase: int) -> None:

@@ -31,7 +31,10 @@ def _settings(environment) -> tuple[tuple, dict]:
     if stats:
         return stats["percentiles"], stats["goodput"]
     opts = environment.parsed_options
-    return parse_percentiles(opts.percentiles), parse_goodput(opts.goodput)
+    try:
+        return parse_percentiles(opts.percentiles), parse_goodput(opts.goodput)
+    except ValueError:  # the run refuses to start and says why; show the defaults meanwhile
+        return parse_percentiles(""), {}
 
 
 def port_states(environment, plan) -> dict[str, str]:
