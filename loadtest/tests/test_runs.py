@@ -171,3 +171,19 @@ def test_sweep_runs_each_port_at_each_rate_and_plots_ttft_and_goodput(fake_serve
     report = (out / "report.md").read_text()
     assert "ttft <= 250 ms" in report and "times are wall clock (= model time" in report
     assert "| 16 |" in proc.stdout
+
+
+def test_locust_run_does_not_start_when_a_port_is_silent(fake_server, tmp_path):
+    port = fake_server()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        silent = s.getsockname()[1]
+    env = env_with_repo() | {"LOCUST_PORTS": f"{port} {silent}", "LOCUST_WORKLOAD": "smoke"}
+    proc = subprocess.run([LOCUST, "-f", "loadtest/locustfile.py", "--headless", "-u", "2",
+                           "-r", "2", "--host", "http://127.0.0.1", "--result-dir",
+                           str(tmp_path / "r"), "--only-summary"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"not started: nothing answers at http://127.0.0.1:{silent} " in proc.stderr
+    assert f"127.0.0.1:{port} " not in proc.stderr.split("not started")[1].splitlines()[0]
+    assert "`make up`" in proc.stderr and not (tmp_path / "r").exists()
