@@ -28,7 +28,7 @@ from loadtest.metrics import (DEFAULT_PERCENTILES, RequestSample, error_counts, 
 from loadtest.plan import RunOptions
 from loadtest.report import comparison_table, headline, load_folder, spread, write_report
 from loadtest.scrape import LoadRecorder
-from loadtest.targets import LOOPBACK, host_parts, local_stack, routing
+from loadtest.targets import LOOPBACK, host_parts, local_stack, routing_names
 
 # Ctrl-C: the main greenlet gets KeyboardInterrupt (the CLI prints one line); the hub need not
 # print it as well.
@@ -118,6 +118,7 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             "request_rate": options.request_rate, "repetitions": repetitions,
             "percentiles": list(percentiles), "goodput": goodput or {}, "label": label,
             "speedup": speedup, "metrics_endpoints": endpoints,
+            "routing": routing_names(host, ports),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     stats = {"percentiles": percentiles, "goodput": goodput}
     by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
@@ -157,7 +158,7 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
 def _run_meta(meta: dict, port: int, concurrency: int) -> dict:
     label = f"{meta['label']} port {port}" if meta.get("label") else f"port {port}"
     return {"date": time.strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai",
-            "label": label, "routing": routing(port), "model_id": meta["model"],
+            "label": label, "routing": meta["routing"][str(port)], "model_id": meta["model"],
             "workload": meta["workload"], "seed": meta["seed"],
             "num_prompts": meta["workload_settings"]["num_prompts"],
             "request_rate": meta["request_rate"] or "inf", "max_concurrency": concurrency,

@@ -32,10 +32,10 @@ def table_structure(percentiles, goodput: bool) -> list[dict]:
 
 
 def port_row(port: str, samples: list[RequestSample], state: str, percentiles,
-             goodput: dict | None) -> dict:
+             goodput: dict | None, name: str | None = None) -> dict:
     ok = [s for s in samples if s.success]
     duration = (max(s.end for s in samples) - min(s.start for s in samples)) if samples else 0.0
-    row = {"port": routing(port or None), "state": state, "requests": len(samples),
+    row = {"port": name or routing(port or None), "state": state, "requests": len(samples),
            "failures": len(samples) - len(ok),
            "rps": round(len(ok) / duration, 3) if duration > 0 else 0.0,
            "outtoks": round(sum(s.output_tokens for s in ok) / duration, 1) if duration > 0

@@ -32,7 +32,8 @@ from loadtest.metrics import (RequestSample, StreamTimer, parse_goodput, parse_p
 from loadtest.openai_api import (DONE, ENDPOINTS, OBJECTIVE_HEADER, SSEDecoder, SSEError,
                                  error_reason, request_body)
 from loadtest.plan import MODES, WAIT, RunOptions, RunPlan, parse_ports, parse_workload_args
-from loadtest.targets import DEFAULT_PORTS, describe_ports, target_url, unreachable
+from loadtest.targets import (DEFAULT_PORTS, describe_ports, routing_names, target_url,
+                              unreachable)
 from loadtest.workloads import PROFILES
 
 log = logging.getLogger("loadtest")
@@ -252,8 +253,10 @@ def _on_test_start(environment, **_kw):
         plan = RunPlan(specs, options, on_done=lambda: _finish(environment),
                        on_phase_done=lambda phase: _next_phase(environment, phase))
     environment.loadtest_plan = plan
+    host = environment.host or OpenAIUser.host
+    environment.loadtest_routing = routing_names(host, options.ports)
     if opts is not None and not _flag(getattr(opts, "skip_port_check", False)):
-        problem = unreachable(environment.host or OpenAIUser.host, options.ports)
+        problem = unreachable(host, options.ports)
         if problem:
             plan.finished = True   # users stop at their first request
             _abort(environment, f"not started: {problem}")
@@ -262,7 +265,12 @@ def _on_test_start(environment, **_kw):
         environment.loadtest_progress = gevent.spawn(_print_progress, environment)
     mode = "A/B, one port after the other" if plan.phase_count > 1 else "all ports at once"
     _set_status(environment, f"running: {plan.total} prompts ({options.workload}) per port, "
-                f"{mode}: {describe_ports(options.ports)}; {plan.progress()}")
+                f"{mode}: {_names(environment)}; {plan.progress()}")
+
+
+def _names(environment) -> str:
+    names = getattr(environment, "loadtest_routing", {})
+    return ", ".join(names.values()) if names else describe_ports([])
 
 
 def _abort(environment, text: str) -> None:
@@ -295,9 +303,8 @@ def _print_progress(environment):
 def _finish(environment):
     """All prompts answered: write results, then end (headless) or stop (web UI) the test."""
     plan = environment.loadtest_plan
-    ports = plan.options.ports
-    where = f"on each of {describe_ports(ports)}, one after the other" \
-        if plan.phase_count > 1 else f"on {describe_ports(ports)}"
+    where = f"on each of {_names(environment)}, one after the other" \
+        if plan.phase_count > 1 else f"on {_names(environment)}"
     environment.loadtest_status = (f"finished: all {plan.total} prompts were answered {where} "
                                    f"({plan.progress()}); the test stopped by itself")
     _write_results(environment)

@@ -61,13 +61,18 @@ def change_pct(base: float | None, other: float | None) -> str:
     return f"{(other - base) / base * 100:+.1f} %"
 
 
+def named(meta: dict, port) -> str:
+    """The port's routing label as recorded when the runs were made."""
+    return (meta.get("routing") or {}).get(str(port)) or routing(port)
+
+
 def comparison_table(results: dict[str, dict], percentiles=None,
                      spreads: dict[str, dict] | None = None) -> str:
     """Markdown table: one column per port, and the change of each port against the first.
 
     spreads: {port: {key: (min, max)}} over repetitions, shown as "value (min-max)"."""
     ports = list(results)
-    head = "| Metric | " + " | ".join(f"{routing(p)}" for p in ports)
+    head = "| Metric | " + " | ".join(results[p].get("routing") or routing(p) for p in ports)
     head += "".join(f" | change {p} vs {ports[0]}" for p in ports[1:]) + " |"
     lines = [head, "|" + "---|" * (1 + 2 * len(ports) - 1)]
     for label, key, decimals in table_rows(percentiles or (99,)):
@@ -108,7 +113,7 @@ def headline(meta: dict) -> str:
     reps = meta.get("repetitions", 1)
     return (f"{label}workload {meta['workload']} ({settings.get('num_prompts', '?')} prompts, "
             f"concurrency {meta['concurrency']}, request rate {meta['request_rate'] or 'inf'}), "
-            f"{' vs '.join(routing(p) for p in meta['ports'])}; {reps} repetition"
+            f"{' vs '.join(named(meta, p) for p in meta['ports'])}; {reps} repetition"
             f"{'s' if reps != 1 else ''} per port{' (value and min-max)' if reps > 1 else ''}; "
             f"{clock_note(meta.get('speedup'))}")
 
@@ -122,7 +127,7 @@ def plot_subtitle(meta: dict) -> str:
         clock = "wall clock" if speed == 1 else f"wall clock at speedup {speed:g}"
     label = f"{meta['label']}, " if meta.get("label") else ""
     return (f"{label}workload {meta['workload']}, {clock}\n"
-            f"{' vs '.join(routing(p) for p in meta['ports'])}")
+            f"{' vs '.join(named(meta, p) for p in meta['ports'])}")
 
 
 def port_colors(ports) -> dict[str, str]:
@@ -147,14 +152,14 @@ def markdown(meta: dict, results: dict[str, dict], runs: list[dict]) -> str:
     order = ", ".join(f"{r['port']} (rep {r['rep']})" for r in runs)
     settings = ", ".join(f"{k}={v}" for k, v in meta.get("workload_settings", {}).items())
     errors = {p: r.get("errors_by_reason") or {} for p, r in results.items()}
-    ports = " vs ".join(routing(p) for p in meta["ports"])
+    ports = " vs ".join(named(meta, p) for p in meta["ports"])
     title = f"{meta['label']}: " if meta.get("label") else ""
     goodput = meta.get("goodput") or {}
     lines = [
         f"# {title}{ports}, workload {meta['workload']}", "",
         f"**{headline(meta)}.**", "",
         f"- host: `{meta['host']}`, endpoint `{meta['endpoint']}`, model `{meta['model']}`",
-        "- routing: " + "; ".join(f"port {routing(p)}" for p in meta["ports"]),
+        "- routing: " + "; ".join(f"port {named(meta, p)}" for p in meta["ports"]),
         f"- workload: `{meta['workload']}` ({settings}), seed {meta['seed']}, "
         f"concurrency {meta['concurrency']}, request rate {meta['request_rate'] or 'inf'}",
         f"- run order (same prompts for every run): {order}",
@@ -206,7 +211,7 @@ def plot_all(out: Path, meta: dict, runs: list[dict]) -> list[Path]:
     for port, samples in by_port.items():
         ttft = np.sort([s.ttft for s in samples if s.success])
         if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=routing(port),
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=named(meta, port),
                     color=colors.get(port))
     ax.set(xlabel="TTFT (s, wall clock)", ylabel="fraction of requests",
            title=f"TTFT CDF\n{subtitle}")
@@ -223,7 +228,7 @@ def plot_all(out: Path, meta: dict, runs: list[dict]) -> list[Path]:
         if not ok:
             continue
         t0 = min(s.start for s in run["samples"])
-        label = f"{routing(run['port'])} rep {run['rep']}"
+        label = f"{named(meta, run['port'])} rep {run['rep']}"
         style = {"s": 8, "color": colors.get(str(run["port"])), "label": label,
                  "marker": markers[(run["rep"] - 1) % len(markers)], "alpha": 0.7}
         axes[0].scatter([s.start - t0 for s in ok], [s.ttft for s in ok], **style)
@@ -256,7 +261,7 @@ def plot_all(out: Path, meta: dict, runs: list[dict]) -> list[Path]:
             if col == 0:
                 ax.set_ylabel(label)
             if row_i == 0:
-                ax.set_title(f"{routing(run['port'])} rep {run['rep']}", fontsize=9)
+                ax.set_title(f"{named(meta, run['port'])} rep {run['rep']}", fontsize=9)
                 if endpoints:
                     ax.legend(fontsize=7)
             if row_i == 2:
@@ -301,7 +306,7 @@ def sweep_table(out: str | Path) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in sorted(points, key=lambda p: (p["rate"], meta["ports"].index(p["port"]))):
         r = p["result"]
-        cells = [f"{p['rate']:g}", routing(p["port"]), _fmt(r["completed"], 0),
+        cells = [f"{p['rate']:g}", named(meta, p["port"]), _fmt(r["completed"], 0),
                  _fmt(r["failed"], 0), _fmt(r["request_throughput"], 3)]
         if goodput:
             cells.append(_fmt(r.get("request_goodput"), 3))
@@ -328,12 +333,12 @@ def write_sweep_report(out: str | Path) -> str:
         rates = [p["rate"] for p in mine]
         style = {"color": colors[str(port)], "marker": "o"}
         axes[0].plot(rates, [p["result"]["median_ttft_ms"] for p in mine],
-                     label=f"{routing(port)} median", **style)
+                     label=f"{named(meta, port)} median", **style)
         axes[0].plot(rates, [p["result"].get("p99_ttft_ms", np.nan) for p in mine],
-                     label=f"{routing(port)} P99", linestyle="--", **style)
+                     label=f"{named(meta, port)} P99", linestyle="--", **style)
         key = "request_goodput" if slos else "request_throughput"
         axes[1].plot(rates, [p["result"].get(key, np.nan) for p in mine],
-                     label=routing(port), **style)
+                     label=named(meta, port), **style)
     top = max(meta["rates"]) if meta["rates"] else 1
     axes[1].plot([0, top], [0, top], color="grey", linewidth=0.8, label="offered rate")
     axes[0].set(xlabel="request rate (req/s)", ylabel="TTFT (ms, wall clock)",
@@ -352,7 +357,7 @@ def write_sweep_report(out: str | Path) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in meta.get("workload_settings", {}).items())
     title = f"{meta['label']}: " if meta.get("label") else ""
     text = "\n".join([
-        f"# {title}Rate sweep: {' vs '.join(routing(p) for p in meta['ports'])}, "
+        f"# {title}Rate sweep: {' vs '.join(named(meta, p) for p in meta['ports'])}, "
         f"workload {meta['workload']}", "",
         f"**Rates {', '.join(f'{r:g}' for r in meta['rates'])} req/s (gamma gaps, burstiness "
         f"{meta.get('burstiness', 1):g}), at most {meta['concurrency']} in flight; "

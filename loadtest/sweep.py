@@ -41,6 +41,7 @@ def sweep(*, host: str, ports: list[int], rates: list[float], out: Path,
             "burstiness": options.burstiness, "percentiles": list(percentiles),
             "goodput": goodput or {}, "label": label, "speedup": speedup,
             "metrics_endpoints": endpoints, "request_rate": "sweep", "repetitions": 1,
+            "routing": compare.routing_names(host, ports),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     for i, rate in enumerate(rates):
         for port in (ports if i % 2 == 0 else list(reversed(ports))):

@@ -89,9 +89,18 @@ def local_stack(host: str, ports, run_root: Path | None = None) -> dict | None:
         sims = config.get("sim_ports") or [config.get("sim_base_port", 8101) + i
                                            for i in range(config.get("groups", 0))]
         return {"name": config.get("name"), "speedup": float(config.get("speedup", 1.0)),
+                "listeners": (config.get("http_port"), config.get("llm_port")),
                 "sims": [f"http://{config.get('host', '127.0.0.1')}:{p}" for p in sims],
                 "state": str(state_file)}
     return None
+
+
+def routing_names(host: str, ports) -> dict[str, str]:
+    """{port: routing label}: by the local stack's listeners when one serves `ports`, else by
+    DEFAULT_PORTS."""
+    stack = local_stack(host, ports)
+    listeners = stack["listeners"] if stack else DEFAULT_PORTS
+    return {str(p): routing(p, listeners) for p in ports}
 
 
 def clock_note(speedup: float | None) -> str:

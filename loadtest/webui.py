@@ -72,10 +72,12 @@ def snapshot(environment) -> dict:
     samples = list(plan.samples)
     ports = plan.options.ports
     states = port_states(environment, plan)
+    names = getattr(environment, "loadtest_routing", {})
     for key, state in states.items():
         mine = [s for s in samples if s.target == key]
-        out["rows"].append(port_row(key, mine, state, percentiles, goodput))
-        out["ports"].append({"port": key, "routing": routing(key or None)})
+        name = names.get(key) or routing(key or None)
+        out["rows"].append(port_row(key, mine, state, percentiles, goodput, name))
+        out["ports"].append({"port": key, "routing": name})
         if mine:
             out["series"][key] = series(mine, min(s.start for s in mine), percentiles)
     failed = sum(1 for s in samples if not s.success)
