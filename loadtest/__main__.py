@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from loadtest.metrics import parse_goodput, parse_percentiles
-from loadtest.targets import DEFAULT_PORTS, describe_ports
+from loadtest.targets import CLUSTER_PORTS, LOCAL_PORTS, default_ports, describe_ports
 from loadtest.workloads import PROFILES
 
 
@@ -19,8 +19,10 @@ def _add_run_options(c: argparse.ArgumentParser, *, repetitions: bool) -> None:
     """Options shared by compare and sweep (vLLM bench serve names where there is one)."""
     c.add_argument("--host", default="127.0.0.1",
                    help="Gateway address (local stack, or the cluster Gateway's IP/DNS name)")
-    c.add_argument("--ports", type=int, nargs="+", default=list(DEFAULT_PORTS),
-                   help=f"ports to run, the first is the baseline ({describe_ports(DEFAULT_PORTS)})")
+    c.add_argument("--ports", type=int, nargs="+", default=None,
+                   help="ports to run, the first is the baseline (default: the local stack's "
+                        f"{describe_ports(LOCAL_PORTS)} for a loopback --host, else "
+                        f"{describe_ports(CLUSTER_PORTS)})")
     c.add_argument("--workload", default="demo", choices=sorted(PROFILES))
     c.add_argument("--workload-args", default="",
                    help="profile overrides key=value,... e.g. path=sharegpt.json,output_len=256")
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Turn the text options into values; ValueError with the reason for a bad one."""
+    args.ports = args.ports or default_ports(args.host)
     args.goodput = parse_goodput(args.goodput)
     args.percentiles = parse_percentiles(args.percentiles)
     if getattr(args, "repetitions", 1) < 1 or (args.concurrency is not None

@@ -1,6 +1,6 @@
 """Locust users that stream OpenAI completions / chat completions and measure them like vLLM.
 
-    locust -f loadtest/locustfile.py --host http://127.0.0.1 --ports "8080 8081" \
+    locust -f loadtest/locustfile.py --host http://127.0.0.1 [--ports "PORT PORT"] \
         --workload demo -u 30 -r 30 [--mode ab|parallel] [--headless] [--result-dir results/x]
 
 Every request is one locust row entry named "<port> <path>" (its time is the whole streamed
@@ -32,8 +32,8 @@ from loadtest.metrics import (RequestSample, StreamTimer, parse_goodput, parse_p
 from loadtest.openai_api import (DONE, ENDPOINTS, OBJECTIVE_HEADER, SSEDecoder, SSEError,
                                  error_reason, request_body)
 from loadtest.plan import MODES, WAIT, RunOptions, RunPlan, parse_ports, parse_workload_args
-from loadtest.targets import (DEFAULT_PORTS, describe_ports, routing_names, target_url,
-                              unreachable)
+from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, default_ports, describe_ports,
+                              routing_names, target_url, unreachable)
 from loadtest.workloads import PROFILES
 
 log = logging.getLogger("loadtest")
@@ -51,9 +51,10 @@ def _option(parser, name: str, *, ui: bool = True, **kwargs):
 def _add_arguments(parser, **_kw):
     # parser.add_argument (not an argument group): only it knows include_in_web_ui.
     # The web form shows the first ones; the rest are flags, env vars or locust.conf only.
-    _option(parser, "ports", default=" ".join(map(str, DEFAULT_PORTS)),
-            help="Gateway ports on the Host, space or comma separated (the first is the "
-                 f"baseline: {describe_ports(DEFAULT_PORTS)}); '' = the Host's own port")
+    _option(parser, "ports", default="auto",
+            help="Gateway ports on the Host, space or comma separated, the first is the "
+                 f"baseline; auto = {describe_ports(LOCAL_PORTS)} on 127.0.0.1 (the local "
+                 f"stack), else {describe_ports(CLUSTER_PORTS)}; '' = the Host's own port")
     _option(parser, "mode", default="ab", choices=list(MODES),
             help="ab: all prompts on each port, one port after the other (like compare); "
                  "parallel: users spread over the ports at the same time")
@@ -94,9 +95,10 @@ def _flag(value) -> bool:
     return value is True or str(value).lower() in ("true", "1", "on", "yes")
 
 
-def options_from_parsed(opts) -> RunOptions:
+def options_from_parsed(opts, host: str) -> RunOptions:
+    ports = default_ports(host) if str(opts.ports).strip() == "auto" else parse_ports(opts.ports)
     return RunOptions(
-        workload=opts.workload, seed=int(opts.seed), ports=parse_ports(opts.ports),
+        workload=opts.workload, seed=int(opts.seed), ports=ports,
         model=opts.model, endpoint=opts.endpoint, objective=opts.objective,
         num_prompts=int(opts.num_prompts) or None, request_rate=float(opts.request_rate),
         burstiness=float(opts.burstiness), cycle=_flag(opts.cycle_prompts),
@@ -226,7 +228,8 @@ def _on_test_start(environment, **_kw):
     runner = environment.runner
     opts = environment.parsed_options
     try:
-        options = getattr(environment, "loadtest_options", None) or options_from_parsed(opts)
+        options = getattr(environment, "loadtest_options", None) or \
+            options_from_parsed(opts, environment.host or OpenAIUser.host)
         if opts is not None:
             environment.loadtest_stats = {"percentiles": parse_percentiles(opts.percentiles),
                                           "goodput": parse_goodput(opts.goodput)}

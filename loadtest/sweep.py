@@ -1,6 +1,6 @@
 """Rate sweep: every port at several request rates (same prompts), TTFT and goodput against rate.
 
-    python -m loadtest sweep --ports 8080 8081 --rates 1 2 4 8 --goodput ttft:2000 tpot:100
+    python -m loadtest sweep [--ports PORT PORT] --rates 1 2 4 8 --goodput ttft:2000 tpot:100
 
 Like guidellm's sweep or a loop over `vllm bench serve --request-rate R`: at each rate each port
 gets the same prompts with the same Poisson (gamma) send times; the port order alternates from

@@ -1,7 +1,9 @@
 """The Gateway ports a load test targets, what routing each one means, and a check that they answer.
 
-DEFAULT_PORTS is the one place in loadtest/ that names the listener ports (the Makefile passes
-its LT_PORTS the same way); everything else takes ports from options. No locust/gevent imports.
+CLUSTER_PORTS is the one place in loadtest/ that names the listener ports (the Makefile's
+LT_PORTS says the same); the local stack serves them LOCAL_PORT_OFFSET higher (as
+local/dataplane.py does; a test keeps the two equal). Everything else takes ports from options.
+No locust/gevent imports (and no import of local/: the in-cluster locust ships loadtest/ only).
 """
 from __future__ import annotations
 
@@ -12,16 +14,26 @@ from urllib.parse import urlsplit
 
 # Gateway listeners in the order the comparisons use them: the baseline first.
 LISTENERS = (("http", "least request"), ("llm-gw", "picker"))
-DEFAULT_PORTS = (8080, 8081)
+CLUSTER_PORTS = (8080, 8081)
+LOCAL_PORT_OFFSET = 10000
+LOCAL_PORTS = tuple(p + LOCAL_PORT_OFFSET for p in CLUSTER_PORTS)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def routing(port: int | str | None, ports=DEFAULT_PORTS) -> str:
-    """'8080/http = least request' style label for a port (the listener at that position)."""
+def default_ports(host: str) -> list[int]:
+    """The local stack's listeners for a loopback host, else the cluster Gateway's."""
+    return list(LOCAL_PORTS if host_parts(host)[1] in LOOPBACK else CLUSTER_PORTS)
+
+
+def routing(port: int | str | None, ports=None) -> str:
+    """'8080/http = least request' style label (the listener at that position of `ports`, or of
+    the cluster's or the local stack's listener ports)."""
     if port in (None, ""):
-        return "the host's port"
-    for known, (listener, policy) in zip(ports, LISTENERS):
-        if int(port) == int(known):
-            return f"{port}/{listener} = {policy}"
+        return "the host's own port"
+    for known_ports in ([ports] if ports else [CLUSTER_PORTS, LOCAL_PORTS]):
+        for known, (listener, policy) in zip(known_ports, LISTENERS):
+            if known is not None and int(port) == int(known):
+                return f"{port}/{listener} = {policy}"
     return f"{port}"
 
 
@@ -68,7 +80,6 @@ def unreachable(host: str, ports) -> str:
 
 
 REPO = Path(__file__).resolve().parents[1]
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def local_stack(host: str, ports, run_root: Path | None = None) -> dict | None:
@@ -84,12 +95,15 @@ def local_stack(host: str, ports, run_root: Path | None = None) -> dict | None:
             config = json.loads(state_file.read_text())["config"]
         except (OSError, ValueError, KeyError):
             continue
-        if not wanted or not wanted <= {config.get("http_port"), config.get("llm_port")}:
+        # listener ports: the config's, else (None) the cluster's + the local offset
+        listeners = tuple(config.get(key) or LOCAL_PORTS[i]
+                          for i, key in enumerate(("http_port", "llm_port")))
+        if not wanted or not wanted <= set(listeners):
             continue
         sims = config.get("sim_ports") or [config.get("sim_base_port", 8101) + i
                                            for i in range(config.get("groups", 0))]
         return {"name": config.get("name"), "speedup": float(config.get("speedup", 1.0)),
-                "listeners": (config.get("http_port"), config.get("llm_port")),
+                "listeners": listeners,
                 "sims": [f"http://{config.get('host', '127.0.0.1')}:{p}" for p in sims],
                 "state": str(state_file)}
     return None
@@ -97,9 +111,9 @@ def local_stack(host: str, ports, run_root: Path | None = None) -> dict | None:
 
 def routing_names(host: str, ports) -> dict[str, str]:
     """{port: routing label}: by the local stack's listeners when one serves `ports`, else by
-    DEFAULT_PORTS."""
+    the cluster's or the default local ports."""
     stack = local_stack(host, ports)
-    listeners = stack["listeners"] if stack else DEFAULT_PORTS
+    listeners = stack["listeners"] if stack else None
     return {str(p): routing(p, listeners) for p in ports}
 
 

@@ -103,10 +103,17 @@ def test_parallel_mode_keeps_one_phase():
 
 
 def test_ports_are_named_by_their_listener():
-    from loadtest.targets import DEFAULT_PORTS, describe_ports, routing, unreachable
-    http, llm = DEFAULT_PORTS
+    from local.dataplane import LISTENER_PORT_OFFSET
+    from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORT_OFFSET, default_ports,
+                                  describe_ports, routing, unreachable)
+    assert LOCAL_PORT_OFFSET == LISTENER_PORT_OFFSET       # the local stack's scheme
+    http, llm = CLUSTER_PORTS
     assert routing(http) == f"{http}/http = least request"
     assert routing(str(llm)) == f"{llm}/llm-gw = picker"
+    assert routing(llm + LOCAL_PORT_OFFSET) == f"{llm + LOCAL_PORT_OFFSET}/llm-gw = picker"
+    assert routing(28081, (28080, 28081)) == "28081/llm-gw = picker"
+    assert default_ports("http://127.0.0.1") == [http + 10000, llm + 10000]
+    assert default_ports("gw.example") == [http, llm]
     assert routing(12345) == "12345" and describe_ports([]) == "the host's own port"
     with __import__("socket").socket() as s:      # a port nobody listens on
         s.bind(("127.0.0.1", 0))
