@@ -1,7 +1,7 @@
 """`python -m bench [NAME ...]`: run benchmarks, then write BENCHMARKS.md.
 
     python -m bench                 # all of them (what `make bench` runs), then the report
-    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | gateway)
+    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | demo)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -19,7 +19,7 @@ BENCHMARKS = {
     "picker": lambda a: suites.picker(),
     "lab": lambda a: [suites.lab("article", a.seeds), suites.lab("shared-prefix", a.seeds)],
     "crosscheck": lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
-    "gateway": lambda a: suites.gateway(),
+    "demo": lambda a: suites.demo(),
 }
 
 

@@ -714,7 +714,7 @@ def describe(stack: Stack) -> str:
 # concurrency. Queueing for KV blocks, which is what routing changes, then happens as in the
 # article, in 1/DEMO_SCALE of the time (measured in the lab: least request vs picker within a few
 # points of the full-size gap). DEMO_SPEEDUP keeps the SSE chunk rate ~1,200/s, low enough that
-# the stack's CPU use does not distort latencies on 2 cores (see GATEWAY.md, "make demo").
+# the stack's CPU use does not distort latencies on 2 cores (see DATAPLANE.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
 DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
@@ -748,6 +748,11 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
     table = envoy_table(envoy, stack.listener_ports())
     print(table)
     print(cpu_table(before, after, wall))
+    if out.is_dir():
+        cpu = {name: after[name] - before.get(name, 0.0) for name in after}
+        (out / "dataplane.json").write_text(json.dumps(
+            {"wall_s": wall, "cores": os.cpu_count(), "cpu_s": cpu, "listeners": stack.listener_ports(),
+             "envoy_listener_stats": envoy, "speedup": config.speedup, "workload": workload}, indent=2))
     report = out / "report.md"
     if report.exists():
         with report.open("a") as f:
