@@ -83,10 +83,19 @@ def test_ui_run_shows_per_port_rows_and_charts_stops_and_downloads(locust_ui, br
     page.set_default_timeout(60_000)
     page.goto(url + "/")
     page.get_by_role("button", name="Start").click()
+    deadline = time.monotonic() + 30            # the server has started the run (the form's
+    while json.loads(urllib.request.urlopen(url + "/stats/requests").read())["state"] \
+            not in ("spawning", "running"):     # POST may still be in flight when Stop shows)
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
 
     # the extra tab: one row per port with its routing, A/B phase and TTFT percentiles
     page.goto(url + "/?tab=llm-metrics")
-    page.locator("tr", has_text=str(fast)).filter(has_text="(phase 1/2)").first.wait_for()
+    try:
+        page.locator("tr", has_text=str(fast)).filter(has_text="(phase 1/2)").first.wait_for()
+    except playwright_api.Error:
+        page.screenshot(path=str(tmp_path / "llm-metrics-tab.png"), full_page=True)
+        raise AssertionError(page.locator("body").inner_text()[-3000:]) from None
     page.get_by_text("TTFT P95 (ms)").wait_for()        # percentiles from locust.conf
     page.wait_for_function(
         "port => [...document.querySelectorAll('tr')].some(tr => tr.innerText.includes(port)"
