@@ -120,3 +120,21 @@ def test_ports_are_named_by_their_listener():
         silent = s.getsockname()[1]
     message = unreachable("http://127.0.0.1", [silent])
     assert f"http://127.0.0.1:{silent} (ConnectionRefusedError" in message and "`make up`" in message
+
+
+def test_the_local_stack_serving_the_ports_gives_speedup_simulators_and_names(tmp_path):
+    import json
+    from loadtest.targets import clock_note, local_stack, routing_names
+    for name, config in (("other", {"http_port": 28080, "llm_port": 28081, "speedup": 10}),
+                         ("local", {"http_port": None, "llm_port": None, "speedup": 20,
+                                    "groups": 2, "sim_base_port": 8101, "sim_ports": None})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.json").write_text(json.dumps({"config": config}))
+    stack = local_stack("127.0.0.1", [18080, 18081], run_root=tmp_path)
+    assert stack["speedup"] == 20 and stack["listeners"] == (18080, 18081)
+    assert stack["sims"] == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    assert local_stack("127.0.0.1", [28081], run_root=tmp_path)["speedup"] == 10
+    assert local_stack("10.1.2.3", [18080], run_root=tmp_path) is None   # not this machine
+    assert local_stack("127.0.0.1", [9999], run_root=tmp_path) is None
+    assert "model time = 20 x wall clock" in clock_note(20.0)
+    assert routing_names("127.0.0.1", [18080])["18080"] == "18080/http = least request"
