@@ -69,6 +69,9 @@ def snapshot(environment) -> dict:
                                      if _download_path(environment, name) is not None]}
     if plan is None:
         return out
+    if status.startswith("running"):  # live progress instead of the line logged at the start
+        mode = "A/B, one port after the other" if plan.phase_count > 1 else "all ports at once"
+        status = out["status"] = f"running ({mode}): {plan.progress()}"
     samples = list(plan.samples)
     ports = plan.options.ports
     states = port_states(environment, plan)
