@@ -48,7 +48,20 @@ $(ENVOY_GATEWAY) $(EGCTL) &: local/dataplane.py
 		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
 	touch $(ENVOY_GATEWAY) $(EGCTL)
 
-tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client
+tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient apiserver-tools ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client, kube-apiserver (+ etcd)
+
+# A real API server for tests/apiserver: kube-apiserver v1.34.2 built from the Go module proxy by the
+# wrapper module in tools/kube-apiserver (~5 min on 2 cores the first time), etcd from Debian.
+KUBE_APISERVER := $(TOOLS)/kube-apiserver
+KUBE_VERSION   := v1.34.2
+KUBE_LDFLAGS   := $(foreach v,gitVersion=$(KUBE_VERSION) gitMajor=1 gitMinor=34 gitTreeState=clean,-X k8s.io/component-base/version.$(v))
+$(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
+	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
+		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
+
+.PHONY: apiserver-tools test-apiserver
+apiserver-tools: $(KUBE_APISERVER)
+	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
@@ -66,6 +79,10 @@ validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (de
 test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
+	$(MAKE) --no-print-directory test-apiserver
+
+test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~2 min)
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
 up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)

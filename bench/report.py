@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bench import crosscheck
+from bench import coldstart, crosscheck, phases
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
 
@@ -38,7 +38,7 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(15-25 minutes); each benchmark runs alone with `python -m bench <name>` "
-        "(`validation`, `picker`, `lab`, `crosscheck`, `demo`), then `python -m bench report`.", "",
+        "(`validation`, `picker`, `lab`, `crosscheck`, `phases`, `coldstart`, `demo`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
@@ -201,6 +201,20 @@ def crosscheck_section(d: dict | None) -> list[str]:
     return out
 
 
+def phases_section(d: dict | None) -> list[str]:
+    out = ["## What the picker is sent: request phase only or the response phase too", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    return out + phases.report(d) + [""]
+
+
+def coldstart_section(d: dict | None) -> list[str]:
+    out = ["## Cold start: a burst sharing a new prefix at a fresh router", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    return out + coldstart.report(d) + [""]
+
+
 def demo_section(d: dict | None) -> list[str]:
     out = ["## `make demo` on the real data plane", ""]
     if not d:
@@ -235,14 +249,15 @@ def demo_section(d: dict | None) -> list[str]:
 
 
 def write() -> str:
-    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "demo"]
+    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "phases", "coldstart", "demo"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
     lines = header(machine(), loads)
     lines += validation_section(data["validation"]) + picker_section(data["picker"])
     lines += lab_section(data["lab-article"], data["lab-shared-prefix"])
-    lines += crosscheck_section(data["crosscheck"]) + demo_section(data["demo"])
+    lines += crosscheck_section(data["crosscheck"]) + phases_section(data["phases"])
+    lines += coldstart_section(data["coldstart"]) + demo_section(data["demo"])
     text = "\n".join(lines).rstrip() + "\n"
     (REPO / "BENCHMARKS.md").write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")

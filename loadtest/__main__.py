@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--request-rate", type=float, default=0.0,
                    help="req/s with gamma gaps (0 = no pacing, as vLLM's inf)")
     c.add_argument("--out", default=None, help="results folder (default results/compare-<time>)")
+    c.add_argument("--before-each-run", metavar="CMD",
+                   help="shell command run before every run, e.g. one that restarts the servers and the router "
+                        "so no run starts with another run's caches (`python -m local.stack reset` locally)")
 
     s = sub.add_parser("sweep", help="each port at several request rates: TTFT and goodput "
                        "against rate", formatter_class=argparse.ArgumentDefaultsHelpFormatter)

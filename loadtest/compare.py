@@ -11,6 +11,7 @@ import locust  # noqa: F401  (first: gevent monkey-patching before sockets are c
 
 import json
 import shutil
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -101,11 +102,13 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             metrics_endpoints: list[str] | None = None, scrape_interval: float = 1.0,
             idle_timeout: float = 60.0, run_timeout: float = 3600.0,
             percentiles=DEFAULT_PERCENTILES, goodput: dict | None = None, label: str = "",
-            speedup: float | None = None) -> str:
+            speedup: float | None = None, before_each_run: str | None = None) -> str:
     """Run every port `repetitions` times (order alternates), write the folder, return Markdown.
 
     One repetition writes <port>.json/.samples.jsonl/.load.jsonl; several write one
-    <port>-rep<k>.* set per run and <port>.json over all of them (no samples copy)."""
+    <port>-rep<k>.* set per run and <port>.json over all of them (no samples copy).
+    `before_each_run`: a shell command run before every run (e.g. one that restarts the servers and
+    the router, so that no run inherits the caches and prefix state of the one before)."""
     settings = options.settings()
     if concurrency is None:
         concurrency = settings.get("concurrency") or int(settings["num_prompts"])
@@ -118,7 +121,7 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             "request_rate": options.request_rate, "repetitions": repetitions,
             "percentiles": list(percentiles), "goodput": goodput or {}, "label": label,
             "speedup": speedup, "metrics_endpoints": endpoints,
-            "routing": routing_names(host, ports),
+            "routing": routing_names(host, ports), "before_each_run": before_each_run,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     stats = {"percentiles": percentiles, "goodput": goodput}
     by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
@@ -127,6 +130,9 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
     for rep in range(1, repetitions + 1):
         order = ports if rep % 2 == 1 else list(reversed(ports))
         for port in order:
+            if before_each_run:
+                progress.show(f"before port {port} rep {rep}: {before_each_run}", final=True)
+                subprocess.run(before_each_run, shell=True, check=True)
             recorder = LoadRecorder(endpoints, interval=scrape_interval, sleep=gevent.sleep)
             wait_idle(recorder, idle_timeout, progress)
             name = f"port {port} rep {rep}/{repetitions}"
@@ -198,7 +204,7 @@ def main(args) -> int:
                 metrics_endpoints=endpoints, scrape_interval=args.scrape_interval,
                 idle_timeout=args.idle_timeout, run_timeout=args.run_timeout,
                 percentiles=args.percentiles, goodput=args.goodput, label=args.label,
-                speedup=speedup)
+                speedup=speedup, before_each_run=args.before_each_run)
     meta, results, runs = load_folder(out)
     print(headline(meta))
     print(comparison_table(results, meta.get("percentiles"), spread(meta, runs)))

@@ -14,6 +14,7 @@ from validation.builtin import OBJECT_META, BuiltinSchemas
 from validation.crdschema import CRDStore
 from validation.problems import Problem, describe, format_path
 from validation.render import CRDS_KUSTOMIZATION, Rendered, argo_app_sources, discover_targets, render
+from validation.render import chart_name
 
 DEFAULT_K8S_VERSION = "1.33.0"   # oldest Kubernetes that Envoy Gateway v1.9 supports
 _UNPINNED = re.compile(r"^(HEAD|latest|main|master|\*|)$|[*^~x]")
@@ -57,9 +58,10 @@ def app_path_problems(rendered: Rendered, root: Path) -> tuple[list[Problem], li
     problems, paths = [], []
     for app, src in argo_app_sources(rendered.objects):
         where = f"Application {app}"
-        if src.get("chart"):
+        chart = chart_name(src)
+        if chart:
             if _UNPINNED.search(str(src.get("targetRevision", ""))):
-                problems.append(Problem(rendered.target, f"chart {src['chart']} is not pinned to a version",
+                problems.append(Problem(rendered.target, f"chart {chart} is not pinned to a version",
                                         where, "spec.source.targetRevision", source="argocd"))
             continue
         path = src.get("path")

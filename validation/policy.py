@@ -5,147 +5,79 @@ name the object and the field. An empty list means the check holds.
 """
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
 from kubernetes.utils import parse_quantity
 
+from validation.manifests import (GPU, PodTemplate, argv, flag_values, gpu_limit, has_flag,  # noqa: F401
+                                  listener_port, matches, name_of, ns_of, of_kind, picker_container,
+                                  pod_templates, routes_on_port, served_model_names, services_selecting,
+                                  vllm_container)
 from validation.problems import describe
 
-GPU = "nvidia.com/gpu"
 ENDPOINT_HEADER = "x-gateway-destination-endpoint"
 
 
-# ---------------------------------------------------------------- helpers
+# ---------------------------------------------------------------- Argo CD chart sources
 
-def of_kind(objs, kind):
-    return [o for o in objs if o.get("kind") == kind]
-
-
-def ns_of(obj, default="default"):
-    return (obj.get("metadata") or {}).get("namespace") or default
+REPO_SECRET_TYPES = ("repository", "repo-creds")
 
 
-def name_of(obj):
-    return (obj.get("metadata") or {}).get("name", "")
+def _secret_value(secret, key):
+    if key in (secret.get("stringData") or {}):
+        return str(secret["stringData"][key])
+    raw = (secret.get("data") or {}).get(key)
+    return base64.b64decode(raw).decode(errors="replace") if raw is not None else None
 
 
-@dataclass
-class PodTemplate:
-    owner: dict
-    role: str            # "" for Deployments etc., "leader"/"worker" for LeaderWorkerSets
-    path: str            # field path of the template
-    template: dict
-
-    @property
-    def labels(self):
-        return (self.template.get("metadata") or {}).get("labels") or {}
-
-    @property
-    def spec(self):
-        return self.template.get("spec") or {}
-
-    @property
-    def where(self):
-        return f"{describe(self.owner)} {self.path}"
-
-    def containers(self):
-        for field in ("initContainers", "containers"):
-            for i, c in enumerate(self.spec.get(field) or []):
-                yield f"{self.path}.spec.{field}[{i}]", c
-
-
-def pod_templates(objs):
-    for obj in objs:
-        kind, spec = obj.get("kind"), obj.get("spec") or {}
-        if kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job") and spec.get("template"):
-            yield PodTemplate(obj, "", "spec.template", spec["template"])
-        elif kind == "CronJob":
-            t = ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template")
-            if t:
-                yield PodTemplate(obj, "", "spec.jobTemplate.spec.template", t)
-        elif kind == "LeaderWorkerSet":
-            lwt = spec.get("leaderWorkerTemplate") or {}
-            worker = lwt.get("workerTemplate") or {}
-            leader = lwt.get("leaderTemplate") or worker
-            path = "leaderTemplate" if lwt.get("leaderTemplate") else "workerTemplate"
-            yield PodTemplate(obj, "leader", f"spec.leaderWorkerTemplate.{path}", leader)
-            yield PodTemplate(obj, "worker", "spec.leaderWorkerTemplate.workerTemplate", worker)
-
-
-def argv(container) -> list[str]:
-    return [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
-
-
-def flag_values(args: list[str], flag: str) -> list[str] | None:
-    """Values of `--flag v1 v2` / `--flag=v` in an argument list; None if the flag is absent."""
-    for i, a in enumerate(args):
-        if a == flag:
-            values = []
-            for v in args[i + 1:]:
-                if v.startswith("--"):
-                    break
-                values.append(v)
-            return values
-        if a.startswith(flag + "="):
-            return [a.split("=", 1)[1]]
-    return None
-
-
-def has_flag(args, flag):
-    return flag in args or any(a.startswith(flag + "=") for a in args)
-
-
-def vllm_container(t: PodTemplate):
-    """(path, container) of the container running `vllm serve`, or (None, None)."""
-    for path, c in t.containers():
-        args = argv(c)
-        if "vllm" in args and "serve" in args:
-            return path, c
-    return None, None
-
-
-def matches(selector: dict, labels: dict) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def gpu_limit(container) -> int | None:
-    value = ((container.get("resources") or {}).get("limits") or {}).get(GPU)
-    return int(value) if value is not None else None
-
-
-def listener_port(objs, gateway_name, section):
-    for gw in of_kind(objs, "Gateway"):
-        if name_of(gw) == gateway_name:
-            for listener in (gw.get("spec") or {}).get("listeners") or []:
-                if listener.get("name") == section:
-                    return listener.get("port")
-    return None
-
-
-def routes_on_port(objs, port):
+def oci_helm_repositories(objs) -> list[tuple[str, str]]:
+    """(secret type, url) of every Argo CD repository Secret that declares an OCI Helm repository."""
     out = []
-    for route in of_kind(objs, "HTTPRoute"):
-        for parent in (route.get("spec") or {}).get("parentRefs") or []:
-            if listener_port(objs, parent.get("name"), parent.get("sectionName")) == port:
-                out.append(route)
+    for secret in of_kind(objs, "Secret"):
+        kind = ((secret.get("metadata") or {}).get("labels") or {}).get("argocd.argoproj.io/secret-type")
+        if kind in REPO_SECRET_TYPES and _secret_value(secret, "type") == "helm" \
+                and _secret_value(secret, "enableOCI") == "true" and _secret_value(secret, "url"):
+            out.append((kind, _secret_value(secret, "url").rstrip("/")))
     return out
 
 
-def picker_container(objs):
-    """(deployment, container) running `python -m picker`."""
-    for t in pod_templates(objs):
-        for _, c in t.containers():
-            args = argv(c)
-            if "-m" in args and "picker" in args:
-                return t.owner, c
-    return None, None
+def _app_sources(app):
+    spec = app.get("spec") or {}
+    if spec.get("sources"):
+        return [(f"spec.sources[{i}]", s) for i, s in enumerate(spec["sources"])]
+    return [("spec.source", spec["source"])] if spec.get("source") else []
 
 
-def services_selecting(objs, labels, namespace):
-    return [s for s in of_kind(objs, "Service")
-            if ns_of(s) == namespace and matches((s.get("spec") or {}).get("selector") or {}, labels)]
+def chart_sources_resolve(objs):
+    """Every Helm chart an Application names is in a form Argo CD fetches:
+    - native OCI: `repoURL: oci://<registry>/<chart>`, `path: .`, no `chart` (public: nothing else);
+    - classic Helm repository: `repoURL: https://...` + `chart`;
+    - classic form on an OCI registry (`repoURL: <registry>/<path>` without a scheme + `chart`)
+      only with a repository Secret (or repo-creds prefix) of type helm with enableOCI "true";
+      without one Argo CD fetches `<repoURL>/index.yaml`, which OCI registries do not serve."""
+    problems = []
+    declared = oci_helm_repositories(objs)
+    for app in of_kind(objs, "Application"):
+        for path, src in _app_sources(app):
+            url = str(src.get("repoURL", "")).rstrip("/")
+            where = f"{describe(app)}: {path}"
+            if url.startswith("oci://"):
+                if src.get("chart"):
+                    problems.append(f"{where}.chart: an oci:// repoURL is Argo CD's native OCI source, which "
+                                    f"takes no chart: name the chart in the repoURL (oci://<registry>/<chart>) "
+                                    f"with path: .")
+                elif src.get("path") != ".":
+                    problems.append(f"{where}.path: {src.get('path')!r}: an OCI Helm chart source needs path: .")
+            elif src.get("chart") and "://" not in url and not url.startswith("git@"):
+                if not any(url == u if kind == "repository" else url.startswith(u) for kind, u in declared):
+                    problems.append(f"{where}.repoURL: {url!r} + chart {src['chart']!r} is Argo CD's classic Helm "
+                                    f"form on an OCI registry, which needs a repository Secret (type: helm, "
+                                    f"enableOCI: \"true\") for that URL and the repo declares none: use "
+                                    f"repoURL: oci://{url}/{src['chart']}, path: . and no chart")
+    return problems
 
 
 # ---------------------------------------------------------------- checks
@@ -246,17 +178,6 @@ def parallelism_matches_resources(objs):
                 problems.append(f"{describe(lws)}: {t.path} requests {sum(gpus)} {GPU} per pod != "
                                 f"--tensor-parallel-size {tp}")
     return problems
-
-
-def served_model_names(objs) -> dict[str, list[str]]:
-    """LWS name -> --served-model-name values of its leader."""
-    out = {}
-    for t in pod_templates(objs):
-        if t.role == "leader":
-            _, c = vllm_container(t)
-            if c is not None:
-                out[name_of(t.owner)] = flag_values(argv(c), "--served-model-name") or []
-    return out
 
 
 def served_names_cover_rewrites(objs):

@@ -146,6 +146,15 @@ def discover_targets(root: Path) -> list[str]:
     return targets
 
 
+def chart_name(source: dict) -> str | None:
+    """The Helm chart an Argo CD source fetches from a chart repository or OCI registry
+    (`chart`, or the last segment of an `oci://` repoURL), None for a Git source."""
+    if source.get("chart"):
+        return str(source["chart"])
+    url = str(source.get("repoURL", ""))
+    return url.rstrip("/").rsplit("/", 1)[-1] if url.startswith("oci://") else None
+
+
 def argo_app_sources(objects: list) -> list[tuple[str, dict]]:
     """(app name, source) for every source of every Argo CD Application in `objects`."""
     out = []

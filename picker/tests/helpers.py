@@ -24,9 +24,11 @@ def metrics_text(waiting=0, running=0, kv=0.0, model="qwq", block_size=16, num_b
         f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{model}"}} 3.0',
     ]
     if block_size is not None:
+        lines.append("# TYPE vllm:cache_config_info gauge")
         lines.append(f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",'
                      f'engine="0",model_name="{model}",num_gpu_blocks="{num_blocks}"}} 1.0')
     if lora is not None:
+        lines.append("# TYPE vllm:lora_requests_info gauge")
         lines.append(f'vllm:lora_requests_info{{max_lora="{lora["max"]}",running_lora_adapters='
                      f'"{",".join(lora.get("running", []))}",waiting_lora_adapters='
                      f'"{",".join(lora.get("waiting", []))}"}} 1.7e9')

@@ -186,3 +186,18 @@ def test_rewrite_precedence_and_weighted_choice():
     counts = Counter(choose_target(rule, "qwq", rng) for _ in range(4000))
     assert 0.07 < counts["qwq-canary"] / 4000 < 0.13
     assert choose_target(None, "qwq", rng) == "qwq"
+
+
+def test_a_cold_burst_sharing_a_new_prefix_spreads_like_least_request():
+    """30 requests at once, same new 2,000-token prefix, idle endpoints, no scrape in between:
+    with an empty KV cache a prefix miss costs only its own prefill, so the default profile
+    spreads the burst (it put 18/12/0 before, upstream-default puts all 30 on one endpoint)."""
+    from helpers import body, make_router
+    from picker.core import RequestInfo
+
+    router = make_router("default", n=3, num_blocks=4000)
+    prefix = " ".join(f"system{i}" for i in range(2000))
+    picks = [router.decide(RequestInfo("/v1/completions", {}, body(prompt=f"{prefix} question {i} " + "x " * 200)))
+             .endpoint for i in range(30)]
+    counts = sorted((picks.count(a) for a in set(picks)), reverse=True)
+    assert len(counts) == 3 and counts[0] - counts[-1] <= 2, counts

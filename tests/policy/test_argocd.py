@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from validation.cli import app_path_problems
-from validation.render import Rendered, argo_app_sources, render
+from validation import policy
+from validation.render import Rendered, argo_app_sources, chart_name, render
 from tests.policy.conftest import ROOT, find, rendered
 
 APPS = "argocd/apps"
@@ -18,7 +19,7 @@ def applications():
 
 def test_every_app_path_exists_and_renders():
     sources = argo_app_sources(applications())
-    git_paths = [src["path"] for _, src in sources if "path" in src]
+    git_paths = [src["path"] for _, src in sources if "path" in src and not chart_name(src)]
     assert {"argocd/apps", "base/crds", "overlays/a10"} <= set(git_paths)
     for path in git_paths:
         assert rendered(path), path     # rendered() fails the test on any render problem
@@ -39,6 +40,50 @@ def test_app_paths_and_chart_versions_are_checked():
     assert "Application qwq-serving: spec.source.path: path 'overlays/a100' does not exist" in messages[1]
 
 
+def test_chart_sources_are_in_a_form_argo_cd_fetches():
+    assert policy.chart_sources_resolve(rendered(APPS) + rendered("argocd/bootstrap")) == []
+
+
+CLASSIC_LWS = {"repoURL": "registry.k8s.io/lws/charts", "chart": "lws", "targetRevision": "0.10.0"}
+
+
+def test_classic_oci_chart_source_without_repository_secret_is_rejected():
+    objs = rendered(APPS) + rendered("argocd/bootstrap")
+    find(objs, "Application", "lws")["spec"]["source"] = dict(CLASSIC_LWS)
+    problems = policy.chart_sources_resolve(objs)
+    assert len(problems) == 1
+    assert problems[0].startswith("Application argocd/lws: spec.source.repoURL: 'registry.k8s.io/lws/charts' + chart 'lws'")
+    assert "needs a repository Secret" in problems[0] and "oci://registry.k8s.io/lws/charts/lws" in problems[0]
+
+
+@pytest.mark.parametrize("secret_type, url, data, ok", [
+    ("repository", "registry.k8s.io/lws/charts", {"type": "helm", "enableOCI": "true"}, True),
+    ("repo-creds", "registry.k8s.io", {"type": "helm", "enableOCI": "true"}, True),
+    ("repository", "registry.k8s.io/lws/charts", {"type": "helm"}, False),        # no enableOCI
+    ("repository", "registry.k8s.io/other", {"type": "helm", "enableOCI": "true"}, False),
+])
+def test_classic_oci_chart_source_resolves_only_with_a_matching_repository_secret(secret_type, url, data, ok):
+    objs = rendered(APPS)
+    find(objs, "Application", "lws")["spec"]["source"] = dict(CLASSIC_LWS)
+    secret = {"apiVersion": "v1", "kind": "Secret",
+              "metadata": {"name": "lws-charts", "namespace": "argocd",
+                           "labels": {"argocd.argoproj.io/secret-type": secret_type}},
+              "stringData": {"url": url, **data}}
+    assert (policy.chart_sources_resolve(objs + [secret]) == []) is ok
+
+
+def test_native_oci_source_with_chart_or_subpath_is_rejected():
+    objs = rendered(APPS)
+    eg = find(objs, "Application", "envoy-gateway")["spec"]["source"]
+    eg["chart"] = "gateway-helm"
+    lws = find(objs, "Application", "lws")["spec"]["source"]
+    lws["path"] = "charts"
+    problems = sorted(policy.chart_sources_resolve(objs))
+    assert len(problems) == 2
+    assert problems[0].startswith("Application argocd/envoy-gateway: spec.source.chart: an oci:// repoURL")
+    assert problems[1].startswith("Application argocd/lws: spec.source.path: 'charts'")
+
+
 def test_sync_waves_order_crds_platform_workload():
     waves = {o["metadata"]["name"]: int(o["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"])
              for o in rendered(APPS)}
@@ -52,8 +97,8 @@ def test_crd_and_chart_apps_use_server_side_apply_and_crds_are_not_pruned():
     crds = apps["inference-crds"]["spec"]["syncPolicy"]
     assert crds["automated"]["prune"] is False and "Prune=false" in crds["syncOptions"]
     assert "SkipDryRunOnMissingResource=true" in apps["qwq-serving"]["spec"]["syncPolicy"]["syncOptions"]
-    assert {s["chart"]: s["targetRevision"] for _, s in argo_app_sources(rendered(APPS)) if "chart" in s} == \
-        {"gateway-helm": "v1.9.0", "lws": "0.10.0"}
+    assert {s["repoURL"]: s["targetRevision"] for _, s in argo_app_sources(rendered(APPS)) if chart_name(s)} == \
+        {"oci://registry-1.docker.io/envoyproxy/gateway-helm": "v1.9.0", "oci://registry.k8s.io/lws/charts/lws": "0.10.0"}
 
 
 def test_apps_stay_inside_their_project():

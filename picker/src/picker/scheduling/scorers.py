@@ -103,6 +103,9 @@ def lora_affinity_scorer() -> Scorer:
     return score
 
 
+KV_PRESSURE = 0.5  # KV usage at which a prefix miss costs miss_weight times its tokens
+
+
 def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens: float,
                         kv_wait_tokens: float, output_reserve_tokens: int,
                         miss_weight: float = 1.0) -> float:
@@ -123,8 +126,13 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
         return math.inf
     uncached = ctx.prompt_tokens - ctx.cached_tokens(e.address)
     ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
-    cost = ahead + m.running * running_tokens + miss_weight * uncached
     capacity = m.kv_capacity_tokens
+    # A miss displaces other prompts' cached blocks only when the KV cache is under pressure: on
+    # an empty cache it costs just its own prefill. Without this, a burst sharing a prefix no
+    # group holds yet piles onto the first group that got it (cold start).
+    used = m.kv_usage + (e.since_scrape_tokens / capacity if capacity else 0.0)
+    weight = 1.0 + (miss_weight - 1.0) * min(1.0, used / KV_PRESSURE)
+    cost = ahead + m.running * running_tokens + weight * uncached
     if capacity:
         free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
         need = uncached + output_reserve_tokens

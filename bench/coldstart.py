@@ -1,0 +1,83 @@
+"""Cold start: a burst of concurrent requests sharing a prefix no group has seen, sent to a
+freshly started router (a picker restart, a rollout, a new shared system prompt), in the lab.
+
+    python -m bench coldstart
+
+How the first N requests spread over the groups and their TTFT, for least request and the
+picker's `default` and `upstream-default` profiles, over several trials (each trial: new engines,
+a new picker, a new prefix). A router that learns prefix affinity can herd the whole burst onto
+the first group that got the prefix before any scrape shows the load; `default` must spread the
+burst no worse than least request.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from bench.common import load_average, save, stamp
+
+POLICIES = ("least-request", "picker", "picker-upstream")
+BURST = 30            # the article's concurrency: every client sends at once
+PREFIX_WORDS = 2000   # the new shared system prompt (1 word = 1 token in the simulator)
+QUESTION_WORDS = 200
+OUTPUT_TOKENS = 300
+
+
+def burst(trial: int):
+    from loadtest.workloads import PromptSpec, random_words
+
+    rng = np.random.default_rng(1000 + trial)
+    prefix = random_words(rng, PREFIX_WORDS)
+    return [PromptSpec(f"{prefix} {random_words(rng, QUESTION_WORDS)}", PREFIX_WORDS + QUESTION_WORDS,
+                       OUTPUT_TOKENS, group="new-prefix") for _ in range(BURST)]
+
+
+def run(trials: int) -> dict:
+    from lab.policies import make_policy
+    from lab.runner import LabConfig, prepare_requests, run_lab
+    from local.sim.profiles import DEFAULT_PROFILE, get_profile
+
+    profile = get_profile(DEFAULT_PROFILE)
+    out = {}
+    for name in POLICIES:
+        rows = []
+        for trial in range(trials):
+            requests = prepare_requests(burst(trial), profile.block_size)
+            result = run_lab(requests, make_policy(name), LabConfig(concurrency=BURST, seed=trial, profile=profile))
+            per_group = sorted((sum(1 for s in result.samples if s.target == ep) for ep in result.per_endpoint),
+                               reverse=True)
+            ttfts = [s.ttft * 1000 for s in result.samples]
+            rows.append({"per_group": per_group, "groups_used": sum(1 for n in per_group if n),
+                         "mean_ttft_ms": statistics.mean(ttfts), "max_ttft_ms": max(ttfts)})
+        out[name] = {"trials": rows,
+                     "mean_largest_share": statistics.mean(r["per_group"][0] for r in rows) / BURST,
+                     "all_on_one_group": sum(r["groups_used"] == 1 for r in rows),
+                     "mean_ttft_ms": statistics.mean(r["mean_ttft_ms"] for r in rows),
+                     "mean_max_ttft_ms": statistics.mean(r["max_ttft_ms"] for r in rows)}
+        print(f"{name:16} largest group {out[name]['mean_largest_share']:.0%} of the burst, "
+              f"mean TTFT {out[name]['mean_ttft_ms']:,.0f} ms", flush=True)
+    return out
+
+
+def main(trials: int = 10) -> dict:
+    started, load_start = time.monotonic(), load_average()
+    data = {"command": "python -m bench coldstart", "trials": trials, "burst": BURST,
+            "prefix_tokens": PREFIX_WORDS, "question_tokens": QUESTION_WORDS, "output_tokens": OUTPUT_TOKENS,
+            "load_average_start": load_start, "lab": run(trials), "wall_s": time.monotonic() - started, **stamp()}
+    save("coldstart", data)
+    return data
+
+
+def report(d: dict) -> list[str]:
+    lines = [f"Command: `{d['command']}` (lab, 3 A10 groups, {d['trials']} trials): {d['burst']} requests at once, "
+             f"all starting with the same new {d['prefix_tokens']:,}-token prefix (+{d['question_tokens']} distinct "
+             f"tokens, {d['output_tokens']} out), to idle engines and a router that has seen nothing.", "",
+             "| policy | requests on the busiest group (mean) | trials with all on one group | per trial (busiest first) "
+             "| mean TTFT ms | mean of max TTFT ms |", "|---|---|---|---|---|---|"]
+    for name, r in d["lab"].items():
+        spread = " ".join("/".join(map(str, t["per_group"])) for t in r["trials"])
+        lines.append(f"| {name} | {r['mean_largest_share']:.0%} | {r['all_on_one_group']} of {len(r['trials'])} | "
+                     f"{spread} | {r['mean_ttft_ms']:,.0f} | {r['mean_max_ttft_ms']:,.0f} |")
+    return lines

@@ -1,0 +1,195 @@
+"""The picker as deployed (`python -m picker --discovery kubernetes`) with a ServiceAccount token bound
+to exactly the Role in base/picker, on an API server with RBAC authorization: it syncs and its
+readiness and endpoint set follow the leader pods; without one of the Role's rules it never gets
+ready; and the token can do nothing beyond reading what discovery watches."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.apiserver.conftest import ROOT, wait_until
+from tests.apiserver.test_discovery import BOUND, POOL, Cluster, leader_labels
+from validation.apiserver import ServerSideApply, ensure_namespaces, free_port, render_targets
+from validation.cli import default_crds_dir
+
+NAMESPACE = "llm"
+PICKER = "inference-gateway-ext-proc"
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+STARTUP = 60.0   # seconds for the picker process to start (imports; slow on a busy machine)
+
+
+@pytest.fixture(scope="module")
+def deployed(control_plane):
+    """overlays/a10's picker ServiceAccount/Role/RoleBinding and inference objects, applied for real."""
+    admin = control_plane.api_client()
+    objs = render_targets(ROOT, default_crds_dir(ROOT).resolve(), ["overlays/a10"])["overlays/a10"].objects
+    by_key = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    ensure_namespaces(admin, [NAMESPACE])
+    sa = ServerSideApply(admin)
+    sa.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": NAMESPACE}},
+             dry_run=False)
+    for key in (("ServiceAccount", PICKER), ("RoleBinding", PICKER), ("InferencePool", POOL),
+                ("InferenceObjective", "batch"), ("InferenceObjective", "interactive"),
+                ("InferenceModelRewrite", "qwq")):
+        sa.apply(by_key[key], dry_run=False)
+    return by_key
+
+
+@pytest.fixture(scope="module")
+def picker_token(control_plane, deployed):
+    from kubernetes import client
+    core = client.CoreV1Api(control_plane.api_client())
+    review = core.create_namespaced_service_account_token(PICKER, NAMESPACE, {"spec": {"expirationSeconds": 3600}})
+    return review.status.token
+
+
+def apply_role(admin, role):
+    ServerSideApply(admin).apply(role, dry_run=False)
+
+
+class Picker:
+    def __init__(self, kubeconfig, log_path):
+        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        env["KUBECONFIG"] = str(kubeconfig)
+        self.log_path, self.log_file = log_path, log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "picker", "--discovery", "kubernetes", "--pool-name", POOL,
+             "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
+             "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
+             "--metrics-port", str(self.metrics_port)],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def serving(self) -> bool | None:
+        """True/False from the gRPC health check; None while the server is not up."""
+        assert self.proc.poll() is None, self.log_path.read_text()[-2000:]
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
+        except grpc.RpcError:
+            return None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def endpoints(self) -> list[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        return sorted(re.findall(r'^picker_endpoint_ready\{endpoint="([^"]+)"\}', text, re.M))
+
+    def log(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def stop(self):
+        self.channel.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()
+
+
+def test_picker_does_its_job_with_exactly_the_role(control_plane, deployed, picker_token, tmp_path):
+    admin = control_plane.api_client()
+    role = deployed[("Role", PICKER)]
+    without_rewrites = copy.deepcopy(role)
+    without_rewrites["rules"] = [r for r in role["rules"] if "inferencemodelrewrites" not in r["resources"]] + \
+        [{"apiGroups": ["llm-d.ai"], "resources": ["inferenceobjectives"], "verbs": ["get", "list", "watch"]}]
+    apply_role(admin, without_rewrites)
+    cluster = Cluster(admin, NAMESPACE, leader_labels(deployed))
+    cluster.create_pod("qwq-dist-v1-0")
+    cluster.set_ready("qwq-dist-v1-0", "10.2.0.1")
+    picker = Picker(control_plane.kubeconfig(tmp_path / "kubeconfig", picker_token, NAMESPACE),
+                    tmp_path / "picker.log")
+    try:
+        wait_until(lambda: picker.serving() is not None, STARTUP, "the picker's health server")
+        # One rule short: the rewrites watch is forbidden, discovery never syncs, never ready.
+        wait_until(lambda: any("forbidden" in r.get("error", "").lower() and r.get("kind") == "rewrites"
+                               for r in picker.log()), BOUND, "the forbidden rewrites watch is logged")
+        assert picker.serving() is False
+        # Exactly the Role: ready, with the pool's one ready leader.
+        apply_role(admin, role)
+        took = wait_until(lambda: picker.serving() is True, BOUND, "picker ready with the Role")
+        print(f"\npicker ready {took:.2f}s after the Role was complete")
+        ready_at = len(picker.log())
+        assert picker.endpoints() == ["10.2.0.1:8000"]
+        cluster.set_ready("qwq-dist-v1-0", "10.2.0.1", ready=False)
+        wait_until(lambda: picker.serving() is False, BOUND, "not ready without a ready leader")
+        cluster.create_pod("qwq-dist-v1-1")
+        cluster.set_ready("qwq-dist-v1-1", "10.2.0.2")
+        cluster.set_ready("qwq-dist-v1-0", "10.2.0.1")
+        wait_until(lambda: picker.serving() is True and picker.endpoints() == ["10.2.0.1:8000", "10.2.0.2:8000"],
+                   BOUND, "both leaders")
+        cluster.delete("qwq-dist-v1-0")
+        wait_until(lambda: picker.endpoints() == ["10.2.0.2:8000"], BOUND, "deleted leader gone")
+        # Every watch works from then on (a Role without `watch` would still list, and be ready).
+        assert [r for r in picker.log()[ready_at:] if r.get("msg") == "watch failed"] == []
+    finally:
+        picker.stop()
+        for name in ("qwq-dist-v1-0", "qwq-dist-v1-1"):
+            try:
+                cluster.delete(name)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+# What the picker's token may do in its namespace besides what every authenticated user may do
+# (the self-review APIs): exactly the Role's rules.
+SELF_REVIEWS = {("authorization.k8s.io", "selfsubjectaccessreviews"), ("authorization.k8s.io", "selfsubjectrulesreviews"),
+                ("authentication.k8s.io", "selfsubjectreviews")}
+
+
+def test_the_token_can_do_nothing_more(control_plane, deployed, picker_token):
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    apply_role(control_plane.api_client(), deployed[("Role", PICKER)])
+    api = control_plane.api_client(picker_token)
+    review = client.AuthorizationV1Api(api).create_self_subject_rules_review(
+        {"spec": {"namespace": NAMESPACE}})
+    granted = {(g, r, v) for rule in review.status.resource_rules for g in rule.api_groups or [""]
+               for r in rule.resources or [] for v in rule.verbs
+               if (g, r) not in SELF_REVIEWS}
+    role = {(g, r, v) for rule in deployed[("Role", PICKER)]["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == role
+
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    assert core.list_namespaced_pod(NAMESPACE).items is not None           # what it needs works
+    custom.get_namespaced_custom_object("inference.networking.k8s.io", "v1", NAMESPACE, "inferencepools", POOL)
+    forbidden = {
+        "read Secrets": lambda: core.list_namespaced_secret(NAMESPACE),
+        "read ConfigMaps": lambda: core.list_namespaced_config_map(NAMESPACE),
+        "pods in another namespace": lambda: core.list_namespaced_pod("default"),
+        "pods cluster-wide": lambda: core.list_pod_for_all_namespaces(),
+        "create a pod": lambda: core.create_namespaced_pod(NAMESPACE, {
+            "metadata": {"name": "x"}, "spec": {"containers": [{"name": "x", "image": "x:1"}]}}),
+        "delete pods": lambda: core.delete_collection_namespaced_pod(NAMESPACE),
+        "patch a pod's status": lambda: core.patch_namespaced_pod_status("x", NAMESPACE, {"status": {}}),
+        "change the pool": lambda: custom.patch_namespaced_custom_object(
+            "inference.networking.k8s.io", "v1", NAMESPACE, "inferencepools", POOL, {"metadata": {"labels": {"a": "b"}}}),
+        "delete an objective": lambda: custom.delete_namespaced_custom_object(
+            "llm-d.ai", "v1alpha2", NAMESPACE, "inferenceobjectives", "batch"),
+        "pools cluster-wide": lambda: custom.list_cluster_custom_object("inference.networking.k8s.io", "v1",
+                                                                         "inferencepools"),
+        "read its Role": lambda: client.RbacAuthorizationV1Api(api).read_namespaced_role(PICKER, NAMESPACE),
+        "mint tokens": lambda: core.create_namespaced_service_account_token(PICKER, NAMESPACE, {"spec": {}}),
+    }
+    allowed = []
+    for what, call in forbidden.items():
+        try:
+            call()
+            allowed.append(what)
+        except ApiException as exc:
+            if exc.status != 403:
+                allowed.append(f"{what} ({exc.status})")
+    assert allowed == []
