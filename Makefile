@@ -19,7 +19,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test demo up down loadtest compare bench bench-picker
+.PHONY: help setup tools lock crds validate test demo up down loadtest compare sweep bench bench-picker
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -76,7 +76,7 @@ validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (de
 	$(PY) -m validation --crds-dir $(CRDS_DIR) --kubeconform $(KUBECONFORM)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
+test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
 	$(MAKE) --no-print-directory test-apiserver
@@ -101,16 +101,34 @@ LT_HOST      ?= 127.0.0.1
 LT_PORTS     ?= $(if $(filter 127.0.0.1 localhost,$(LT_HOST)),18080 18081,8080 8081)
 WORKLOAD     ?= demo
 SEED         ?= 0
-USERS        ?= 18
+USERS        ?= 30
 COMPARE_ARGS ?=
+SWEEP_ARGS   ?=
+LOCUST_ARGS  ?=
+# `make loadtest` passes a flag only where no LOCUST_* variable and no ./locust.conf sets it
+# (locust: flags > env > locust.conf), and WORKLOAD/SEED only when given to make.
+LOCUST_CONF  := $(wildcard locust.conf)
+lt_flag = $(if $(or $($(1)),$(LOCUST_CONF)),,$(2))
+lt_make = $(if $(filter command line,$(origin $(1))),$(2))
 
-loadtest: setup ## locust web UI on http://127.0.0.1:8089 driving both listeners of LT_HOST (`make up` first, or LT_HOST=<gateway IP>)
-	$(VENV)/bin/locust -f loadtest/locustfile.py --host http://$(LT_HOST) --ports "$(LT_PORTS)" \
-		--workload $(WORKLOAD) --seed $(SEED) -u $(USERS) -r $(USERS) --web-host 127.0.0.1
+loadtest: setup ## locust web UI on http://127.0.0.1:8089: A/B of LT_PORTS on LT_HOST (`make up` first); LOCUST_ARGS="--autostart -t 5m ..."
+	$(VENV)/bin/locust -f loadtest/locustfile.py --web-host 127.0.0.1 \
+		$(call lt_flag,LOCUST_HOST,--host http://$(LT_HOST)) $(call lt_flag,LOCUST_PORTS,--ports "$(LT_PORTS)") \
+		$(call lt_flag,LOCUST_USERS,-u $(USERS) -r $(USERS)) \
+		$(call lt_make,WORKLOAD,--workload $(WORKLOAD)) $(call lt_make,SEED,--seed $(SEED)) $(LOCUST_ARGS)
 
-compare: setup ## headless: same workload on both listeners (LT_PORTS) -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
+compare: setup ## headless: same workload on each of LT_PORTS in turn -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
 	$(PY) -m loadtest compare --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/compare-$$(date +%Y%m%d-%H%M%S) $(COMPARE_ARGS)
+
+sweep: setup ## headless: each of LT_PORTS at several request rates -> results/sweep-<time>/ (TTFT and goodput vs rate); SWEEP_ARGS=...
+	$(PY) -m loadtest sweep --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
+		--out results/sweep-$$(date +%Y%m%d-%H%M%S) $(SWEEP_ARGS)
+
+# The web UI test drives Debian's chromium with playwright (no browser download).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && apt-get install -y -qq chromium
 
 bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck, make demo; 20-30 min) -> BENCHMARKS.md
 	$(PY) -m bench

@@ -1,1 +1,1 @@
-"""Load tests: workloads, vLLM-style metrics, locust users, the 8080 vs 8081 comparison."""
+"""Load tests: workloads, vLLM-style metrics, locust users, the http (least request) vs llm-gw (picker) comparison."""

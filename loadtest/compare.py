@@ -1,4 +1,4 @@
-"""Run the same workload against several Gateway ports (8080 vs 8081) and report.
+"""Run the same workload against several Gateway ports (least request vs picker) and report.
 
 Locust runs in this process as a library (locust.env.Environment + LocalRunner): one runner per
 (port, repetition), so each run has its own users, samples and /metrics scrapes, and progress can
@@ -10,9 +10,11 @@ from __future__ import annotations
 import locust  # noqa: F401  (first: gevent monkey-patching before sockets are created)
 
 import json
+import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,10 +24,16 @@ from locust import events
 from locust.env import Environment
 
 from loadtest import locustfile
-from loadtest.metrics import RequestSample, run_duration, save_run
+from loadtest.metrics import (DEFAULT_PERCENTILES, RequestSample, error_counts, run_duration,
+                              save_run, summarize)
 from loadtest.plan import RunOptions
-from loadtest.report import comparison_table, write_report
+from loadtest.report import comparison_table, headline, load_folder, spread, write_report
 from loadtest.scrape import LoadRecorder
+from loadtest.targets import LOOPBACK, host_parts, local_stack, routing_names
+
+# Ctrl-C: the main greenlet gets KeyboardInterrupt (the CLI prints one line); the hub need not
+# print it as well.
+gevent.get_hub().NOT_ERROR = (*gevent.get_hub().NOT_ERROR, KeyboardInterrupt)
 
 DEFAULT_METRICS_ENDPOINTS = [f"http://127.0.0.1:{p}" for p in (8101, 8102, 8103)]
 
@@ -90,10 +98,15 @@ def wait_idle(recorder: LoadRecorder, timeout: float, progress: Progress) -> Non
 
 
 def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
-            concurrency: int | None, repetitions: int = 1,
+            concurrency: int | None, repetitions: int = 2,
             metrics_endpoints: list[str] | None = None, scrape_interval: float = 1.0,
-            idle_timeout: float = 60.0, run_timeout: float = 3600.0, before_each_run: str | None = None) -> str:
+            idle_timeout: float = 60.0, run_timeout: float = 3600.0,
+            percentiles=DEFAULT_PERCENTILES, goodput: dict | None = None, label: str = "",
+            speedup: float | None = None, before_each_run: str | None = None) -> str:
     """Run every port `repetitions` times (order alternates), write the folder, return Markdown.
+
+    One repetition writes <port>.json/.samples.jsonl/.load.jsonl; several write one
+    <port>-rep<k>.* set per run and <port>.json over all of them (no samples copy).
     `before_each_run`: a shell command run before every run (e.g. one that restarts the servers and
     the router, so that no run inherits the caches and prefix state of the one before)."""
     settings = options.settings()
@@ -106,8 +119,11 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             "objective": options.objective, "workload": options.workload, "seed": options.seed,
             "workload_settings": settings, "concurrency": concurrency,
             "request_rate": options.request_rate, "repetitions": repetitions,
-            "metrics_endpoints": endpoints, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "before_each_run": before_each_run, "runs": []}
+            "percentiles": list(percentiles), "goodput": goodput or {}, "label": label,
+            "speedup": speedup, "metrics_endpoints": endpoints,
+            "routing": routing_names(host, ports), "before_each_run": before_each_run,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
+    stats = {"percentiles": percentiles, "goodput": goodput}
     by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
     unfinished = {p: 0 for p in ports}
     scrape_errors: dict[str, str] = {}
@@ -119,11 +135,11 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
                 subprocess.run(before_each_run, shell=True, check=True)
             recorder = LoadRecorder(endpoints, interval=scrape_interval, sleep=gevent.sleep)
             wait_idle(recorder, idle_timeout, progress)
-            label = f"port {port} rep {rep}/{repetitions}"
+            name = f"port {port} rep {rep}/{repetitions}"
             samples, total = run_one(host, replace(options, ports=[port]), concurrency, recorder,
-                              label, progress, run_timeout)
-            stem = f"{port}-rep{rep}"
-            save_run(out / stem, samples, **_run_meta(meta, port, concurrency),
+                                     name, progress, run_timeout)
+            stem = str(port) if repetitions == 1 else f"{port}-rep{rep}"
+            save_run(out / stem, samples, **_run_meta(meta, port, concurrency), **stats,
                      unfinished=total - len(samples))
             unfinished[port] += total - len(samples)
             with open(out / f"{stem}.load.jsonl", "w", encoding="utf-8") as f:
@@ -131,40 +147,67 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             scrape_errors.update(recorder.errors)
             by_port[port].append(samples)
             meta["runs"].append({"port": port, "rep": rep, "stem": stem})
-    for port, runs in by_port.items():
-        # all repetitions together; duration = the sum of the runs' wall times
-        save_run(out / str(port), [s for run in runs for s in run],
-                 duration=sum(run_duration(run) for run in runs),
-                 **_run_meta(meta, port, concurrency), unfinished=unfinished[port])
+    if repetitions > 1:
+        for port, runs in by_port.items():
+            # all repetitions together; duration = the sum of the runs' wall times
+            result = summarize([s for run in runs for s in run],
+                               duration=sum(run_duration(run) for run in runs), **stats,
+                               **_run_meta(meta, port, concurrency), unfinished=unfinished[port])
+            result["errors_by_reason"] = error_counts([s for run in runs for s in run])
+            (out / f"{port}.json").write_text(json.dumps(result, indent=2) + "\n",
+                                              encoding="utf-8")
     meta["scrape_errors"] = scrape_errors
     (out / "compare.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return write_report(out)
 
 
 def _run_meta(meta: dict, port: int, concurrency: int) -> dict:
+    label = f"{meta['label']} port {port}" if meta.get("label") else f"port {port}"
     return {"date": time.strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai",
-            "label": f"port {port}", "model_id": meta["model"], "workload": meta["workload"],
-            "seed": meta["seed"], "num_prompts": meta["workload_settings"]["num_prompts"],
-            "request_rate": meta["request_rate"] or "inf", "max_concurrency": concurrency}
+            "label": label, "routing": meta["routing"][str(port)], "model_id": meta["model"],
+            "workload": meta["workload"], "seed": meta["seed"],
+            "num_prompts": meta["workload_settings"]["num_prompts"],
+            "request_rate": meta["request_rate"] or "inf", "max_concurrency": concurrency,
+            "speedup": meta.get("speedup")}
+
+
+def options_from_args(args) -> RunOptions:
+    from loadtest.plan import parse_workload_args
+    return RunOptions(workload=args.workload, seed=args.seed, model=args.model,
+                      endpoint=args.endpoint, objective=args.objective,
+                      num_prompts=args.num_prompts, request_rate=args.request_rate,
+                      burstiness=args.burstiness, request_timeout=args.request_timeout,
+                      workload_args=parse_workload_args(args.workload_args))
+
+
+def resolve_stack(args) -> tuple[list[str] | None, float | None]:
+    """Metrics endpoints and speedup: from the flags, else from the matching local stack."""
+    stack = local_stack(args.host, args.ports)
+    endpoints = None if args.metrics_endpoints is None else \
+        [e if "://" in e else f"http://{e}" for e in args.metrics_endpoints
+         if e.lower() != "none"]
+    if endpoints is None and stack:
+        endpoints = stack["sims"]
+    speedup = args.speedup if args.speedup is not None else (stack or {}).get("speedup")
+    if speedup is None and host_parts(args.host)[1] not in LOOPBACK:
+        speedup = 1.0    # a real Gateway: wall clock is model time
+    return endpoints, speedup
 
 
 def main(args) -> int:
-    from loadtest.plan import parse_workload_args
-    options = RunOptions(workload=args.workload, seed=args.seed, model=args.model,
-                         endpoint=args.endpoint, objective=args.objective,
-                         num_prompts=args.num_prompts, request_rate=args.request_rate,
-                         burstiness=args.burstiness, request_timeout=args.request_timeout,
-                         workload_args=parse_workload_args(args.workload_args))
+    options = options_from_args(args)
     out = Path(args.out or f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    endpoints = None if args.metrics_endpoints is None else \
-        [e for e in args.metrics_endpoints if e.lower() != "none"]
-    compare(host=args.host, ports=args.ports, out=out, options=options,
-            concurrency=args.concurrency, repetitions=args.repetitions,
-            metrics_endpoints=endpoints, scrape_interval=args.scrape_interval,
-            idle_timeout=args.idle_timeout, run_timeout=args.run_timeout,
-            before_each_run=args.before_each_run)
-    results = {str(p): json.loads((out / f"{p}.json").read_text()) for p in args.ports}
-    print(comparison_table(results))
+    endpoints, speedup = resolve_stack(args)
+    with removed_if_empty(out):
+        compare(host=args.host, ports=args.ports, out=out, options=options,
+                concurrency=args.concurrency, repetitions=args.repetitions,
+                metrics_endpoints=endpoints, scrape_interval=args.scrape_interval,
+                idle_timeout=args.idle_timeout, run_timeout=args.run_timeout,
+                percentiles=args.percentiles, goodput=args.goodput, label=args.label,
+                speedup=speedup, before_each_run=args.before_each_run)
+    meta, results, runs = load_folder(out)
+    print(headline(meta))
+    print(comparison_table(results, meta.get("percentiles"), spread(meta, runs)))
     print(f"results: {out}/ (report.md, {', '.join(str(p) + '.json' for p in args.ports)}, "
           f"plots *.png)")
     failed = sum(r["failed"] for r in results.values())
@@ -172,3 +215,14 @@ def main(args) -> int:
     if failed:
         print(f"warning: {failed} failed requests (reasons in report.md)", file=sys.stderr)
     return 1 if completed == 0 else 0
+
+
+@contextmanager
+def removed_if_empty(folder: Path):
+    """Delete `folder` when the block ends (also by Ctrl-C) without any result file in it."""
+    existed = folder.exists()
+    try:
+        yield
+    finally:
+        if not existed and folder.is_dir() and not any(folder.glob("*.samples.jsonl")):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -27,6 +27,48 @@ from typing import Iterable
 import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")   # vLLM's --goodput keys (values in ms)
+DEFAULT_PERCENTILES = (99.0,)                # vLLM's --metric-percentiles default
+
+
+def parse_percentiles(text: str | list | tuple | None) -> tuple[float, ...]:
+    """'50,90,99' or '50 90 99' -> (50.0, 90.0, 99.0); '' -> the default (99)."""
+    if text is None or text == "" or text == []:
+        return DEFAULT_PERCENTILES
+    items = text if isinstance(text, (list, tuple)) else str(text).replace(",", " ").split()
+    try:
+        values = tuple(float(p) for p in items)
+    except ValueError:
+        raise ValueError(f"percentiles must be numbers like 50,90,99, got {text!r}") from None
+    if any(not 0 < p < 100 for p in values):
+        raise ValueError(f"percentiles must be between 0 and 100, got {text!r}")
+    return values
+
+
+def parse_goodput(text: str | list | None) -> dict[str, float]:
+    """vLLM's --goodput: 'ttft:500 tpot:50' (or comma separated) -> {'ttft': 500.0, ...} in ms."""
+    items = text if isinstance(text, list) else str(text or "").replace(",", " ").split()
+    slos: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_METRICS:
+            raise ValueError(f"goodput SLO {item!r} must be KEY:MS with KEY one of "
+                             f"{', '.join(GOODPUT_METRICS)} (e.g. ttft:500 tpot:50)")
+        try:
+            slos[key] = float(value)
+        except ValueError:
+            raise ValueError(f"goodput SLO {item!r}: {value!r} is not a number of ms") from None
+        if slos[key] <= 0:
+            raise ValueError(f"goodput SLO {item!r} must be > 0 ms")
+    return slos
+
+
+def meets_slos(sample: "RequestSample", slos: dict[str, float]) -> bool:
+    """A successful request whose TTFT, TPOT and E2EL are within the SLOs (ms), as in vLLM."""
+    if not sample.success:
+        return False
+    values = {"ttft": sample.ttft, "tpot": sample.tpot or 0.0, "e2el": sample.latency}
+    return all(values[key] * 1000.0 <= limit for key, limit in slos.items())
 
 
 @dataclass
@@ -129,10 +171,12 @@ def run_duration(samples: list[RequestSample]) -> float:
 
 
 def summarize(samples: list[RequestSample], duration: float | None = None, *,
-              percentiles: Iterable[float] = (99,), details: bool = False, **meta) -> dict:
+              percentiles: Iterable[float] = DEFAULT_PERCENTILES, goodput: dict | None = None,
+              details: bool = False, **meta) -> dict:
     """vLLM result dict (same field names as `vllm bench serve --save-result`).
 
     duration: benchmark wall time in seconds (default: first dispatch to last completion).
+    goodput: SLOs in ms ({'ttft': 500, 'tpot': 50}): adds request_goodput (req/s meeting all).
     details: also include the per-request lists (input_lens, output_lens, ttfts, itls,
     latencies, start_times, errors) as vLLM does. meta: extra fields copied in first
     (e.g. model_id, num_prompts, max_concurrency, request_rate, label).
@@ -155,6 +199,9 @@ def summarize(samples: list[RequestSample], duration: float | None = None, *,
         "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
     })
+    if goodput:
+        result["goodput_slos_ms"] = dict(goodput)
+        result["request_goodput"] = sum(meets_slos(s, goodput) for s in ok) / dur
     values = metric_values(samples)
     for name in METRICS:
         result.update(_stats(name, values[name], percentiles))
@@ -196,11 +243,13 @@ def save_run(stem: str | Path, samples: list[RequestSample], duration: float | N
     """Write <stem>.json (vLLM result fields + error counts) and <stem>.samples.jsonl."""
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    result = summarize(samples, duration, **meta)
+    stats = {"percentiles": meta.pop("percentiles", None) or DEFAULT_PERCENTILES,
+             "goodput": meta.pop("goodput", None)}
+    result = summarize(samples, duration, **stats, **meta)
     result["errors_by_reason"] = error_counts(samples)
     targets = sorted({s.target for s in samples})
     if len(targets) > 1:  # one run over several ports: each port's own numbers too
-        result["by_target"] = {t: summarize([s for s in samples if s.target == t])
+        result["by_target"] = {t: summarize([s for s in samples if s.target == t], **stats)
                                for t in targets}
     text = json.dumps(result, indent=2) + "\n"
     (stem.parent / (stem.name + ".json")).write_text(text, encoding="utf-8")

@@ -48,6 +48,9 @@ def parse_workload_args(text: str) -> dict:
     return out
 
 
+MODES = ("ab", "parallel")
+
+
 @dataclass
 class RunOptions:
     workload: str = "demo"
@@ -62,12 +65,17 @@ class RunOptions:
     cycle: bool = False                             # start over when the prompts are used up
     request_timeout: float = 900.0                  # s, whole request including the stream
     workload_args: dict = field(default_factory=dict)
+    mode: str = "parallel"                          # "ab": one port after the other, same prompts
 
     def __post_init__(self):
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {self.endpoint!r}")
         if self.request_rate < 0 or self.burstiness <= 0:
             raise ValueError("request_rate must be >= 0 and burstiness > 0")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.mode == "ab" and self.cycle:
+            raise ValueError("--cycle-prompts never ends a phase: use it with --mode parallel")
 
     def settings(self) -> dict:
         return profile_settings(self.workload, num_prompts=self.num_prompts, **self.workload_args)
@@ -75,6 +83,12 @@ class RunOptions:
     def build(self) -> list[PromptSpec]:
         return build_workload(self.workload, seed=self.seed, num_prompts=self.num_prompts,
                               **self.workload_args)
+
+    def phases(self) -> list[list[int]]:
+        """Ports of each phase: A/B runs one port per phase, parallel all at once."""
+        if self.mode == "ab" and len(self.ports) > 1:
+            return [[p] for p in self.ports]
+        return [list(self.ports)]
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
@@ -87,67 +101,123 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.nda
     return np.cumsum(gaps)
 
 
+WAIT = "wait"   # next_request(): the current phase is draining or waits for the next to start
+
+
 class RunPlan:
     """Hands out this process's share of the prompts and collects finished samples.
 
     worker_index/worker_count split the prompts between distributed workers (prompt i goes to
-    worker i % worker_count); each prompt is sent once unless `cycle` is set.
+    worker i % worker_count); each prompt is sent once per phase unless `cycle` is set. Phases
+    (options.phases()): in A/B mode every port gets all the prompts, one port after the other;
+    a phase starts when the previous one has answered every request (on_phase_done decides
+    when: by default at once; distributed workers wait for the master).
     """
 
     def __init__(self, specs: list[PromptSpec], options: RunOptions, *, worker_index: int = 0,
                  worker_count: int = 1, on_sample: Callable[[RequestSample], None] | None = None,
-                 on_done: Callable[[], None] | None = None, clock=time.monotonic):
+                 on_done: Callable[[], None] | None = None,
+                 on_phase_done: Callable[[int], None] | None = None, clock=time.monotonic):
         offsets = arrival_offsets(len(specs), options.request_rate, options.burstiness,
                                   options.seed)
         self.items = [(i, specs[i], float(offsets[i]))
                       for i in range(len(specs)) if i % worker_count == worker_index]
         self.options = options
+        self.phase_ports = options.phases()
         self.samples: list[RequestSample] = []
-        self.issued = 0
         self.on_sample = on_sample
         self.on_done = on_done
+        self.on_phase_done = on_phase_done or self.start_phase
         self.clock = clock
         self.started = clock()
         self.finished = False
+        self.phase = 0
+        self.phase_started = self.started
+        self.phase_starts: list[float] = [self.started]   # clock value when each phase began
+        self.phase_open = True
+        self.issued = 0              # handed out in this phase
+        self.recorded = 0            # answered in this phase
         self._user_count = 0
         self._cycle_base = 0.0
 
     @property
     def total(self) -> int:
+        """Prompts of this process per phase."""
         return len(self.items)
 
+    @property
+    def phase_count(self) -> int:
+        return len(self.phase_ports)
+
+    @property
+    def total_requests(self) -> int:
+        return self.total * self.phase_count
+
     def next_port(self) -> int | None:
-        """Round-robin port per user (None: use the host's port)."""
+        """Round-robin port per user in parallel mode (None: use the host's port)."""
         ports = self.options.ports
         self._user_count += 1
         return ports[(self._user_count - 1) % len(ports)] if ports else None
 
-    def next_request(self) -> tuple[PromptSpec, float] | None:
-        """The next prompt and its send time (clock value), or None when all are handed out."""
+    def current_port(self) -> int | None:
+        """The port of an A/B phase; None in parallel mode (each user keeps its own)."""
+        ports = self.phase_ports[self.phase]
+        return ports[0] if self.phase_count > 1 else None
+
+    def next_request(self):
+        """(prompt, send time as a clock value, port or None), WAIT, or None when all is sent."""
+        if self.finished:
+            return None
+        if not self.phase_open:
+            return WAIT
         if self.issued >= self.total:
             if not self.options.cycle or not self.items:
-                return None
+                return WAIT if self.phase + 1 < self.phase_count else None
         index = self.issued % self.total if self.total else 0
         if self.options.cycle and index == 0 and self.issued:
-            self._cycle_base = max(self.clock() - self.started, self._cycle_base)
+            self._cycle_base = max(self.clock() - self.phase_started, self._cycle_base)
         _, spec, offset = self.items[index]
         self.issued += 1
-        return spec, self.started + self._cycle_base + offset
+        return spec, self.phase_started + self._cycle_base + offset, self.current_port()
+
+    def start_phase(self, index: int | None = None) -> None:
+        """Open the next phase (or phase `index`): its prompts are handed out from now on."""
+        nxt = self.phase + 1 if index is None else index
+        if nxt >= self.phase_count or (nxt == self.phase and self.phase_open):
+            return
+        self.phase, self.issued, self.recorded = nxt, 0, 0
+        self.phase_started = self.clock()
+        self.phase_starts.append(self.phase_started)
+        self.phase_open = True
 
     def record(self, sample: RequestSample) -> None:
         self.samples.append(sample)
+        self.recorded += 1
         if self.on_sample:
             self.on_sample(sample)
-        if not self.options.cycle and len(self.samples) >= self.total and not self.finished:
+        if self.options.cycle or self.recorded < self.total or not self.phase_open:
+            return
+        if self.phase + 1 < self.phase_count:
+            self.phase_open = False
+            self.on_phase_done(self.phase + 1)
+        elif not self.finished:
             self.finished = True
             if self.on_done:
                 self.on_done()
+
+    def phase_label(self) -> str:
+        if self.phase_count == 1:
+            return ""
+        return f"phase {self.phase + 1}/{self.phase_count}: port {self.current_port()}"
 
     def progress(self) -> str:
         done = len(self.samples)
         failed = sum(1 for s in self.samples if not s.success)
         elapsed = self.clock() - self.started
-        line = f"{done}/{self.total} done, {failed} failed, {elapsed:.0f}s elapsed"
-        if 0 < done < self.total and not self.options.cycle:
-            line += f", ETA {elapsed / done * (self.total - done):.0f}s"
+        total = self.total_requests
+        line = f"{done}/{total} done, {failed} failed, {elapsed:.0f}s elapsed"
+        if self.phase_count > 1:
+            line = f"{self.phase_label()}, " + line
+        if 0 < done < total and not self.options.cycle:
+            line += f", ETA {elapsed / done * (total - done):.0f}s"
         return line

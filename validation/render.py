@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from validation.canary import includes_canary, split_problems
 from validation.problems import Problem
 
 try:  # the C loader is ~10x faster on the multi-MB CRD files
@@ -72,6 +73,11 @@ def kustomize(root: Path, target: str) -> Rendered:
     if not (directory / "kustomization.yaml").is_file() and not (directory / "kustomization.yml").is_file():
         result.problems.append(Problem(target, "no kustomization.yaml in this directory", source="kustomize"))
         return result
+    if includes_canary(root, target):
+        # checked first: kustomize's own error for a bad weight does not name the file
+        result.problems.extend(split_problems(root))
+        if result.problems:
+            return result
     try:
         proc = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True,
                               timeout=120)

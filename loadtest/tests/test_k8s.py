@@ -22,11 +22,21 @@ def loadtest_imports(module: str) -> set[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("loadtest."):
                 todo.append(node.module.split(".")[1])
+            elif isinstance(node, ast.ImportFrom) and node.module == "loadtest":
+                todo.extend(alias.name for alias in node.names)
     return seen
 
 
+def data_files(module: str) -> set[str]:
+    """Files a module reads next to itself: Path(__file__).with_name("...")."""
+    text = (LOADTEST / f"{module}.py").read_text()
+    return set(re.findall(r'with_name\("([^"]+)"\)', text))
+
+
 def test_configmap_lists_the_locustfile_and_everything_it_imports():
-    needed = {f"{m}.py" for m in loadtest_imports("locustfile")} | {"__init__.py"}
+    modules = loadtest_imports("locustfile")
+    needed = {f"{m}.py" for m in modules} | {"__init__.py"}
+    needed |= {name for m in modules for name in data_files(m)}
     kust = yaml.safe_load((LOADTEST / "kustomization.yaml").read_text())
     code = next(g for g in kust["configMapGenerator"] if g["name"] == "locust-code")
     assert set(code["files"]) == needed

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from validation import policy
-from tests.policy.conftest import NAMESPACE, OVERLAYS, find, rendered
+from validation.canary import split_weights
+from tests.policy.conftest import NAMESPACE, OVERLAYS, ROOT, find, rendered
 
 CANARY = "overlays/a10-canary"
 
@@ -170,11 +171,14 @@ def test_missing_endpoint_override_is_caught():
 
 def test_canary_weights_differ_between_ports_is_caught():
     objs = rendered(CANARY)
+    split = split_weights(ROOT)
+    stable, canary = split["stableWeight"], split["canaryWeight"]
     refs = find(objs, "HTTPRoute", "reasoning-backend")["spec"]["rules"][0]["backendRefs"]
-    assert {r["name"]: r["weight"] for r in refs} == {"qwq-dist-v1": 90, "qwq-dist-v2": 10}
-    refs[1]["weight"] = 50
+    assert {r["name"]: r["weight"] for r in refs} == {"qwq-dist-v1": stable, "qwq-dist-v2": canary}
+    refs[1]["weight"] = canary + stable     # 8080 now sends a different share to the canary
     problems = policy.canary_weights_agree(objs)
-    assert len(problems) == 1 and "(port 8080)" in problems[0] and "'qwq-canary': '36%'" in problems[0]
+    share = f"{(canary + stable) / (canary + 2 * stable):.0%}"
+    assert len(problems) == 1 and "(port 8080)" in problems[0] and f"'qwq-canary': '{share}'" in problems[0]
 
 
 def test_canary_only_on_one_port_is_caught():
