@@ -87,11 +87,11 @@ bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
-	mkdir -p results && $(PY) -m picker.bench --json results/bench-picker.json
+	mkdir -p results && $(PY) -m bench.picker --json results/bench-picker.json
 
 # The benchmark's load generator (Go: it must not eat the server's CPU); go.sum pins its modules.
-$(TOOLS)/picker-loadclient: picker/bench/loadclient/main.go picker/bench/loadclient/go.mod picker/bench/loadclient/go.sum
-	mkdir -p $(TOOLS) && cd picker/bench/loadclient && go build -o $(CURDIR)/$(TOOLS)/picker-loadclient .
+$(TOOLS)/picker-loadclient: bench/picker/loadclient/main.go bench/picker/loadclient/go.mod bench/picker/loadclient/go.sum
+	mkdir -p $(TOOLS) && cd bench/picker/loadclient && go build -o $(CURDIR)/$(TOOLS)/picker-loadclient .
 
 # Routing lab (lab/): virtual time, 3 simulated A10 groups; results/lab-<workload>/summary.{json,md} + PNGs.
 LAB_SEEDS    ?= 0 1 2 3 4

@@ -61,7 +61,7 @@ def picker_section(d: dict | None) -> list[str]:
         return ["## Picker decision throughput and latency", "", "(not run)", ""]
     r = d["result"]
     out = ["## Picker decision throughput and latency", "",
-           "Command: `make bench-picker` (`python -m picker.bench`, see picker/README.md): `Router.decide()` in "
+           "Command: `make bench-picker` (`python -m bench.picker`, see picker/README.md): `Router.decide()` in "
            "process; the real gRPC server driven by a compiled ext_proc load client (closed loop: streams back "
            "to back; open loop: a fixed rate of new streams; offered above what the server can decide, the "
            "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", "",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import common, crosscheck, report
-from picker.bench import latency_bounded_rate
+from bench.picker.service import latency_bounded_rate
 
 
 def http_result(mean_ttft_ms: float) -> dict:

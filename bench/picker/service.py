@@ -1,13 +1,13 @@
 """`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
 
-    python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64]
+    python -m bench.picker [--seconds 5] [--streams 64] [--endpoints 3,16,64]
                            [--modes buffered,full-duplex] [--rates 250,500,750,1000 --hold 0.064]
                            [--repeat 3] [--response-phase] [--json FILE]
 
 1. In-process: Router.decide() alone (what the routing lab pays per decision).
 2. Through gRPC: the picker's real server (plaintext, default profile, Prometheus metrics on,
    each endpoint's metrics page fed in-process every 100 ms, staggered, as if scraped) in a
-   child process, driven by a compiled load client (picker/bench/loadclient) playing Envoy: per
+   child process, driven by a compiled load client (bench/picker/loadclient) playing Envoy: per
    request one ext_proc stream with request_headers + request_body (~4,000-token prompt,
    1,000-token prefix shared per tenant), then (with --response-phase) response_headers, then
    close: by default only the request phase, as the deployed EnvoyExtensionPolicy sends.
@@ -35,10 +35,10 @@ import subprocess
 import tempfile
 import time
 
-# The load generator is compiled (picker/bench/loadclient, built by `make tools`): a
+# The load generator is compiled (bench/picker/loadclient, built by `make tools`): a
 # Python client costs as much CPU per request as the server and would share its 2 cores.
 LOAD_CLIENT = os.environ.get("PICKER_LOADCLIENT", os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", ".tools", "bin", "picker-loadclient"))
+    os.path.dirname(__file__), "..", "..", ".tools", "bin", "picker-loadclient"))
 SYSTEM_PROMPTS = [f"tenant {t} system prompt: " + "policy clause %d. " % t * 180 for t in range(8)]
 
 
@@ -313,7 +313,7 @@ def _fake_vllm_fleet(n: int, port_queue) -> None:
 
 
 def _scrape_child(ports: list[int], interval: float, seconds: float, out_queue) -> None:
-    from picker.signals.scraper import Scraper
+    from picker.scraper import Scraper
 
     async def main():
         router, _ = _router(0)
@@ -358,7 +358,7 @@ def _write_bodies(path: str, count: int = 200) -> None:
 
 
 def main() -> None:
-    from picker.signals.scraper import DEFAULT_INTERVAL
+    from picker.defaults import SCRAPE_INTERVAL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--streams", type=int, default=64, help="closed-loop concurrent streams")
@@ -374,7 +374,7 @@ def main() -> None:
     p.add_argument("--response-phase", action="store_true",
                    help="also send response_headers (as the local gateway does); by default only "
                         "the request phase, as the deployed EnvoyExtensionPolicy configures")
-    p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL)
+    p.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
     if not os.access(LOAD_CLIENT, os.X_OK):
