@@ -164,6 +164,8 @@ class App:
 
     async def stop(self) -> None:
         self.stop_watches.set()
+        if self.link is not None:
+            self.link.closing = True
         for p in self.worker_procs:
             p.terminate()
         for p in self.worker_procs:

@@ -83,8 +83,7 @@ class Router:
         self._serving: dict[str, dict[str, EndpointState]] = {}
         self._serving_lists: dict[str, list[EndpointState]] = {}
         self._ready_list: list[EndpointState] | None = None
-        self._version = 0
-        self._least = LeastLoaded()
+        self._least = LeastLoaded(profile.prefilter.least)
         # Prefix-index additions made here, for the peers that share this view (None: no peers).
         self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
         self.objectives: dict[str, Objective] = {}
@@ -98,6 +97,7 @@ class Router:
             if addr not in wanted:
                 del self.endpoints[addr]
                 self.prefix.remove_endpoint(addr)
+                self._least.forget(addr)
         for addr in wanted:
             if addr not in self.endpoints:
                 self.endpoints[addr] = EndpointState(addr)
@@ -126,6 +126,7 @@ class Router:
         old = state.metrics
         was_ready = state.ready
         record_scrape(state, metrics, self.clock() if now is None else now)
+        self._least.observe(state)
         if not was_ready or old is None or old.models != metrics.models \
                 or old.lora_running != metrics.lora_running or old.lora_waiting != metrics.lora_waiting:
             self._changed()
@@ -216,7 +217,6 @@ class Router:
         self._serving.clear()
         self._serving_lists.clear()
         self._ready_list = None
-        self._version += 1
 
     def _serving_model(self, model: str) -> tuple[list[EndpointState], dict[str, EndpointState]]:
         by_addr = self._serving.get(model)
@@ -293,7 +293,7 @@ class Router:
                                       profile.max_prefix_blocks)
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
-        candidates = self._prefilter(candidates, by_addr, ctx, now)
+        candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
@@ -314,14 +314,11 @@ class Router:
                         parsed.prompt_tokens, cached)
 
     def _prefilter(self, candidates: list[EndpointState], by_addr: dict[str, EndpointState] | None,
-                   ctx: SchedulingContext, now: float) -> list[EndpointState]:
+                   ctx: SchedulingContext) -> list[EndpointState]:
         settings = self.profile.prefilter
         if len(candidates) <= settings.above:
             return candidates
         if by_addr is None:
             by_addr = {e.address: e for e in candidates}
-            least = LeastLoaded().get(ctx.target_model, candidates, settings.least, now, 0.0, 0)
-        else:
-            least = self._least.get(ctx.target_model, candidates, settings.least, now,
-                                    settings.refresh, self._version)
-        return prefilter(candidates, by_addr, ctx.prefix_match, least, self.rng, settings)
+        return prefilter(candidates, by_addr, ctx.prefix_match, self._least.members(), self.rng,
+                         settings)

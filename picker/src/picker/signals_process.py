@@ -116,8 +116,11 @@ class SignalsHub:
         try:
             while conn.poll():
                 self._handle(i, conn.recv())
-        except (EOFError, OSError):  # a worker went away: the replica is shutting down
-            self.stopped.set()
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+            self.loads[i] = {}
+            if i == 0:  # worker 0 (the main process) went away: the replica is gone
+                self.stopped.set()
 
     def _handle(self, i: int, msg: tuple) -> None:
         kind = msg[0]

@@ -39,6 +39,7 @@ class SignalsLink:
         self.peers = peers
         self.on_objects = on_objects
         self.scrape_batches = 0
+        self.closing = False  # set on shutdown: the signals process going away is expected
         if peers:
             router.prefix_log = []
         self._task: asyncio.Task | None = None
@@ -56,7 +57,8 @@ class SignalsLink:
         try:
             self.conn.send(msg)
         except (OSError, BrokenPipeError):
-            log.error("signals process gone")
+            if not self.closing:
+                log.error("signals process gone")
 
     def _on_readable(self) -> None:
         try:
@@ -66,7 +68,7 @@ class SignalsLink:
             asyncio.get_running_loop().remove_reader(self.conn.fileno())
             if self.on_closed is not None:
                 self.on_closed()
-            else:
+            elif not self.closing:
                 log.error("signals process gone")
 
     def _handle(self, msg: tuple) -> None:
@@ -93,6 +95,7 @@ class SignalsLink:
             self._send(("load", self.router.own_loads(), adds))
 
     async def close(self) -> None:
+        self.closing = True
         try:
             asyncio.get_running_loop().remove_reader(self.conn.fileno())
         except (ValueError, OSError):

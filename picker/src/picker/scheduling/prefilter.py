@@ -4,8 +4,8 @@ Scoring every candidate costs time in proportion to the pool (~2.7 us per endpoi
 here). Above `above` candidates the scorers see only:
 - the endpoints holding the longest prefix match of the prompt (at most `owners`): the prefix
   scorers' winners;
-- `least` endpoints with the lowest load at the last refresh of the least-loaded list (the
-  load scorers' likely winners; the list is recomputed at most every `refresh` seconds);
+- `least` endpoints with the lowest load at their last scrapes (the load scorers' likely
+  winners; LeastLoaded keeps them as scrapes arrive);
 - `sample` endpoints drawn at random: the power-of-d idea, so load spreads even where the
   least-loaded list is a little old.
 Below the threshold every candidate is scored, so small pools route exactly as before.
@@ -26,31 +26,47 @@ class PrefilterSettings:
     sample: int = defaults.PREFILTER_SAMPLE
     least: int = defaults.PREFILTER_LEAST
     owners: int = defaults.PREFILTER_OWNERS
-    refresh: float = 0.005
 
 
 def load_key(e: EndpointState) -> float:
     """Lower is less loaded: queue first, then running requests and KV usage."""
     m = e.metrics
-    if m is None or e.stale:
+    if m is None:
         return float("inf")
     return (m.waiting + e.since_scrape) * 4.0 + m.running * 0.1 + m.kv_usage
 
 
 class LeastLoaded:
-    """The `k` least-loaded candidates per model, recomputed at most every `refresh` seconds."""
+    """The `k` least-loaded endpoints as of their last scrapes, kept up to date in O(k) per
+    scrape (observe), so no decision scans the pool. A member whose load rose stays until the
+    scrapes of the others show lower loads: within one scrape interval."""
 
-    def __init__(self):
-        self._lists: dict[str, tuple[float, int, list[EndpointState]]] = {}
+    def __init__(self, k: int):
+        self.k = k
+        self.keys: dict[str, float] = {}
+        self.states: dict[str, EndpointState] = {}
 
-    def get(self, model: str, candidates: list[EndpointState], k: int, now: float,
-            refresh: float, version: int) -> list[EndpointState]:
-        cached = self._lists.get(model)
-        if cached is not None and cached[1] == version and now - cached[0] < refresh:
-            return cached[2]
-        least = heapq.nsmallest(k, candidates, key=load_key)
-        self._lists[model] = (now, version, least)
-        return least
+    def observe(self, e: EndpointState) -> None:
+        if self.k <= 0:
+            return
+        key = load_key(e)
+        a = e.address
+        if a in self.keys or len(self.keys) < self.k:
+            self.keys[a] = key
+            self.states[a] = e
+            return
+        worst = max(self.keys, key=self.keys.__getitem__)
+        if key < self.keys[worst]:
+            del self.keys[worst], self.states[worst]
+            self.keys[a] = key
+            self.states[a] = e
+
+    def forget(self, address: str) -> None:
+        self.keys.pop(address, None)
+        self.states.pop(address, None)
+
+    def members(self) -> list[EndpointState]:
+        return list(self.states.values())
 
 
 def prefilter(candidates: list[EndpointState], by_addr: dict[str, EndpointState],
@@ -69,7 +85,8 @@ def prefilter(candidates: list[EndpointState], by_addr: dict[str, EndpointState]
             if e is not None:
                 chosen[a] = e
     for e in least:
-        chosen[e.address] = e
+        if e.address in by_addr:
+            chosen[e.address] = e
     for e in rng.sample(candidates, min(s.sample, len(candidates))):
         chosen[e.address] = e
     return list(chosen.values())
