@@ -19,7 +19,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare bench bench-picker clean
+.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare bench bench-picker bench-picker-scale clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -36,7 +36,12 @@ $(KUBECONFORM):
 	mkdir -p $(TOOLS)
 	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/yannh/kubeconform/cmd/kubeconform@$(KUBECONFORM_VERSION)
 
-tools: $(KUBECONFORM) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, the picker benchmark's load client
+tools: $(KUBECONFORM) $(TOOLS)/picker-loadclient redis-server ## build the pinned tools into .tools/bin: kubeconform, the picker benchmark's load client; Debian's redis-server (picker replica tests)
+
+# The picker's replica tests start a real Redis on a free loopback port (Debian's package).
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
@@ -88,6 +93,9 @@ bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
 	mkdir -p results && $(PY) -m bench.picker --json results/bench-picker.json
+
+bench-picker-scale: setup $(TOOLS)/picker-loadclient ## benchmark the picker at scale (~10 min): 16-1,024 endpoints, scrape load, worker processes
+	mkdir -p results && $(PY) -m bench.picker.scale --json results/bench-picker-scale.json
 
 # The benchmark's load generator (Go: it must not eat the server's CPU); go.sum pins its modules.
 $(TOOLS)/picker-loadclient: bench/picker/loadclient/main.go bench/picker/loadclient/go.mod bench/picker/loadclient/go.sum

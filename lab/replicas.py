@@ -111,7 +111,7 @@ def policies_for(replicas: list[int]) -> list[str]:
 
 
 def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
-        num_prompts: int | None = None) -> dict:
+        num_prompts: int | None = None, request_rate: float = math.inf) -> dict:
     """Mean TTFT (and the rest of the lab's table) per policy over seeds, like `lab run`."""
     from lab.__main__ import aggregate
     from lab.policies import make_policy
@@ -132,13 +132,14 @@ def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
         requests = prepare_requests(specs, profile.block_size)
         for name in names:
             config = LabConfig(num_engines=engines, profile=profile, concurrency=concurrency,
-                               seed=seed)
+                               request_rate=request_rate, seed=seed)
             r = run_lab(requests, make_policy(name), config)
             results[name].append(r.summary)
             print(f"  {workload} {name} seed {seed}: mean TTFT {r.summary['mean_ttft_ms']:.0f} ms",
                   file=sys.stderr, flush=True)
     agg = aggregate(results)
     return {"workload": workload, "engines": engines, "seeds": seeds, "concurrency": concurrency,
+            "request_rate": "inf" if math.isinf(request_rate) else request_rate,
             "num_prompts": num_prompts, "replicas": replicas,
             "sync_interval_s": defaults.PEER_SYNC_INTERVAL, "wall_s": time.perf_counter() - started,
             "policies": agg}
@@ -152,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--num-prompts", type=int)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (default: all at once, then as the concurrency allows)")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
-    out = run(a.workload, a.engines, a.seeds, a.replicas, a.num_prompts)
+    out = run(a.workload, a.engines, a.seeds, a.replicas, a.num_prompts, a.request_rate)
     base = out["policies"]["picker"]["mean_ttft_ms"]["mean"]
     print(f"{a.workload}, {a.engines} engines, seeds {' '.join(map(str, a.seeds))}: mean TTFT "
           "(ms, mean ± std over seeds), change against one replica")

@@ -236,3 +236,60 @@ async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
         await vllm.stop()
     assert proc.returncode == 0, err[-2000:]
     assert "signals process gone" not in err and "Traceback" not in err, err[-2000:]
+
+
+@pytest.fixture
+async def redis_url(tmp_path):
+    """A real redis-server on a free loopback port, stopped after the test."""
+    import shutil
+    import subprocess
+    from test_app import free_port
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is missing: `make tools` installs it (Debian package redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis.asyncio as redis
+    client = redis.from_url(f"redis://127.0.0.1:{port}/0")
+    for _ in range(100):
+        try:
+            await client.ping()
+            break
+        except Exception:
+            await asyncio.sleep(0.05)
+    await client.aclose()
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+async def test_replicas_share_in_flight_counts_and_prefixes_through_redis(redis_url):
+    from picker.workers import SignalsLink, start_signals_process
+    vllm = await FakeVllm().start()
+    replicas = []
+    for _ in range(2):
+        router = make_router(profile="default", scrape=False)
+        router.set_endpoints([vllm.address])
+        proc, conns = start_signals_process(Namespace(
+            scrape_interval=0.02, staleness=1.0, log_level="warning", peer_store=redis_url,
+            pool_name="reasoning-pool", pool_namespace="test"), 1)
+        link = SignalsLink(router, conns[0], peers=True)
+        link.start()
+        link.send_objects([vllm.address], [], [])
+        replicas.append((router, proc, link))
+    (a, _, _), (b, _, _) = replicas
+    try:
+        await until(lambda: a.ready and b.ready, timeout=20)
+        d = a.decide(req(body(prompt=PROMPT + "from replica a")))
+        await until(lambda: b.endpoints[vllm.address].peer_inflight == 1, timeout=10)
+        await until(lambda: b.prefix.size(vllm.address) > 0, timeout=10)
+        assert a.endpoints[vllm.address].peer_inflight == 0  # its own count is not a peer's
+        a.on_request_done(d.request_id)
+        await until(lambda: b.endpoints[vllm.address].inflight == 0, timeout=10)
+    finally:
+        for _, proc, link in replicas:
+            await link.close()
+            await asyncio.to_thread(proc.join, 10)
+        await vllm.stop()
+    assert [p.exitcode for _, p, _ in replicas] == [0, 0]

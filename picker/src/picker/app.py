@@ -99,7 +99,8 @@ class App:
         if self.workers > 1 and a.secure_serving and not a.cert_path:
             self._share_self_signed_certificate()
         self.signals_proc, conns = start_signals_process(a, self.workers)
-        self.link = SignalsLink(self.router, conns[0], peers=self.workers > 1)
+        self.link = SignalsLink(self.router, conns[0],
+                                peers=self.workers > 1 or bool(getattr(a, "peer_store", None)))
         self.link.start()
         self.servers = await start_servers(self.router, a.grpc_port, a.health_port,
                                            a.secure_serving, a.cert_path, a.request_body_mode,

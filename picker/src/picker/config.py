@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                    help="body mode assumed when Envoy sends no protocol_config")
     p.add_argument("--workers", type=int, default=defaults.WORKERS,
                    help="ext_proc worker processes behind the one gRPC port (one per core)")
+    p.add_argument("--peer-store", metavar="URL",
+                   help="redis://HOST:PORT[/DB]: share in-flight counts and the prefix index "
+                        "with the pool's other picker replicas")
     p.add_argument("--bind", default="[::]", help="address the servers listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -63,4 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--scrape-interval and --staleness must be positive")
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):
+        p.error("--peer-store must be a redis://, rediss:// or unix:// URL")
     return args

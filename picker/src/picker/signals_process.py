@@ -10,6 +10,9 @@ processes need to share. The workers only apply the results to their Routers.
     signals --("scrapes", [(address, metrics | None, timed_out, at)])--> every worker
     signals --("peers", {address: summed load of the others}, their prefix adds)--> each worker
 
+With --peer-store, the in-flight counts and prefix additions of the other replicas (through
+Redis, peer_store.py) are added to what each worker gets in "peers".
+
 Messages are pickled over one Pipe per worker. The signals process sends from one thread per
 worker, so a worker busy deciding never blocks it (and so never blocks the other workers).
 Timestamps are time.monotonic(), the same clock in every process of the machine.
@@ -76,8 +79,13 @@ class Collector:
 
 
 class SignalsHub:
-    def __init__(self, conns: list[Connection], interval: float, staleness: float):
+    def __init__(self, conns: list[Connection], interval: float, staleness: float,
+                 peer_store: str | None = None, pool: str = "pool"):
         self.conns = conns
+        self.peers = None
+        if peer_store:
+            from picker.peer_store import RedisPeers
+            self.peers = RedisPeers(peer_store, pool)
         self.senders = [_Sender(c) for c in conns]
         self.base_interval = interval
         self.staleness = staleness
@@ -93,12 +101,14 @@ class SignalsHub:
         for i, conn in enumerate(self.conns):
             loop.add_reader(conn.fileno(), self._on_readable, i)
         await self.scraper.start()
+        if self.peers is not None:
+            await self.peers.start()
         next_peers = loop.time()
         try:
             while not self.stopped.is_set():
                 self._flush_scrapes()
-                if len(self.conns) > 1 and loop.time() >= next_peers:
-                    self._send_peers()
+                if (len(self.conns) > 1 or self.peers) and loop.time() >= next_peers:
+                    await self._send_peers()
                     next_peers = loop.time() + defaults.PEER_SYNC_INTERVAL
                 try:
                     await asyncio.wait_for(self.stopped.wait(), FLUSH_EVERY)
@@ -108,6 +118,8 @@ class SignalsHub:
             for conn in self.conns:
                 loop.remove_reader(conn.fileno())
             await self.scraper.close()
+            if self.peers is not None:
+                await self.peers.close()
             for s in self.senders:
                 s.send(None)
 
@@ -149,31 +161,43 @@ class SignalsHub:
         for s in self.senders:
             s.send(msg)
 
-    def _send_peers(self) -> None:
-        total: dict[str, list[int]] = {}
-        for loads in self.loads:
-            for addr, load in loads.items():
-                t = total.setdefault(addr, [0, 0, 0, 0])
-                for k in range(4):
-                    t[k] += load[k]
+    async def _send_peers(self) -> None:
+        local = _sum_loads(self.loads)
         adds = self.prefix_adds
+        self.prefix_adds = [[] for _ in self.conns]
+        remote, remote_adds = {}, []
+        if self.peers is not None:
+            await self.peers.exchange({a: tuple(t) for a, t in local.items()},
+                                      [a for lst in adds for a in lst])
+            remote, remote_adds = self.peers.remote_loads, self.peers.take_adds()
+        total = _sum_loads([local, remote])
         for i, s in enumerate(self.senders):
             own = self.loads[i]
             others = {}
             for addr, t in total.items():
                 o = own.get(addr, ZERO)
                 others[addr] = (t[0] - o[0], t[1] - o[1], t[2] - o[2], t[3] - o[3])
-            their_adds = [a for j, lst in enumerate(adds) if j != i for a in lst]
+            their_adds = [a for j, lst in enumerate(adds) if j != i for a in lst] + remote_adds
             s.send(("peers", others, their_adds))
-        self.prefix_adds = [[] for _ in self.conns]
 
 
-def main(conns: list[Connection], interval: float, staleness: float, log_level: str) -> None:
+def _sum_loads(tables) -> dict[str, list[int]]:
+    total: dict[str, list[int]] = {}
+    for loads in tables:
+        for addr, load in loads.items():
+            t = total.setdefault(addr, [0, 0, 0, 0])
+            for k in range(4):
+                t[k] += load[k]
+    return total
+
+
+def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
+         peer_store: str | None = None, pool: str = "pool") -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
     import uvloop
-    hub = SignalsHub(conns, interval, staleness)
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool)
     try:
         uvloop.run(hub.run())
     except KeyboardInterrupt:

@@ -4,7 +4,8 @@
       worker 0 (the main process): discovery, gRPC health, /metrics, ext_proc on the gRPC port
       workers 1..N-1: ext_proc on the same port (SO_REUSEPORT: the kernel spreads connections)
       the signals process: scrapes and parses /metrics, relays in-flight counts and prefix-index
-                           additions among the workers (signals_process.py)
+                           additions among the workers and, with --peer-store, with the other
+                           replicas through Redis (signals_process.py, peer_store.py)
 
 Every worker keeps a full Router: it decides alone, from its last copy of the signals, and
 learns within PEER_SYNC_INTERVAL what the other workers sent where. Adding workers adds
@@ -115,7 +116,10 @@ def start_signals_process(args: Namespace, workers: int) -> tuple[mp.process.Bas
     ctx = mp.get_context("spawn")
     ours, theirs = zip(*(ctx.Pipe(duplex=True) for _ in range(workers)))
     proc = ctx.Process(target=signals_process.main, name="picker-signals",
-                       args=(list(theirs), args.scrape_interval, args.staleness, args.log_level),
+                       args=(list(theirs), args.scrape_interval, args.staleness, args.log_level,
+                             getattr(args, "peer_store", None),
+                             f"{getattr(args, 'pool_namespace', 'default')}/"
+                             f"{getattr(args, 'pool_name', 'pool')}"),
                        daemon=True)
     proc.start()
     for c in theirs:
