@@ -6,7 +6,8 @@ only that replica sees it. Two ways to run them:
 
 - independent: nothing shared; each replica learns prefix affinity from its share of the
   traffic and counts only its own in-flight requests (plain `replicas: N`);
-- shared: every `sync_interval` seconds the replicas exchange what the picker's signals process
+- shared: every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S` sets it)
+  the replicas exchange what the picker's signals process
   relays between workers and replicas (picker/src/picker/signals_process.py): each one's
   in-flight counts per endpoint (`Router.own_loads` -> `Router.set_peer_loads`) and the
   prefix-index additions of its decisions (`Router.prefix_log` -> `Router.add_peer_prefixes`).
@@ -42,11 +43,22 @@ class ReplicatedPicker(Policy):
 
     @classmethod
     def from_name(cls, name: str) -> "ReplicatedPicker":
-        """`replicas:N` (shared view) or `replicas:N:independent`."""
+        """`replicas:N` (shared view, exchanged every PEER_SYNC_INTERVAL), `replicas:N:sync=S`
+        (every S seconds; 0 = before every decision) or `replicas:N:independent`."""
         parts = name.split(":")
-        if len(parts) not in (2, 3) or not parts[1].isdigit() or parts[2:] not in ([], ["independent"]):
-            raise ValueError(f"bad policy {name!r}: replicas:N or replicas:N:independent")
-        return cls(int(parts[1]), shared=parts[2:] != ["independent"])
+        if len(parts) not in (2, 3) or not parts[1].isdigit():
+            raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+        option = parts[2] if len(parts) == 3 else ""
+        if option == "independent":
+            return cls(int(parts[1]), shared=False)
+        if option.startswith("sync="):
+            try:
+                return cls(int(parts[1]), sync_interval=float(option[5:]))
+            except ValueError:
+                pass
+        elif not option:
+            return cls(int(parts[1]))
+        raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
@@ -102,11 +114,15 @@ class ReplicatedPicker(Policy):
 
 
 def policies_for(replicas: list[int]) -> list[str]:
+    """One replica, then per count: shared, independent; and the largest count sharing before
+    every decision (no exchange delay: the upper bound of a shared view)."""
     out = []
     for n in replicas:
         out.append("picker" if n == 1 else f"replicas:{n}")
         if n > 1:
             out.append(f"replicas:{n}:independent")
+    if max(replicas) > 1:
+        out.append(f"replicas:{max(replicas)}:sync=0")
     return out
 
 
