@@ -1,7 +1,8 @@
 """`python -m bench [NAME ...]`: run benchmarks, then write BENCHMARKS.md.
 
     python -m bench                 # all of them (what `make bench` runs), then the report
-    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | gateway)
+    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | gateway |
+                                    #   picker-scale | replicas)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -20,6 +21,8 @@ BENCHMARKS = {
     "lab": lambda a: [suites.lab("article", a.seeds), suites.lab("shared-prefix", a.seeds)],
     "crosscheck": lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
     "gateway": lambda a: suites.gateway(),
+    "picker-scale": lambda a: suites.picker_scale(),
+    "replicas": lambda a: suites.replicas(a.seeds),
 }
 
 

@@ -38,7 +38,8 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(15-25 minutes); each benchmark runs alone with `python -m bench <name>` "
-        "(`validation`, `picker`, `lab`, `crosscheck`, `gateway`), then `python -m bench report`.", "",
+        "(`validation`, `picker`, `lab`, `crosscheck`, `gateway`, `picker-scale`, `replicas`), then "
+        "`python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
@@ -217,8 +218,105 @@ def gateway_section(d: dict | None) -> list[str]:
     return out + [""]
 
 
+def picker_scale_section(d: dict | None) -> list[str]:
+    out = ["## Picker at scale: pool size, scraping, worker processes", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    r = d["result"]
+    out += ["Command: `make bench-picker-scale` (`python -m bench.picker.scale`, see picker/README.md "
+            "\"Scale\"). CPU = the deciding thread's CPU time per decision (on a shared machine the "
+            "wall-time tail is mostly preemption by other processes); wall = perf_counter.", ""]
+    inp = r.get("inprocess") or []
+    if inp:
+        out += ["| in process | prefilter | decisions/s | wall p50 / p99 ms | CPU p50 / p99 ms | CPU ms/decision |",
+                "|---|---|---|---|---|---|"]
+        for x in inp:
+            out.append(f"| {x['endpoints']:,} endpoints | {'on' if x['prefilter'] else 'off (every candidate scored)'} | "
+                       f"{_f(x['decisions_per_s'])} | {x['p50_ms']:.3f} / {x['p99_ms']:.3f} | "
+                       f"{x['cpu_p50_ms']:.3f} / {x['cpu_p99_ms']:.3f} | {x['cpu_ms_per_decision']:.3f} |")
+        big = [x for x in inp if x["prefilter"] and x["endpoints"] >= 1024]
+        if big:
+            x = big[0]
+            out += ["", f"Target 1,024 endpoints at <= 1 ms p99 in process: CPU p99 {x['cpu_p99_ms']:.3f} ms, "
+                        f"{'met' if x['cpu_p99_ms'] <= 1 else 'not met'} (wall p99 {x['p99_ms']:.3f} ms)."]
+    grpc = r.get("grpc") or []
+    if grpc:
+        out += ["", "Through gRPC, one worker, buffered, 64 streams closed loop and one open-loop rate "
+                    "(median of the repeats, every repeat in brackets):", "",
+                "| through gRPC | closed decisions/s | decide p99 ms | server CPU ms/decision | open-loop rate | open p99 ms |",
+                "|---|---|---|---|---|---|"]
+        for x in grpc:
+            c = x.get("closed_loop") or {}
+            o = (x.get("open_loops") or [{}])[0]
+            decide = (c.get("decide") or {}).get("p99_ms")
+            out.append(f"| {x['endpoints']:,} endpoints | {_spread(c, 'decisions_per_s', 0)} | "
+                       f"{_f(decide, 2) if decide else '-'} | {_f(c.get('server_cpu_ms_per_request'), 2)} | "
+                       f"{_f(o.get('offered_per_s'))}/s | {_spread(o, 'p99_ms', 1)} |")
+    sl = r.get("scrape_load") or []
+    if sl:
+        x0 = sl[0]
+        out += ["", f"Decisions at {_f(x0['offered_per_s'])}/s (open loop) on {x0['endpoints']:,} endpoints "
+                    f"whose /metrics pages are really scraped (every {x0['scrape_interval_s']:g} s, the "
+                    "interval adapted to the pool); latency = when the decision was due -> decided, so "
+                    "event-loop time spent scraping counts:", "",
+                "| scraping | p50 ms | p99 ms [repeats] | deciding process cores | scraping cost |",
+                "|---|---|---|---|---|"]
+        for x in sl:
+            cost = ("-" if x["mode"] == "none" else
+                    f"{_f(x.get('scrapes_per_s'))} scrapes/s on the deciding loop" if x["mode"] == "in-loop"
+                    else f"{_f(x.get('signals_process_cpu_cores'), 2)} cores in the signals process")
+            label = {"none": "none (metrics fed once)", "in-loop": "on the deciding event loop",
+                     "signals-process": "signals process (the picker's design)"}[x["mode"]]
+            out.append(f"| {label} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} "
+                       f"[{' '.join(f'{v:.2f}' for v in x['repeats'])}] | {x['decider_cpu_cores']:.2f} | {cost} |")
+    wk = r.get("workers") or []
+    if wk:
+        out += ["", "`python -m picker --workers N` (16 endpoints, closed loop, 64 streams over 4 connections; "
+                    "CPU of the whole process tree: workers and the signals process):", "",
+                "| workers | decisions/s [repeats] | vs 1 worker | p99 ms | server cores | server CPU ms/decision |",
+                "|---|---|---|---|---|---|"]
+        for x in wk:
+            out.append(f"| {x['workers']} | {_f(x['decisions_per_s'])} "
+                       f"[{' '.join(_f(v['decisions_per_s']) for v in x['repeats'])}] | "
+                       f"x{x['speedup_vs_first']:.2f} | {_f(x['p99_ms'], 1)} | {x['server_cpu_cores']:.2f} | "
+                       f"{x['server_cpu_ms_per_request']:.2f} |")
+    return out + [""]
+
+
+def replicas_section(d: dict | None) -> list[str]:
+    out = ["## Picker replicas: routing quality with 1, 2 and 4 replicas", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    out += ["Command: `python -m bench replicas` (`python -m lab.replicas`, see lab/README.md): the "
+            "lab's workloads on 16 simulated groups at concurrency 160 (the 3-group runs' load per "
+            "group); each request goes to one picker replica "
+            "drawn at random. `shared`: the replicas exchange in-flight counts and prefix additions "
+            "every 20 ms (what `--peer-store` does through Redis); `independent`: nothing shared (plain "
+            "`replicas: N`); `sync=0`: exchanged before every decision (no delay). Mean TTFT, mean ± std "
+            "over the seeds, and its change against one replica.", ""]
+    labels = {"shared-prefix": "shared-prefix workload", "article": "article workload"}
+    names = []
+    for run in d["runs"].values():
+        names += [n for n in run["policies"] if n not in names]
+    out += ["| replicas | " + " | ".join(labels.get(k, k) for k in d["runs"]) + " |",
+            "|---" * (len(d["runs"]) + 1) + "|"]
+    for name in names:
+        cells = []
+        for run in d["runs"].values():
+            p = run["policies"]
+            if name not in p:
+                cells.append("-")
+                continue
+            m, base = p[name]["mean_ttft_ms"], p["picker"]["mean_ttft_ms"]["mean"]
+            cells.append(f"{_f(m['mean'])} ± {_f(m['std'])} ({_pct(m['mean'], base)})")
+        label = "1 (one picker)" if name == "picker" else name.replace("replicas:", "")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def write() -> str:
-    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "gateway"]
+    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "gateway",
+             "picker-scale", "replicas"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
@@ -226,6 +324,7 @@ def write() -> str:
     lines += validation_section(data["validation"]) + picker_section(data["picker"])
     lines += lab_section(data["lab-article"], data["lab-shared-prefix"])
     lines += crosscheck_section(data["crosscheck"]) + gateway_section(data["gateway"])
+    lines += picker_scale_section(data["picker-scale"]) + replicas_section(data["replicas"])
     text = "\n".join(lines).rstrip() + "\n"
     (REPO / "BENCHMARKS.md").write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")

@@ -37,6 +37,7 @@ class ReplicatedPicker(Policy):
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.parts = [PickerPolicy(profile) for _ in range(replicas)]
+        self.scrape_interval = self.parts[0].scrape_interval  # the lab records engine history
         self.shared = shared and replicas > 1
         self.sync_interval = sync_interval
         self.name = f"replicas:{replicas}" + ("" if shared else ":independent")
@@ -62,12 +63,13 @@ class ReplicatedPicker(Policy):
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
-        self.rng = random.Random(rng.random())
-        # Same scrape phases in every replica (their scrapes read the same engine history).
+        # Same scrape phases in every replica (their scrapes read the same engine history); the
+        # first replica draws from `rng` exactly as a lone PickerPolicy would.
         for p in self.parts:
-            p.start(endpoints, clock, random.Random(rng.random()))
+            p.start(endpoints, clock, rng)
             if self.shared:
                 p.router.prefix_log = []
+        self.rng = random.Random(rng.random())
         self.replica_of: dict[int, int] = {}
         self.next_sync = -math.inf
 
