@@ -2,7 +2,7 @@
 
     python -m bench                 # all of them (what `make bench` runs), then the report
     python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | gateway |
-                                    #   picker-scale | replicas)
+                                    #   picker-scale | replicas | prefilter)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "gateway": lambda a: suites.gateway(),
     "picker-scale": lambda a: suites.picker_scale(),
     "replicas": lambda a: suites.replicas(a.seeds),
+    "prefilter": lambda a: suites.prefilter(a.seeds),
 }
 
 

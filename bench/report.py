@@ -38,7 +38,8 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(15-25 minutes); each benchmark runs alone with `python -m bench <name>` "
-        "(`validation`, `picker`, `lab`, `crosscheck`, `gateway`, `picker-scale`, `replicas`), then "
+        "(`validation`, `picker`, `lab`, `crosscheck`, `gateway`, `picker-scale`, `prefilter`, "
+        "`replicas`), then "
         "`python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
@@ -314,9 +315,34 @@ def replicas_section(d: dict | None) -> list[str]:
     return out + [""]
 
 
+def prefilter_section(d: dict | None) -> list[str]:
+    out = ["## Picker candidate prefilter: routing quality", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    out += ["Command: `python -m bench prefilter`: the lab on 16 simulated groups at concurrency 160, "
+            "least request, the default profile (all 16 candidates scored) and "
+            "`bench/picker/prefilter-16.yaml` (the same scorers with the prefilter forced on: prefix "
+            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", "",
+            "| workload | policy | mean TTFT ms | P99 TTFT ms | output tok/s | vs full scoring (mean TTFT) |",
+            "|---|---|---|---|---|---|"]
+    for workload, summary in d["runs"].items():
+        p = summary["policies"]
+        full = p.get("picker")
+        for name, stats in p.items():
+            m = stats["mean_ttft_ms"]
+            vs = "" if name in ("picker", "least-request") or not full else (
+                f"{_pct(m['mean'], full['mean_ttft_ms']['mean'])}; within the seed spread: "
+                f"{'yes' if abs(m['mean'] - full['mean_ttft_ms']['mean']) <= max(m['std'], full['mean_ttft_ms']['std']) else 'no'}")
+            label = "prefilter forced on" if name.startswith("picker:") else name
+            out.append(f"| {workload} | {label} | {_f(m['mean'])} ± {_f(m['std'])} | "
+                       f"{_f(stats['p99_ttft_ms']['mean'])} ± {_f(stats['p99_ttft_ms']['std'])} | "
+                       f"{_f(stats['output_throughput']['mean'], 1)} | {vs} |")
+    return out + [""]
+
+
 def write() -> str:
     names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "gateway",
-             "picker-scale", "replicas"]
+             "picker-scale", "replicas", "prefilter"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
@@ -324,7 +350,8 @@ def write() -> str:
     lines += validation_section(data["validation"]) + picker_section(data["picker"])
     lines += lab_section(data["lab-article"], data["lab-shared-prefix"])
     lines += crosscheck_section(data["crosscheck"]) + gateway_section(data["gateway"])
-    lines += picker_scale_section(data["picker-scale"]) + replicas_section(data["replicas"])
+    lines += picker_scale_section(data["picker-scale"]) + prefilter_section(data["prefilter"])
+    lines += replicas_section(data["replicas"])
     text = "\n".join(lines).rstrip() + "\n"
     (REPO / "BENCHMARKS.md").write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")

@@ -112,3 +112,26 @@ def replicas(seeds: list[int] | None = None) -> dict:
             **stamp()}
     save("replicas", data)
     return data
+
+
+PREFILTER_PROFILE = REPO / "bench" / "picker" / "prefilter-16.yaml"
+
+
+def prefilter(seeds: list[int] | None = None) -> dict:
+    """Routing quality with the candidate prefilter: the lab on 16 groups (concurrency 160), the
+    default profile (all 16 scored) against the same profile with the prefilter forced on."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    load_start = load_average()
+    runs, commands, wall = {}, {}, 0.0
+    for workload in ("shared-prefix", "article"):
+        out = RESULTS / f"prefilter-{workload}"
+        cmd = [PY, "-m", "lab", "run", "--workload", workload, "--engines", "16", "--concurrency", "160",
+               "--policy", "least-request", "--policy", "picker", "--policy",
+               f"picker:{PREFILTER_PROFILE.relative_to(REPO)}", "--seeds", *map(str, seeds), "--out", str(out)]
+        wall += run(cmd, log=RESULTS / f"prefilter-{workload}.log")
+        runs[workload] = json.loads((out / "summary.json").read_text())
+        commands[workload] = shown(cmd)
+    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": runs,
+            **stamp()}
+    save("prefilter", data)
+    return data
