@@ -118,12 +118,13 @@ class App:
                                    "discovery": a.discovery})
 
     async def maintain(self) -> None:
-        """Readiness follows discovery sync and the endpoint set; lost requests are reaped."""
+        """Readiness follows discovery sync, the endpoint set and the first scrapes; lost
+        requests are reaped."""
         loop = asyncio.get_running_loop()
         ready = None
         next_reap = loop.time() + REAP_EVERY
         while not self._stopped.is_set():
-            now_ready = self.synced and bool(self.router.endpoints)
+            now_ready = self.synced and bool(self.router.endpoints) and self._scraped()
             if now_ready != ready:
                 await self.servers.set_ready(now_ready)
                 ready = now_ready
@@ -137,6 +138,13 @@ class App:
                 await asyncio.wait_for(self._stopped.wait(), READINESS_EVERY)
             except asyncio.TimeoutError:
                 pass
+
+    def _scraped(self) -> bool:
+        """An endpoint is ready, or every endpoint has been scraped once (failures included): the
+        signals process starts a moment after this one, and until its first results the picker
+        could only answer 503."""
+        r = self.router
+        return r.ready or all(e.metrics is not None or e.scrape_errors for e in r.endpoints.values())
 
     def request_stop(self) -> None:
         self._stopped.set()
