@@ -293,3 +293,21 @@ async def test_replicas_share_in_flight_counts_and_prefixes_through_redis(redis_
             await asyncio.to_thread(proc.join, 10)
         await vllm.stop()
     assert [p.exitcode for _, p, _ in replicas] == [0, 0]
+
+
+def test_changed_loads_are_reported_once_and_partial_peer_loads_leave_the_rest():
+    r = make_router(n=3)
+    r.changed, calls = set(), []
+    r.on_change = lambda: calls.append(1)
+    d1 = r.decide(req(body(prompt="x" * 400)))
+    r.decide(req(body(prompt="y" * 400)))
+    assert calls == [1]  # one callback per batch of changes
+    loads = r.take_changed_loads()
+    assert sum(v[0] for v in loads.values()) == 2 and r.take_changed_loads() == {}
+    r.on_request_done(d1.request_id)
+    assert r.take_changed_loads()[d1.endpoint][0] == sum(
+        1 for e in r.inflight.values() if e.state.address == d1.endpoint) and calls == [1, 1]
+    a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+    r.set_peer_loads({a: (3, 0, 0, 0), b: (2, 0, 0, 0)})
+    r.set_peer_loads({a: (1, 0, 0, 0)}, partial=True)
+    assert (r.endpoints[a].peer_inflight, r.endpoints[b].peer_inflight) == (1, 2)

@@ -84,8 +84,12 @@ class Router:
         self._serving_lists: dict[str, list[EndpointState]] = {}
         self._ready_list: list[EndpointState] | None = None
         self._least = LeastLoaded(profile.prefilter.least)
-        # Prefix-index additions made here, for the peers that share this view (None: no peers).
+        # For the peers that share this view (None: no peers): the prefix-index additions made
+        # here, the endpoints whose in-flight counts changed here, and a callback for the first
+        # change after take_changed_loads() (workers.py flushes them within the loop iteration).
         self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
+        self.changed: set[str] | None = None
+        self.on_change: Callable[[], None] | None = None
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
         self.set_objects(objectives, rewrites)
@@ -125,8 +129,11 @@ class Router:
             return
         old = state.metrics
         was_ready = state.ready
+        had_since = state.since_scrape != state.peer_since_scrape
         record_scrape(state, metrics, self.clock() if now is None else now)
         self._least.observe(state)
+        if had_since:
+            self._touched(address)
         if not was_ready or old is None or old.models != metrics.models \
                 or old.lora_running != metrics.lora_running or old.lora_waiting != metrics.lora_waiting:
             self._changed()
@@ -155,9 +162,24 @@ class Router:
                 out[addr] = own_load(e)
         return out
 
-    def set_peer_loads(self, loads: dict[str, Load]) -> None:
-        """The sum of the peers' in-flight counts per endpoint (absent = none)."""
+    def take_changed_loads(self) -> dict[str, Load]:
+        """This process's in-flight counts of the endpoints whose counts changed since the last
+        call (zeros included)."""
+        out = {a: own_load(self.endpoints[a]) for a in self.changed or () if a in self.endpoints}
+        if self.changed:
+            self.changed.clear()
+        return out
+
+    def set_peer_loads(self, loads: dict[str, Load], partial: bool = False) -> None:
+        """The sum of the peers' in-flight counts per endpoint (absent = none; with partial,
+        absent = unchanged)."""
         zero = (0, 0, 0, 0)
+        if partial:
+            for addr, load in loads.items():
+                e = self.endpoints.get(addr)
+                if e is not None:
+                    set_peer_load(e, load)
+            return
         for addr, e in self.endpoints.items():
             load = loads.get(addr, zero)
             if load != zero or e.peer_inflight or e.peer_since_scrape:
@@ -191,6 +213,7 @@ class Router:
         entry = self.inflight.pop(request_id, None)
         if entry is not None:
             end_inflight(entry)
+            self._touched(entry.state.address)
             if usage and self.metrics is not None:
                 self.metrics.record_usage(usage)
 
@@ -199,7 +222,9 @@ class Router:
         limit = now - self.settings.inflight_timeout
         lost = [rid for rid, e in self.inflight.items() if e.sent_at < limit]
         for rid in lost:
-            end_inflight(self.inflight.pop(rid))
+            entry = self.inflight.pop(rid)
+            end_inflight(entry)
+            self._touched(entry.state.address)
         return len(lost)
 
     def pool_saturation(self) -> float:
@@ -212,6 +237,13 @@ class Router:
         oldest = now - self.settings.staleness
         for e in eps:
             e.stale = e.scraped_at is None or e.scraped_at < oldest
+
+    def _touched(self, address: str) -> None:
+        changed = self.changed
+        if changed is not None:
+            if not changed and self.on_change is not None:
+                self.on_change()
+            changed.add(address)
 
     def _changed(self) -> None:
         self._serving.clear()
@@ -264,6 +296,7 @@ class Router:
         if parsed is None:  # bodiless (e.g. GET /v1/models): any ready endpoint
             chosen = self.rng.choice(ready)
             self.inflight[request_id] = add_inflight(chosen, 0, now)
+            self._touched(chosen.address)
             return Decision(chosen.address, request_id, "", "", b"", objective, priority)
         model = parsed.model
         target = choose_target(find_rule(self.rewrites, model), model, self.rng) \
@@ -307,6 +340,7 @@ class Router:
                 self.prefix_log.append((chosen.address, ctx.hashes, cap_blocks))
         self.avg_prompt_tokens += self.settings.avg_prompt_alpha * (uncached - self.avg_prompt_tokens)
         self.inflight[request_id] = add_inflight(chosen, uncached, now)
+        self._touched(chosen.address)
         out_body = body if target == model else rewrite_model(parsed, target)
         if target != model and self.metrics is not None:
             self.metrics.rewrites.labels(model, target).inc()

@@ -5,10 +5,13 @@ GIL): it scrapes and parses every endpoint's /metrics (scraper.py) and relays wh
 processes need to share. The workers only apply the results to their Routers.
 
     workers --("objects", endpoints, objectives, rewrites)--> signals   (from worker 0 only)
-    workers --("load", worker, {address: load}, prefix adds)--> signals (every PEER_SYNC_INTERVAL)
+    workers --("load", {address: load}, prefix adds)--> signals      (as they decide: changed
+                                                                       endpoints only)
     signals --("objects", ...)--> workers 1..n-1
     signals --("scrapes", [(address, metrics | None, timed_out, at)])--> every worker
-    signals --("peers", {address: summed load of the others}, their prefix adds)--> each worker
+    signals --("peers", {address: summed load of the others}, their prefix adds, partial)-->
+              the other workers at once (partial: the changed endpoints), and every
+              PEER_SYNC_INTERVAL each worker the whole table
 
 With --peer-store, the in-flight counts and prefix additions of the other replicas (through
 Redis, peer_store.py) are added to what each worker gets in "peers".
@@ -91,7 +94,7 @@ class SignalsHub:
         self.staleness = staleness
         self.collector = Collector()
         self.loads: list[dict[str, Load]] = [{} for _ in conns]
-        self.prefix_adds: list[list] = [[] for _ in conns]
+        self.local_adds: list = []  # the workers' prefix additions not yet sent to other replicas
         self.stopped = asyncio.Event()
         from picker.scraper import Scraper  # aiohttp only in this process
         self.scraper = Scraper(self.collector, interval)
@@ -146,9 +149,7 @@ class SignalsHub:
                 if j != i:
                     s.send(msg)
         elif kind == "load":
-            self.loads[i] = msg[1]
-            if msg[2]:
-                self.prefix_adds[i].extend(msg[2])
+            self._on_load(i, msg[1], msg[2])
         elif kind == "stop":
             self.stopped.set()
 
@@ -161,24 +162,47 @@ class SignalsHub:
         for s in self.senders:
             s.send(msg)
 
+    def _on_load(self, i: int, changed: dict[str, Load], adds: list) -> None:
+        """Worker i's changed counts and prefix additions: merged, and passed on at once."""
+        mine = self.loads[i]
+        for addr, load in changed.items():
+            if load == ZERO:
+                mine.pop(addr, None)
+            else:
+                mine[addr] = load
+        if self.peers is not None:
+            self.local_adds.extend(adds)  # for the other replicas, at the next exchange
+        remote = self.peers.remote_loads if self.peers is not None else {}
+        for j, s in enumerate(self.senders):
+            if j == i:
+                continue
+            others = {}
+            for addr in changed:
+                t = list(remote.get(addr, ZERO))
+                for k, loads in enumerate(self.loads):
+                    if k != j:
+                        load = loads.get(addr)
+                        if load:
+                            for n in range(4):
+                                t[n] += load[n]
+                others[addr] = tuple(t)
+            s.send(("peers", others, adds, True))
+
     async def _send_peers(self) -> None:
-        local = _sum_loads(self.loads)
-        adds = self.prefix_adds
-        self.prefix_adds = [[] for _ in self.conns]
         remote, remote_adds = {}, []
         if self.peers is not None:
-            await self.peers.exchange({a: tuple(t) for a, t in local.items()},
-                                      [a for lst in adds for a in lst])
+            local = _sum_loads(self.loads)
+            adds, self.local_adds = self.local_adds, []
+            await self.peers.exchange({a: tuple(t) for a, t in local.items()}, adds)
             remote, remote_adds = self.peers.remote_loads, self.peers.take_adds()
-        total = _sum_loads([local, remote])
+        total = _sum_loads([*self.loads, remote])
         for i, s in enumerate(self.senders):
             own = self.loads[i]
             others = {}
             for addr, t in total.items():
                 o = own.get(addr, ZERO)
                 others[addr] = (t[0] - o[0], t[1] - o[1], t[2] - o[2], t[3] - o[3])
-            their_adds = [a for j, lst in enumerate(adds) if j != i for a in lst] + remote_adds
-            s.send(("peers", others, their_adds))
+            s.send(("peers", others, remote_adds, False))
 
 
 def _sum_loads(tables) -> dict[str, list[int]]:
