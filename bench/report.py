@@ -312,7 +312,7 @@ def replicas_section(d: dict | None) -> list[str]:
                 continue
             m, base = p[name]["mean_ttft_ms"], p["picker"]["mean_ttft_ms"]["mean"]
             cells.append(f"{_f(m['mean'])} ± {_f(m['std'])} ({_pct(m['mean'], base)})")
-        label = "1 (one picker)" if name == "picker" else name.replace("replicas:", "")
+        label = _replica_label(name)
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return out + [""]
 
@@ -340,6 +340,19 @@ def prefilter_section(d: dict | None) -> list[str]:
                        f"{_f(stats['p99_ttft_ms']['mean'])} ± {_f(stats['p99_ttft_ms']['std'])} | "
                        f"{_f(stats['output_throughput']['mean'], 1)} | {vs} |")
     return out + [""]
+
+
+def _replica_label(policy: str) -> str:
+    """`replicas:4:sync=0` -> `4, shared before every decision`."""
+    if policy == "picker":
+        return "1 (one picker)"
+    _, n, *option = policy.split(":")
+    if not option:
+        return f"{n}, shared every 20 ms"
+    if option == ["independent"]:
+        return f"{n}, independent"
+    interval = float(option[0].partition("=")[2])
+    return f"{n}, shared " + ("before every decision" if interval == 0 else f"every {interval * 1000:g} ms")
 
 
 def write() -> str:

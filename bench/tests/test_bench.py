@@ -96,7 +96,9 @@ def test_scale_sections_state_the_1024_endpoint_target_and_the_replica_changes()
     runs = {"shared-prefix": {"policies": {"picker": ttft(1000), "replicas:2": ttft(1100),
                                            "replicas:2:independent": ttft(1500)}}}
     text = "\n".join(report.replicas_section({"runs": runs}))
-    assert "| 2 | 1,100 ± 10 (+10.0 %) |" in text and "| 2:independent | 1,500 ± 10 (+50.0 %) |" in text
+    assert "| 2, shared every 20 ms | 1,100 ± 10 (+10.0 %) |" in text
+    assert "| 2, independent | 1,500 ± 10 (+50.0 %) |" in text
+    assert report._replica_label("replicas:4:sync=0") == "4, shared before every decision"
     lab = lambda m, s: {**ttft(m, s), "p99_ttft_ms": {"mean": 1.0, "std": 0.0},  # noqa: E731
                         "output_throughput": {"mean": 1.0}}
     pf = {"runs": {"article": {"policies": {"picker": lab(1000, 50), "picker:x.yaml": lab(1040, 60)}}}}

@@ -40,7 +40,7 @@ PREFILTER_OWNERS = 8           # at most this many prefix holders are kept
 
 # Process model.
 WORKERS = 1                    # ext_proc worker processes behind the one gRPC port
-PEER_SYNC_INTERVAL = 0.02      # seconds between exchanges of in-flight counts among workers
+PEER_SYNC_INTERVAL = 0.02      # seconds: Redis exchange between replicas; full-table resend to workers
 REAP_EVERY = 10.0              # seconds between sweeps for lost in-flight requests
 READINESS_EVERY = 0.2          # seconds between readiness checks
 
