@@ -6,8 +6,9 @@ only that replica sees it. Two ways to run them:
 
 - independent: nothing shared; each replica learns prefix affinity from its share of the
   traffic and counts only its own in-flight requests (plain `replicas: N`);
-- shared: every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S` sets it)
-  the replicas exchange what the picker's signals process
+- shared: every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S` sets it;
+  the picker itself sends changes as they happen and the whole table every PEER_SYNC_INTERVAL,
+  so `sync=0` and the default bound it from both sides) the replicas exchange what the picker's signals process
   relays between workers and replicas (picker/src/picker/signals_process.py): each one's
   in-flight counts per endpoint (`Router.own_loads` -> `Router.set_peer_loads`) and the
   prefix-index additions of its decisions (`Router.prefix_log` -> `Router.add_peer_prefixes`).

@@ -1,15 +1,17 @@
 """Replicas with one view: in-flight counts and prefix-index additions shared through Redis.
 
-Run by the signals process of each replica (--peer-store redis://HOST:PORT/DB). Every
-PEER_SYNC_INTERVAL it
-- writes the replica's in-flight counts (the sum over its workers) under
-  `picker:<pool>:load:<replica>`, expiring after LOAD_TTL so a dead replica's counts vanish,
-  and its name in the sorted set `picker:<pool>:replicas` scored by the time it was written;
-- reads the counts of every other replica written within LOAD_TTL;
-- publishes the prefix-index additions of its decisions on the channel `picker:<pool>:prefix`
-  and applies those the other replicas published.
-A replica that loses Redis keeps routing on its own view and retries; one that starts late
-learns prefixes from the decisions made after it started (the index refills as traffic flows).
+Run by the signals process of each replica (--peer-store redis://HOST:PORT/DB), over one Redis
+pub/sub channel per pool, `picker:<pool>:peers`. Each message is JSON
+`[replica, kind, {address: [inflight, tokens, since_scrape, since_tokens]}, prefix additions]`:
+
+- "changes": as this replica's workers decide and finish requests, the new counts (summed over
+  its workers) of the endpoints that changed, and the prefix-index additions of the decisions;
+- "table": every PEER_SYNC_INTERVAL, all of this replica's non-zero counts (a heartbeat, and the
+  correction for anything a subscriber missed).
+
+A replica not heard from for LOAD_TTL seconds counts for nothing (it stopped or lost Redis). A
+replica that loses Redis keeps routing on its own view and retries; one that starts late learns
+prefixes from the decisions made after it started (the index refills as traffic flows).
 """
 from __future__ import annotations
 
@@ -20,82 +22,116 @@ import os
 import socket
 import time
 import uuid
+from typing import Callable
 
 from picker.signals.state import Load
 
 log = logging.getLogger("picker.peers")
-LOAD_TTL = 2.0   # seconds a replica's counts stay without being rewritten
+LOAD_TTL = 2.0   # seconds without a message after which a replica's counts are dropped
+ZERO: Load = (0, 0, 0, 0)
 
 
 class RedisPeers:
-    def __init__(self, url: str, pool: str, replica: str | None = None):
+    def __init__(self, url: str, pool: str, replica: str | None = None,
+                 on_remote: Callable[[dict[str, Load], list], None] | None = None):
         self.url = url
-        self.prefix = f"picker:{pool}"
+        self.channel = f"picker:{pool}:peers"
         self.replica = replica or f"{os.environ.get('HOSTNAME') or socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-        self.remote_loads: dict[str, Load] = {}
-        self.remote_adds: list = []
+        self.on_remote = on_remote  # (changed addresses' remote sums, prefix additions)
+        self._tables: dict[str, dict[str, Load]] = {}
+        self._seen: dict[str, float] = {}
+        self._outbox: asyncio.Queue = asyncio.Queue()
         self._redis = None
-        self._pubsub = None
-        self._listener: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._failing = False
 
     async def start(self) -> None:
         import redis.asyncio as redis
         self._redis = redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self._listener = asyncio.create_task(self._listen())
+        self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._send())]
 
-    async def _listen(self) -> None:
-        channel = f"{self.prefix}:prefix"
+    # ---- what this replica tells the others ----------------------------------------------------
+    def publish_changes(self, changed: dict[str, Load], adds: list) -> None:
+        self._outbox.put_nowait(json.dumps([self.replica, "changes", changed, adds]))
+
+    def publish_table(self, table: dict[str, Load]) -> None:
+        self._outbox.put_nowait(json.dumps([self.replica, "table", table, []]))
+
+    async def _send(self) -> None:
         while True:
+            msg = await self._outbox.get()
             try:
-                self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-                await self._pubsub.subscribe(channel)
-                async for msg in self._pubsub.listen():
-                    if msg.get("type") != "message":
-                        continue
-                    sender, adds = json.loads(msg["data"])
-                    if sender != self.replica:
-                        self.remote_adds.extend((a, h, c) for a, h, c in adds)
+                await self._redis.publish(self.channel, msg)
+                self._ok()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._warn(exc)
+                while not self._outbox.empty():  # the heartbeat table makes up for the loss
+                    self._outbox.get_nowait()
+                await asyncio.sleep(0.5)
+
+    # ---- what the others tell this replica ------------------------------------------------------
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        self._receive(json.loads(msg["data"]))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis gone or restarting: keep our own view, retry
                 self._warn(exc)
                 await asyncio.sleep(1.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:
+                    pass
 
-    async def exchange(self, own: dict[str, Load], adds: list) -> None:
-        """Publish ours, read theirs (self.remote_loads, self.remote_adds)."""
-        r = self._redis
-        now = time.time()
-        try:
-            async with r.pipeline(transaction=False) as p:
-                p.set(f"{self.prefix}:load:{self.replica}", json.dumps(own), px=int(LOAD_TTL * 1000))
-                p.zadd(f"{self.prefix}:replicas", {self.replica: now})
-                p.zremrangebyscore(f"{self.prefix}:replicas", 0, now - 10 * LOAD_TTL)
-                p.zrangebyscore(f"{self.prefix}:replicas", now - LOAD_TTL, "+inf")
-                if adds:
-                    p.publish(f"{self.prefix}:prefix", json.dumps([self.replica, adds]))
-                results = await p.execute()
-            others = [m.decode() for m in results[3] if m.decode() != self.replica]
-            loads: dict[str, list[int]] = {}
-            if others:
-                for raw in await r.mget([f"{self.prefix}:load:{o}" for o in others]):
-                    if raw is None:
-                        continue
-                    for addr, load in json.loads(raw).items():
-                        t = loads.setdefault(addr, [0, 0, 0, 0])
-                        for k in range(4):
-                            t[k] += load[k]
-            self.remote_loads = {a: tuple(t) for a, t in loads.items()}
-            if self._failing:
-                log.info("peer store reachable again", extra={"url": self.url})
-                self._failing = False
-        except Exception as exc:
-            self._warn(exc)
-            self.remote_loads = {}
+    def _receive(self, msg: list) -> None:
+        sender, kind, loads, adds = msg
+        if sender == self.replica:
+            return
+        self._seen[sender] = time.monotonic()
+        table = self._tables.setdefault(sender, {})
+        if kind == "table":
+            changed = set(table) | set(loads)
+            table.clear()
+            table.update((a, tuple(v)) for a, v in loads.items())
+        else:
+            changed = set(loads)
+            for a, v in loads.items():
+                if any(v):
+                    table[a] = tuple(v)
+                else:
+                    table.pop(a, None)
+        if self.on_remote is not None:
+            self.on_remote(self.remote_loads(changed), [tuple(a) for a in adds])
 
-    def take_adds(self) -> list:
-        adds, self.remote_adds = self.remote_adds, []
-        return adds
+    def remote_loads(self, addresses=None) -> dict[str, Load]:
+        """The other live replicas' summed counts (of `addresses`, or of every endpoint)."""
+        cutoff = time.monotonic() - LOAD_TTL
+        for r in [r for r, t in self._seen.items() if t < cutoff]:
+            del self._seen[r], self._tables[r]
+        out: dict[str, list[int]] = {}
+        for table in self._tables.values():
+            for a, load in table.items():
+                if addresses is None or a in addresses:
+                    t = out.setdefault(a, [0, 0, 0, 0])
+                    for k in range(4):
+                        t[k] += load[k]
+        if addresses is not None:
+            for a in addresses:
+                out.setdefault(a, [0, 0, 0, 0])
+        return {a: tuple(t) for a, t in out.items()}
+
+    def _ok(self) -> None:
+        if self._failing:
+            log.info("peer store reachable again", extra={"url": self.url})
+            self._failing = False
 
     def _warn(self, exc: Exception) -> None:
         if not self._failing:
@@ -104,17 +140,15 @@ class RedisPeers:
             self._failing = True
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            await asyncio.gather(self._listener, return_exceptions=True)
-        if self._pubsub is not None:
+        """Tell the others this replica has nothing in flight any more, then disconnect."""
+        if self._redis is not None and not self._failing:
             try:
-                await self._pubsub.aclose()
+                await asyncio.wait_for(self._redis.publish(
+                    self.channel, json.dumps([self.replica, "table", {}, []])), 1.0)
             except Exception:
                 pass
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._redis is not None:
-            try:
-                await self._redis.delete(f"{self.prefix}:load:{self.replica}")
-            except Exception:
-                pass
             await self._redis.aclose()

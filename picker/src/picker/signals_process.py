@@ -13,8 +13,8 @@ processes need to share. The workers only apply the results to their Routers.
               the other workers at once (partial: the changed endpoints), and every
               PEER_SYNC_INTERVAL each worker the whole table
 
-With --peer-store, the in-flight counts and prefix additions of the other replicas (through
-Redis, peer_store.py) are added to what each worker gets in "peers".
+With --peer-store, the workers' changes also go to the other replicas through Redis, and theirs
+come back the same way (peer_store.py): added to what each worker gets in "peers", at once.
 
 Messages are pickled over one Pipe per worker. The signals process sends from one thread per
 worker, so a worker busy deciding never blocks it (and so never blocks the other workers).
@@ -88,13 +88,13 @@ class SignalsHub:
         self.peers = None
         if peer_store:
             from picker.peer_store import RedisPeers
-            self.peers = RedisPeers(peer_store, pool)
+            self.peers = RedisPeers(peer_store, pool, on_remote=self._on_remote)
         self.senders = [_Sender(c) for c in conns]
         self.base_interval = interval
         self.staleness = staleness
         self.collector = Collector()
         self.loads: list[dict[str, Load]] = [{} for _ in conns]
-        self.local_adds: list = []  # the workers' prefix additions not yet sent to other replicas
+
         self.stopped = asyncio.Event()
         from picker.scraper import Scraper  # aiohttp only in this process
         self.scraper = Scraper(self.collector, interval)
@@ -111,7 +111,7 @@ class SignalsHub:
             while not self.stopped.is_set():
                 self._flush_scrapes()
                 if (len(self.conns) > 1 or self.peers) and loop.time() >= next_peers:
-                    await self._send_peers()
+                    self._send_peers()
                     next_peers = loop.time() + defaults.PEER_SYNC_INTERVAL
                 try:
                     await asyncio.wait_for(self.stopped.wait(), FLUSH_EVERY)
@@ -170,31 +170,45 @@ class SignalsHub:
                 mine.pop(addr, None)
             else:
                 mine[addr] = load
+        remote = {}
         if self.peers is not None:
-            self.local_adds.extend(adds)  # for the other replicas, at the next exchange
-        remote = self.peers.remote_loads if self.peers is not None else {}
+            local = {a: self._local_sum(a, None) for a in changed}
+            self.peers.publish_changes(local, adds)
+            remote = self.peers.remote_loads(changed)
+        self._forward(changed, remote, adds, skip=i)
+
+    def _on_remote(self, remote: dict[str, Load], adds: list) -> None:
+        """Another replica's changes (peer_store.py): passed on to every worker at once."""
+        self._forward(remote, remote, adds, skip=None)
+
+    def _local_sum(self, addr: str, skip: int | None) -> list[int]:
+        t = [0, 0, 0, 0]
+        for k, loads in enumerate(self.loads):
+            if k != skip:
+                load = loads.get(addr)
+                if load:
+                    for n in range(4):
+                        t[n] += load[n]
+        return t
+
+    def _forward(self, addresses, remote: dict[str, Load], adds: list, skip: int | None) -> None:
+        """To each worker but `skip`: the others' sums for `addresses`, and `adds`."""
         for j, s in enumerate(self.senders):
-            if j == i:
+            if j == skip:
                 continue
             others = {}
-            for addr in changed:
-                t = list(remote.get(addr, ZERO))
-                for k, loads in enumerate(self.loads):
-                    if k != j:
-                        load = loads.get(addr)
-                        if load:
-                            for n in range(4):
-                                t[n] += load[n]
-                others[addr] = tuple(t)
+            for addr in addresses:
+                t = self._local_sum(addr, j)
+                r = remote.get(addr, ZERO)
+                others[addr] = (t[0] + r[0], t[1] + r[1], t[2] + r[2], t[3] + r[3])
             s.send(("peers", others, adds, True))
 
-    async def _send_peers(self) -> None:
-        remote, remote_adds = {}, []
+    def _send_peers(self) -> None:
+        """The whole table: to the other replicas (their heartbeat from us) and to each worker."""
+        remote = {}
         if self.peers is not None:
-            local = _sum_loads(self.loads)
-            adds, self.local_adds = self.local_adds, []
-            await self.peers.exchange({a: tuple(t) for a, t in local.items()}, adds)
-            remote, remote_adds = self.peers.remote_loads, self.peers.take_adds()
+            self.peers.publish_table({a: tuple(t) for a, t in _sum_loads(self.loads).items()})
+            remote = self.peers.remote_loads()
         total = _sum_loads([*self.loads, remote])
         for i, s in enumerate(self.senders):
             own = self.loads[i]
@@ -202,7 +216,7 @@ class SignalsHub:
             for addr, t in total.items():
                 o = own.get(addr, ZERO)
                 others[addr] = (t[0] - o[0], t[1] - o[1], t[2] - o[2], t[3] - o[3])
-            s.send(("peers", others, remote_adds, False))
+            s.send(("peers", others, [], False))
 
 
 def _sum_loads(tables) -> dict[str, list[int]]:
