@@ -293,10 +293,11 @@ def replicas_section(d: dict | None) -> list[str]:
     out += ["Command: `python -m bench replicas` (`python -m lab.replicas`, see lab/README.md): the "
             "lab's workloads on 16 simulated groups at concurrency 160 (the 3-group runs' load per "
             "group); each request goes to one picker replica "
-            "drawn at random. `shared`: the replicas exchange in-flight counts and prefix additions "
-            "every 20 ms (what `--peer-store` does through Redis); `independent`: nothing shared (plain "
-            "`replicas: N`); `sync=0`: exchanged before every decision (no delay). Mean TTFT, mean ± std "
-            "over the seeds, and its change against one replica.", ""]
+            "drawn at random. Shared: the replicas exchange in-flight counts and prefix additions (what "
+            "`--peer-store` does through Redis) every 20 ms, or before every decision; `--peer-store` "
+            "sends changes as they happen (about a Redis round trip behind) and the whole table every "
+            "20 ms, so these two rows bound it. Independent: nothing shared (plain `replicas: N`). Mean "
+            "TTFT, mean ± std over the seeds, and its change against one replica.", ""]
     labels = {"shared-prefix": "shared-prefix workload", "article": "article workload"}
     names = []
     for run in d["runs"].values():
