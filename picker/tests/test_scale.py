@@ -311,3 +311,15 @@ def test_changed_loads_are_reported_once_and_partial_peer_loads_leave_the_rest()
     r.set_peer_loads({a: (3, 0, 0, 0), b: (2, 0, 0, 0)})
     r.set_peer_loads({a: (1, 0, 0, 0)}, partial=True)
     assert (r.endpoints[a].peer_inflight, r.endpoints[b].peer_inflight) == (1, 2)
+
+
+def test_the_scrape_timeout_follows_the_adapted_interval():
+    from picker.scraper import Scraper
+    s = Scraper(make_router(scrape=False), interval=0.1)
+    assert s.timeout == defaults.scrape_timeout_for(0.1) == 0.5
+    s.set_interval(0.5)
+    assert s.timeout == 2.5
+    assert Scraper(make_router(scrape=False), interval=0.1, timeout=0.2).timeout == 0.2
+    fixed = Scraper(make_router(scrape=False), interval=0.1, timeout=0.2)
+    fixed.set_interval(0.5)
+    assert fixed.timeout == 0.2

@@ -24,6 +24,7 @@ class Scraper:
                  timeout: float | None = None):
         self.sink = sink
         self.interval = interval
+        self.fixed_timeout = timeout
         self.timeout = timeout if timeout is not None else defaults.scrape_timeout_for(interval)
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -32,7 +33,6 @@ class Scraper:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.timeout),
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
             auto_decompress=True)
         self.sync()
@@ -50,13 +50,16 @@ class Scraper:
             self._tasks[addr] = asyncio.create_task(self._loop(addr), name=f"scrape {addr}")
 
     def set_interval(self, interval: float) -> None:
-        """Takes effect from each endpoint's next scrape."""
+        """Takes effect from each endpoint's next scrape (the timeout follows, unless fixed)."""
         self.interval = interval
+        if self.fixed_timeout is None:
+            self.timeout = defaults.scrape_timeout_for(interval)
 
     async def scrape_once(self, addr: str) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(f"http://{addr}/metrics") as resp:
+            async with self._session.get(f"http://{addr}/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 text = await resp.text(errors="replace")
