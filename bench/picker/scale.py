@@ -230,8 +230,12 @@ def workers_bench(n: int, counts: list[int], seconds: float, repeat: int, bodies
         for _ in range(repeat):  # interleaved: a slow spell of the machine hits every count alike
             for w, (proc, port) in pickers.items():
                 cpu0, t0 = _tree_cpu(proc.pid), time.perf_counter()
-                r = service._load_client(port, bodies, "buffered", seconds, streams=streams,
-                                         conns=conns)
+                try:
+                    r = service._load_client(port, bodies, "buffered", seconds, streams=streams,
+                                             conns=conns)
+                except subprocess.TimeoutExpired:  # counted as a failed run, not fatal
+                    r = {"requests": 0, "errors": 1, "decisions_per_s": 0.0, "p50_ms": None,
+                         "p99_ms": None, "first_error": "load client timed out"}
                 cpu, wall = _tree_cpu(proc.pid) - cpu0, time.perf_counter() - t0
                 r.update(workers=w, endpoints=n, server_cpu_cores=cpu / wall,
                          server_cpu_ms_per_request=1000 * cpu / max(1, r["requests"]))
@@ -281,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     if "inprocess" in parts:
         print("\nRouter.decide() in process (default profile, ~4,000-token prompts):")
         res["inprocess"] = inprocess([int(x) for x in a.sizes.split(",")])
+        _save(res, a.json)
         for r in res["inprocess"]:
             print(f"  {r['endpoints']:5d} endpoints, prefilter {'on ' if r['prefilter'] else 'off'}: "
                   f"{r['decisions_per_s']:6.0f}/s  wall p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:.3f} ms  "
@@ -293,12 +298,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{a.grpc_rate:g}/s, {a.repeat} runs each:")
             res["grpc"] = grpc_sizes([int(x) for x in a.grpc_sizes.split(",")], a.seconds,
                                      a.grpc_rate, a.repeat, bodies)
+            _save(res, a.json)
             for r in res["grpc"]:
                 print("  " + service._grpc_line(r), flush=True)
         if "scrape" in parts:
             print(f"\ndecisions at {a.scrape_rate:g}/s on {a.scrape_endpoints} scraped endpoints "
                   "(latency = due -> decided):")
             res["scrape_load"] = scrape_load(a.scrape_endpoints, a.scrape_rate, a.seconds, a.repeat)
+            _save(res, a.json)
             for r in res["scrape_load"]:
                 extra = (f", scraping on the loop: {r.get('scrapes_per_s', 0):.0f} scrapes/s"
                          if r["mode"] == "in-loop" else
@@ -318,11 +325,15 @@ def main(argv: list[str] | None = None) -> None:
             for r in res["workers"]:
                 print(f"  {r['workers']} worker(s): {r['decisions_per_s']:6.0f} decisions/s "
                       f"{[round(x['decisions_per_s']) for x in r['repeats']]} (x{r['speedup_vs_first']:.2f}), "
-                      f"p99 {r['p99_ms']:.1f} ms, {r['server_cpu_cores']:.2f} cores, "
+                      f"p99 {r['p99_ms'] or 0:.1f} ms, {r['server_cpu_cores']:.2f} cores, "
                       f"{r['server_cpu_ms_per_request']:.2f} ms CPU/decision", flush=True)
     res["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
-    if a.json:
-        with open(a.json, "w") as f:
+    _save(res, a.json)
+
+
+def _save(res: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
 

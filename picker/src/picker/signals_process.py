@@ -129,7 +129,9 @@ class SignalsHub:
     def _on_readable(self, i: int) -> None:
         conn = self.conns[i]
         try:
-            while conn.poll():
+            for _ in range(256):  # then back to the loop, so one busy worker starves nothing
+                if not conn.poll():
+                    break
                 self._handle(i, conn.recv())
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(conn.fileno())

@@ -28,6 +28,7 @@ from typing import Any
 from picker.core import Router
 
 log = logging.getLogger("picker.workers")
+MAX_MESSAGES_PER_READ = 64
 
 
 class SignalsLink:
@@ -80,7 +81,9 @@ class SignalsLink:
 
     def _on_readable(self) -> None:
         try:
-            while self.conn.poll():
+            for _ in range(MAX_MESSAGES_PER_READ):  # then back to the loop: requests first
+                if not self.conn.poll():
+                    break
                 self._handle(self.conn.recv())
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(self.conn.fileno())
