@@ -108,7 +108,10 @@ def _decide_under_scrape(ports: list[int], mode: str, rate: float, seconds: floa
         scrapes0 = link.scrape_batches if link else (scraper.scrapes if scraper else 0)
         t0 = time.perf_counter()
         total = int(rate * seconds)
+        give_up = t0 + 3 * seconds + 10  # a loop saturated by scraping may never catch up
         for i in range(total):
+            if time.perf_counter() > give_up:
+                break
             due = t0 + i / rate
             delay = due - time.perf_counter()
             if delay > 0:
@@ -126,6 +129,7 @@ def _decide_under_scrape(ports: list[int], mode: str, rate: float, seconds: floa
         wall = time.perf_counter() - t0
         r = {"mode": mode, "endpoints": len(addrs), "ready_endpoints": ready,
              "scrape_interval_s": interval, "offered_per_s": rate, "decisions": total,
+             "completed": len(lat),
              "refused_503": refused,
              "p50_ms": 1000 * service._pct(lat, 0.5), "p99_ms": 1000 * service._pct(lat, 0.99),
              "decide_cpu_p99_ms": 1000 * service._pct(cpu, 0.99),
@@ -316,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{[round(x, 2) for x in r['repeats']]}, deciding process "
                       f"{r['decider_cpu_cores']:.2f} cores{extra}, {r['ready_endpoints']} ready, "
                       f"{r['refused_503']} refused (no ready endpoint), "
+                      f"{r['completed']} of {r['decisions']} due within the run, "
                       f"interval {r['scrape_interval_s']:g} s", flush=True)
         if "workers" in parts:
             counts = [int(x) for x in a.workers.split(",")]
