@@ -35,7 +35,6 @@ from argparse import Namespace
 
 from bench.picker import service
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 # ---- 1. in process --------------------------------------------------------------------------

@@ -323,3 +323,34 @@ def test_the_scrape_timeout_follows_the_adapted_interval():
     fixed = Scraper(make_router(scrape=False), interval=0.1, timeout=0.2)
     fixed.set_interval(0.5)
     assert fixed.timeout == 0.2
+
+
+def test_a_large_scrape_batch_arrives_whole_on_the_service_event_loop():
+    """uvloop makes a watched fd non-blocking; a batch bigger than the pipe must still be read."""
+    import multiprocessing as mp
+    import os
+    import threading
+
+    import uvloop
+    from picker.workers import SignalsLink
+    n = 3000
+    router = make_router(n=n, scrape=False)
+    metrics = parse_vllm_metrics(metrics_text(waiting=1))
+    batch = [(a, metrics, False, 1000.0) for a in router.endpoints]
+    ours, theirs = mp.Pipe(duplex=True)
+
+    async def main():
+        link = SignalsLink(router, ours, peers=False)
+        link.start()
+        assert os.get_blocking(ours.fileno())
+        sender = threading.Thread(target=theirs.send, args=(("scrapes", batch),))
+        sender.start()
+        for _ in range(500):
+            if link.scrape_batches:
+                break
+            await asyncio.sleep(0.01)
+        sender.join()
+        await link.close()
+
+    uvloop.run(main())
+    assert sum(e.ready for e in router.endpoints.values()) == n

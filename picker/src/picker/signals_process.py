@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -103,6 +104,7 @@ class SignalsHub:
         loop = asyncio.get_running_loop()
         for i, conn in enumerate(self.conns):
             loop.add_reader(conn.fileno(), self._on_readable, i)
+            os.set_blocking(conn.fileno(), True)  # libuv made it non-blocking (see workers.py)
         await self.scraper.start()
         if self.peers is not None:
             await self.peers.start()

@@ -54,6 +54,9 @@ class SignalsLink:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.conn.fileno(), self._on_readable)
+        # uvloop (libuv) makes a watched fd non-blocking; a Connection must block, or a large
+        # message that arrived in part fails to read, and a full pipe fails to write.
+        os.set_blocking(self.conn.fileno(), True)
 
     def _schedule_flush(self) -> None:
         if not self._flush_pending and self._loop is not None:
