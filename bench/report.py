@@ -226,7 +226,15 @@ def picker_scale_section(d: dict | None) -> list[str]:
     r = d["result"]
     out += ["Command: `make bench-picker-scale` (`python -m bench.picker.scale`, see picker/README.md "
             "\"Scale\"). CPU = the deciding thread's CPU time per decision (on a shared machine the "
-            "wall-time tail is mostly preemption by other processes); wall = perf_counter.", ""]
+            "wall-time tail is mostly preemption by other processes); wall = perf_counter."
+            + (f" 1-minute load average {r['machine']['load_avg_1m_start']:.1f} at the start and "
+               f"{r['machine'].get('load_avg_1m_end', 0):.1f} at the end, on {r['machine']['cpus']} CPUs: "
+               "throughput and wall times here are what was left of a shared machine."
+               if r.get("machine") else ""), ""]
+    for part, how in (r.get("runs") or {}).items():
+        out[-1:-1] = [f"- {part}: {how}"]
+    if r.get("runs"):
+        out.insert(-1, "")
     inp = r.get("inprocess") or []
     if inp:
         out += ["| in process | prefilter | decisions/s | wall p50 / p99 ms | CPU p50 / p99 ms | CPU ms/decision |",
