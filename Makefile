@@ -19,7 +19,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test demo up down loadtest compare sweep bench bench-picker
+.PHONY: help setup tools lock crds validate test demo up down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -48,7 +48,7 @@ $(ENVOY_GATEWAY) $(EGCTL) &: local/dataplane.py
 		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
 	touch $(ENVOY_GATEWAY) $(EGCTL)
 
-tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient apiserver-tools ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client, kube-apiserver (+ etcd)
+tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
 
 # A real API server for tests/apiserver: kube-apiserver v1.34.2 built from the Go module proxy by the
 # wrapper module in tools/kube-apiserver (~5 min on 2 cores the first time), etcd from Debian.
@@ -62,6 +62,11 @@ $(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 .PHONY: apiserver-tools test-apiserver
 apiserver-tools: $(KUBE_APISERVER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
+
+# The picker's replica tests start a real Redis on a free loopback port (Debian's package).
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
@@ -134,11 +139,14 @@ bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
-	mkdir -p results && $(PY) -m picker.bench --json results/bench-picker.json
+	mkdir -p results && $(PY) -m bench.picker --json results/bench-picker.json
+
+bench-picker-scale: setup $(TOOLS)/picker-loadclient ## benchmark the picker at scale (~10 min): 16-1,024 endpoints, scrape load, worker processes
+	mkdir -p results && $(PY) -m bench.picker.scale --json results/bench-picker-scale.json
 
 # The benchmark's load generator (Go: it must not eat the server's CPU); go.sum pins its modules.
-$(TOOLS)/picker-loadclient: picker/bench/loadclient/main.go picker/bench/loadclient/go.mod picker/bench/loadclient/go.sum
-	mkdir -p $(TOOLS) && cd picker/bench/loadclient && go build -o $(CURDIR)/$(TOOLS)/picker-loadclient .
+$(TOOLS)/picker-loadclient: bench/picker/loadclient/main.go bench/picker/loadclient/go.mod bench/picker/loadclient/go.sum
+	mkdir -p $(TOOLS) && cd bench/picker/loadclient && go build -o $(CURDIR)/$(TOOLS)/picker-loadclient .
 
 # Routing lab (lab/): virtual time, 3 simulated A10 groups; results/lab-<workload>/summary.{json,md} + PNGs.
 LAB_SEEDS    ?= 0 1 2 3 4

@@ -1,7 +1,8 @@
 """`python -m bench [NAME ...]`: run benchmarks, then write BENCHMARKS.md.
 
     python -m bench                 # all of them (what `make bench` runs), then the report
-    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | phases | coldstart | demo)
+    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | phases |
+                                    #   coldstart | demo | picker-scale | replicas | prefilter)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -22,6 +23,9 @@ BENCHMARKS = {
     "phases": lambda a: phases.main(a.seeds),
     "coldstart": lambda a: coldstart.main(),
     "demo": lambda a: suites.demo(),
+    "picker-scale": lambda a: suites.picker_scale(),
+    "replicas": lambda a: suites.replicas(a.seeds),
+    "prefilter": lambda a: suites.prefilter(a.seeds),
 }
 
 

@@ -68,7 +68,8 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     profile = profile.with_overrides(num_gpu_blocks=profile.num_gpu_blocks // DEMO_SCALE)
     requests = prepare_requests(build_workload("demo", seed=seed), profile.block_size)
     concurrency = profile_settings("demo")["concurrency"]
-    unscaled = 0.1 * speedup  # the picker's default 0.1 s read as wall time
+    from picker import defaults
+    unscaled = defaults.SCRAPE_INTERVAL * speedup  # the picker's default read as wall time
     policies = {
         "least-request": lambda: make_policy("least-request"),
         "picker": lambda: PickerPolicy("default", scrape_interval=model_interval, staleness=model_staleness),

@@ -38,7 +38,8 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(15-25 minutes); each benchmark runs alone with `python -m bench <name>` "
-        "(`validation`, `picker`, `lab`, `crosscheck`, `phases`, `coldstart`, `demo`), then `python -m bench report`.", "",
+        "(`validation`, `picker`, `lab`, `crosscheck`, `phases`, `coldstart`, `demo`, `picker-scale`, `prefilter`, "
+        "`replicas`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
@@ -61,7 +62,7 @@ def picker_section(d: dict | None) -> list[str]:
         return ["## Picker decision throughput and latency", "", "(not run)", ""]
     r = d["result"]
     out = ["## Picker decision throughput and latency", "",
-           "Command: `make bench-picker` (`python -m picker.bench`, see picker/README.md): `Router.decide()` in "
+           "Command: `make bench-picker` (`python -m bench.picker`, see picker/README.md): `Router.decide()` in "
            "process; the real gRPC server driven by a compiled ext_proc load client (closed loop: streams back "
            "to back; open loop: a fixed rate of new streams; offered above what the server can decide, the "
            "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", "",
@@ -248,8 +249,155 @@ def demo_section(d: dict | None) -> list[str]:
     return out + [""]
 
 
+def picker_scale_section(d: dict | None) -> list[str]:
+    out = ["## Picker at scale: pool size, scraping, worker processes", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    r = d["result"]
+    out += ["Command: `make bench-picker-scale` (`python -m bench.picker.scale`, see picker/README.md "
+            "\"Scale\"). CPU = the deciding thread's CPU time per decision (on a shared machine the "
+            "wall-time tail is mostly preemption by other processes); wall = perf_counter."
+            + (f" 1-minute load average {r['machine']['load_avg_1m_start']:.1f} at the start and "
+               f"{r['machine'].get('load_avg_1m_end', 0):.1f} at the end, on {r['machine']['cpus']} CPUs: "
+               "throughput and wall times here are what was left of a shared machine."
+               if r.get("machine") else ""), ""]
+    for part, how in (r.get("runs") or {}).items():
+        out[-1:-1] = [f"- {part}: {how}"]
+    if r.get("runs"):
+        out.insert(-1, "")
+    inp = r.get("inprocess") or []
+    if inp:
+        out += ["| in process | prefilter | decisions/s | wall p50 / p99 ms | CPU p50 / p99 ms | CPU ms/decision |",
+                "|---|---|---|---|---|---|"]
+        for x in inp:
+            out.append(f"| {x['endpoints']:,} endpoints | {'on' if x['prefilter'] else 'off (every candidate scored)'} | "
+                       f"{_f(x['decisions_per_s'])} | {x['p50_ms']:.3f} / {x['p99_ms']:.3f} | "
+                       f"{x['cpu_p50_ms']:.3f} / {x['cpu_p99_ms']:.3f} | {x['cpu_ms_per_decision']:.3f} |")
+        big = [x for x in inp if x["prefilter"] and x["endpoints"] >= 1024]
+        if big:
+            x = big[0]
+            out += ["", f"Target 1,024 endpoints at <= 1 ms p99 in process: CPU p99 {x['cpu_p99_ms']:.3f} ms, "
+                        f"{'met' if x['cpu_p99_ms'] <= 1 else 'not met'} (wall p99 {x['p99_ms']:.3f} ms)."]
+    grpc = r.get("grpc") or []
+    if grpc:
+        out += ["", "Through gRPC, one worker, buffered, 64 streams closed loop and one open-loop rate "
+                    "(median of the repeats, every repeat in brackets):", "",
+                "| through gRPC | closed decisions/s | decide p99 ms | server CPU ms/decision | open-loop rate | open p99 ms |",
+                "|---|---|---|---|---|---|"]
+        for x in grpc:
+            c = x.get("closed_loop") or {}
+            o = (x.get("open_loops") or [{}])[0]
+            decide = (c.get("decide") or {}).get("p99_ms")
+            out.append(f"| {x['endpoints']:,} endpoints | {_spread(c, 'decisions_per_s', 0)} | "
+                       f"{_f(decide, 2) if decide else '-'} | {_f(c.get('server_cpu_ms_per_request'), 2)} | "
+                       f"{_f(o.get('offered_per_s'))}/s | {_spread(o, 'p99_ms', 1)} |")
+    sl = r.get("scrape_load") or []
+    if sl:
+        x0 = sl[0]
+        out += ["", f"Decisions at {_f(x0['offered_per_s'])}/s (open loop) on {x0['endpoints']:,} endpoints "
+                    f"whose /metrics pages are really scraped (every {x0['scrape_interval_s']:g} s, the "
+                    "interval adapted to the pool); latency = when the decision was due -> decided, so "
+                    "event-loop time spent scraping counts:", "",
+                "| scraping | p50 ms | p99 ms [repeats] | decided within 3 x the run | decide() CPU p99 ms | refused (503: no endpoint ready) | deciding process cores | scraping cost |",
+                "|---|---|---|---|---|---|---|---|"]
+        for x in sl:
+            cost = ("-" if x["mode"] == "none" else
+                    f"{_f(x.get('scrapes_per_s'))} scrapes/s on the deciding loop" if x["mode"] == "in-loop"
+                    else f"{_f(x.get('signals_process_cpu_cores'), 2)} cores in the signals process")
+            label = {"none": "none (metrics fed once)", "in-loop": "on the deciding event loop",
+                     "signals-process": "signals process (the picker's design)"}[x["mode"]]
+            out.append(f"| {label} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} "
+                       f"[{' '.join(f'{v:.2f}' for v in x['repeats'])}] | "
+                       f"{x.get('completed', x['decisions'])} of {x['decisions']} | {x.get('decide_cpu_p99_ms', 0):.3f} | "
+                       f"{x.get('refused_503', 0)} of "
+                       f"{x['decisions']} | {x['decider_cpu_cores']:.2f} | {cost} |")
+    wk = r.get("workers") or []
+    if wk:
+        out += ["", "`python -m picker --workers N` (16 endpoints, closed loop, 64 streams over 4 connections; "
+                    "CPU of the whole process tree: workers and the signals process):", "",
+                "| workers | decisions/s [repeats] | vs 1 worker | p99 ms | server cores | server CPU ms/decision |",
+                "|---|---|---|---|---|---|"]
+        for x in wk:
+            out.append(f"| {x['workers']} | {_f(x['decisions_per_s'])} "
+                       f"[{' '.join(_f(v['decisions_per_s']) for v in x['repeats'])}] | "
+                       f"x{x['speedup_vs_first']:.2f} | {_f(x['p99_ms'], 1)} | {x['server_cpu_cores']:.2f} | "
+                       f"{x['server_cpu_ms_per_request']:.2f} |")
+    return out + [""]
+
+
+def replicas_section(d: dict | None) -> list[str]:
+    out = ["## Picker replicas: routing quality with 1, 2 and 4 replicas", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    out += ["Command: `python -m bench replicas` (`python -m lab.replicas`, see lab/README.md): the "
+            "lab's workloads on 16 simulated groups at concurrency 160 (the 3-group runs' load per "
+            "group); each request goes to one picker replica "
+            "drawn at random. Shared: the replicas exchange in-flight counts and prefix additions (what "
+            "`--peer-store` does through Redis) every 20 ms, or before every decision; `--peer-store` "
+            "sends changes as they happen (about a Redis round trip behind) and the whole table every "
+            "20 ms, so these two rows bound it. Independent: nothing shared (plain `replicas: N`). Mean "
+            "TTFT, mean ± std over the seeds, and its change against one replica.", ""]
+    labels = {"shared-prefix": "shared-prefix workload", "article": "article workload"}
+    names = []
+    for run in d["runs"].values():
+        names += [n for n in run["policies"] if n not in names]
+    out += ["| replicas | " + " | ".join(labels.get(k, k) for k in d["runs"]) + " |",
+            "|---" * (len(d["runs"]) + 1) + "|"]
+    for name in names:
+        cells = []
+        for run in d["runs"].values():
+            p = run["policies"]
+            if name not in p:
+                cells.append("-")
+                continue
+            m, base = p[name]["mean_ttft_ms"], p["picker"]["mean_ttft_ms"]["mean"]
+            cells.append(f"{_f(m['mean'])} ± {_f(m['std'])} ({_pct(m['mean'], base)})")
+        label = _replica_label(name)
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def prefilter_section(d: dict | None) -> list[str]:
+    out = ["## Picker candidate prefilter: routing quality", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    out += ["Command: `python -m bench prefilter`: the lab on 16 simulated groups at concurrency 160, "
+            "least request, the default profile (all 16 candidates scored) and "
+            "`bench/picker/prefilter-16.yaml` (the same scorers with the prefilter forced on: prefix "
+            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", "",
+            "| workload | policy | mean TTFT ms | P99 TTFT ms | output tok/s | vs full scoring (mean TTFT) |",
+            "|---|---|---|---|---|---|"]
+    for workload, summary in d["runs"].items():
+        p = summary["policies"]
+        full = p.get("picker")
+        for name, stats in p.items():
+            m = stats["mean_ttft_ms"]
+            vs = "" if name in ("picker", "least-request") or not full else (
+                f"{_pct(m['mean'], full['mean_ttft_ms']['mean'])}; within the seed spread: "
+                f"{'yes' if abs(m['mean'] - full['mean_ttft_ms']['mean']) <= max(m['std'], full['mean_ttft_ms']['std']) else 'no'}")
+            label = "prefilter forced on" if name.startswith("picker:") else name
+            out.append(f"| {workload} | {label} | {_f(m['mean'])} ± {_f(m['std'])} | "
+                       f"{_f(stats['p99_ttft_ms']['mean'])} ± {_f(stats['p99_ttft_ms']['std'])} | "
+                       f"{_f(stats['output_throughput']['mean'], 1)} | {vs} |")
+    return out + [""]
+
+
+def _replica_label(policy: str) -> str:
+    """`replicas:4:sync=0` -> `4, shared before every decision`."""
+    if policy == "picker":
+        return "1 (one picker)"
+    _, n, *option = policy.split(":")
+    if not option:
+        return f"{n}, shared every 20 ms"
+    if option == ["independent"]:
+        return f"{n}, independent"
+    interval = float(option[0].partition("=")[2])
+    return f"{n}, shared " + ("before every decision" if interval == 0 else f"every {interval * 1000:g} ms")
+
+
 def write() -> str:
-    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "phases", "coldstart", "demo"]
+    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "phases", "coldstart", "demo",
+             "picker-scale", "replicas", "prefilter"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
@@ -258,6 +406,8 @@ def write() -> str:
     lines += lab_section(data["lab-article"], data["lab-shared-prefix"])
     lines += crosscheck_section(data["crosscheck"]) + phases_section(data["phases"])
     lines += coldstart_section(data["coldstart"]) + demo_section(data["demo"])
+    lines += picker_scale_section(data["picker-scale"]) + prefilter_section(data["prefilter"])
+    lines += replicas_section(data["replicas"])
     text = "\n".join(lines).rstrip() + "\n"
     (REPO / "BENCHMARKS.md").write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")

@@ -81,3 +81,61 @@ def git_revision() -> str:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def picker_scale() -> dict:
+    """`make bench-picker-scale` (writes results/bench-picker-scale.json)."""
+    load_start = load_average()
+    wall = run(["make", "--no-print-directory", "bench-picker-scale"], log=RESULTS / "picker-scale.log")
+    result = json.loads((REPO / "results" / "bench-picker-scale.json").read_text())
+    data = {"command": "make bench-picker-scale", "wall_s": wall, "load_average_start": load_start,
+            "result": result, **stamp()}
+    save("picker-scale", data)
+    return data
+
+
+# The replica experiment: both lab workloads on 16 groups at the same load per group as the
+# 3-group runs (concurrency 160). At a low Poisson rate the outcome swings with each replica's
+# tie-break draws far more than with sharing, so the closed loop is what is compared.
+REPLICA_RUNS = {"shared-prefix": ["--workload", "shared-prefix"], "article": ["--workload", "article"]}
+
+
+def replicas(seeds: list[int] | None = None) -> dict:
+    """`python -m lab.replicas`: routing quality of 1, 2 and 4 picker replicas, shared or not."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    load_start = load_average()
+    runs, commands, wall = {}, {}, 0.0
+    for name, extra in REPLICA_RUNS.items():
+        path = RESULTS / f"replicas-{name}.json"
+        cmd = [PY, "-m", "lab.replicas", "--engines", "16",
+               "--replicas", "1", "2", "4", "--seeds", *map(str, seeds), *extra, "--json", str(path)]
+        wall += run(cmd, log=RESULTS / f"replicas-{name}.log")
+        runs[name] = json.loads(path.read_text())
+        commands[name] = shown(cmd)
+    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": runs,
+            **stamp()}
+    save("replicas", data)
+    return data
+
+
+PREFILTER_PROFILE = REPO / "bench" / "picker" / "prefilter-16.yaml"
+
+
+def prefilter(seeds: list[int] | None = None) -> dict:
+    """Routing quality with the candidate prefilter: the lab on 16 groups (concurrency 160), the
+    default profile (all 16 scored) against the same profile with the prefilter forced on."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    load_start = load_average()
+    runs, commands, wall = {}, {}, 0.0
+    for workload in ("shared-prefix", "article"):
+        out = RESULTS / f"prefilter-{workload}"
+        cmd = [PY, "-m", "lab", "run", "--workload", workload, "--engines", "16", "--concurrency", "160",
+               "--policy", "least-request", "--policy", "picker", "--policy",
+               f"picker:{PREFILTER_PROFILE.relative_to(REPO)}", "--seeds", *map(str, seeds), "--out", str(out)]
+        wall += run(cmd, log=RESULTS / f"prefilter-{workload}.log")
+        runs[workload] = json.loads((out / "summary.json").read_text())
+        commands[workload] = shown(cmd)
+    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": runs,
+            **stamp()}
+    save("prefilter", data)
+    return data

@@ -2,7 +2,7 @@
 
 Everything production would do, in virtual time:
 - every endpoint is scraped every `scrape_interval` seconds (the picker's default,
-  `picker.signals.scraper.DEFAULT_INTERVAL`), with the endpoints' scrape phases spread over one
+  `picker.defaults.SCRAPE_INTERVAL`), with the endpoints' scrape phases spread over one
   interval; the page is `local.sim.metrics.render_gauges` of the engine's state at the scrape
   instant and goes through `Router.on_scrape_ok` (the picker's own parser, staleness rules);
 - each request is decided by `Router.decide(RequestInfo(path, headers, body))` with the same JSON
@@ -25,14 +25,13 @@ import json
 import math
 import random
 
+from picker import defaults
 from picker.core import RequestInfo, Router, RouterSettings
 from picker.errors import PickerError
 from picker.scheduling.profile import load_profile
 
 from local.sim.metrics import cache_config_labels, render_gauges
 from lab.policies import LabRequest, Policy, Rejected
-
-from picker.signals.scraper import DEFAULT_INTERVAL
 
 PHASES = ("request", "response")
 
@@ -48,7 +47,7 @@ class PickerPolicy(Policy):
         if phases != "request":
             self.name += f"+{phases}"
         self.profile = load_profile(profile)
-        self.scrape_interval = scrape_interval or DEFAULT_INTERVAL
+        self.scrape_interval = scrape_interval or defaults.SCRAPE_INTERVAL
         self.settings = RouterSettings() if staleness is None else RouterSettings(staleness=staleness)
         self.scrapes = 0
 

@@ -129,6 +129,9 @@ def make_policy(name: str, **options) -> Policy:
     picker profile name or YAML path, default `default`; `picker-upstream` = upstream-default)."""
     if name in BASIC_POLICIES:
         return BASIC_POLICIES[name]()
+    if name.startswith("replicas:"):
+        from lab.replicas import ReplicatedPicker
+        return ReplicatedPicker.from_name(name)
     if name == "picker-upstream":
         name = "picker:upstream-default"
     if name == "picker" or name.startswith("picker:"):
@@ -136,4 +139,4 @@ def make_policy(name: str, **options) -> Policy:
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, **options)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, "
-                     f"picker[:PROFILE], picker-upstream")
+                     f"picker[:PROFILE], picker-upstream, replicas:N[:independent]")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import common, crosscheck, report
-from picker.bench import latency_bounded_rate
+from bench.picker.service import latency_bounded_rate
 
 
 def http_result(mean_ttft_ms: float) -> dict:
@@ -112,3 +112,27 @@ def test_coldstart_report_shows_lab_and_http_spreads():
     text = "\n".join(coldstart.report(d))
     assert "| lab picker-upstream | 100% | 2 of 2 | 30/0/0 30/0/0 |" in text
     assert "| HTTP picker | 33% | 0 of 1 | 10/10/10 |" in text
+
+
+def test_scale_sections_state_the_1024_endpoint_target_and_the_replica_changes():
+    row = {"decisions_per_s": 2000.0, "p50_ms": 0.2, "p99_ms": 3.0, "cpu_p50_ms": 0.17,
+           "cpu_ms_per_decision": 0.2}
+    inp = [{**row, "endpoints": 1024, "prefilter": True, "cpu_p99_ms": 0.6},
+           {**row, "endpoints": 1024, "prefilter": False, "cpu_p99_ms": 4.0}]
+    text = "\n".join(report.picker_scale_section({"result": {"inprocess": inp}}))
+    assert "CPU p99 0.600 ms, met" in text and "off (every candidate scored)" in text
+    inp[0]["cpu_p99_ms"] = 1.2
+    assert "CPU p99 1.200 ms, not met" in "\n".join(report.picker_scale_section({"result": {"inprocess": inp}}))
+    ttft = lambda m, s=10.0: {"mean_ttft_ms": {"mean": m, "std": s}}  # noqa: E731
+    runs = {"shared-prefix": {"policies": {"picker": ttft(1000), "replicas:2": ttft(1100),
+                                           "replicas:2:independent": ttft(1500)}}}
+    text = "\n".join(report.replicas_section({"runs": runs}))
+    assert "| 2, shared every 20 ms | 1,100 ± 10 (+10.0 %) |" in text
+    assert "| 2, independent | 1,500 ± 10 (+50.0 %) |" in text
+    assert report._replica_label("replicas:4:sync=0") == "4, shared before every decision"
+    lab = lambda m, s: {**ttft(m, s), "p99_ttft_ms": {"mean": 1.0, "std": 0.0},  # noqa: E731
+                        "output_throughput": {"mean": 1.0}}
+    pf = {"runs": {"article": {"policies": {"picker": lab(1000, 50), "picker:x.yaml": lab(1040, 60)}}}}
+    assert "+4.0 %; within the seed spread: yes" in "\n".join(report.prefilter_section(pf))
+    pf["runs"]["article"]["policies"]["picker:x.yaml"] = lab(1200, 60)
+    assert "within the seed spread: no" in "\n".join(report.prefilter_section(pf))

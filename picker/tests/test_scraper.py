@@ -3,7 +3,7 @@ import asyncio
 
 from aiohttp import web
 
-from picker.signals.scraper import Scraper
+from picker.scraper import Scraper
 
 from helpers import make_router, metrics_text
 

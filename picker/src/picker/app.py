@@ -1,45 +1,67 @@
-"""Wire discovery -> signals -> scheduling -> protocol and run until SIGTERM/SIGINT."""
+"""Wire discovery -> signals -> scheduling -> core -> protocol and run until SIGTERM/SIGINT.
+
+Worker 0 of the replica's process model (workers.py): discovery, health, /metrics and ext_proc
+here; scraping in the signals process; more ext_proc workers with --workers.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import tempfile
 import threading
+from pathlib import Path
 from argparse import Namespace
 from typing import Any, Coroutine, TypeVar
 
 import uvloop
 
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
+from picker import defaults
 from picker.core import Router, RouterSettings
 from picker.discovery.objects import Objective, Rewrite, load_objects
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import Servers, start_servers
+from picker.protocol.tls import self_signed
 from picker.scheduling.profile import load_profile
-from picker.signals.scraper import Scraper
+from picker.workers import SignalsLink, start_signals_process, start_workers
 
 log = logging.getLogger("picker")
 T = TypeVar("T")
-REAP_EVERY = 10.0
-READINESS_EVERY = 0.2
+REAP_EVERY = defaults.REAP_EVERY
+READINESS_EVERY = defaults.READINESS_EVERY
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def build_router(args: Namespace, count_scrape_errors: bool = True) -> Router:
+    """A Router with the command line's profile and settings, and its Prometheus metrics."""
+    metrics = PickerMetrics()
+    router = Router(
+        load_profile(args.profile),
+        settings=RouterSettings(staleness=args.staleness, max_body_bytes=args.max_body_bytes,
+                                inflight_timeout=args.inflight_timeout,
+                                default_objective=args.default_objective),
+        metrics=metrics)
+    router.count_scrape_errors = count_scrape_errors
+    return router
 
 
 class App:
     def __init__(self, args: Namespace):
         self.args = args
-        self.metrics = PickerMetrics()
-        self.router = Router(
-            load_profile(args.profile),
-            settings=RouterSettings(staleness=args.staleness, max_body_bytes=args.max_body_bytes,
-                                    inflight_timeout=args.inflight_timeout,
-                                    default_objective=args.default_objective),
-            metrics=self.metrics)
+        self.router = build_router(args)
+        self.metrics = self.router.metrics
         self.metrics.watch_router(self.router)
         # Static objects are read before anything starts, so a broken file fails fast and clean.
         self.static_objects = (load_objects(args.objects) if args.discovery == "static"
                                and args.objects else ([], []))
-        self.scraper = Scraper(self.router, args.scrape_interval)
+        self.workers = getattr(args, "workers", defaults.WORKERS)
+        self.signals_proc = None
+        self.link: SignalsLink | None = None
+        self.worker_procs: list = []
+        self._tls_dir: tempfile.TemporaryDirectory | None = None
         self.synced = False
         self.servers: Servers | None = None
         self.metrics_server = None
@@ -50,7 +72,8 @@ class App:
         changed = list(self.router.endpoints) != endpoints
         self.router.set_endpoints(endpoints)
         self.router.set_objects(objectives, rewrites)
-        self.scraper.sync()
+        if self.link is not None:
+            self.link.send_objects(endpoints, objectives, rewrites)
         if changed:
             log.info("endpoints", extra={"endpoints": endpoints})
 
@@ -73,13 +96,20 @@ class App:
 
     async def start(self) -> None:
         a = self.args
+        if self.workers > 1 and a.secure_serving and not a.cert_path:
+            self._share_self_signed_certificate()
+        self.signals_proc, conns = start_signals_process(a, self.workers)
+        self.link = SignalsLink(self.router, conns[0],
+                                peers=self.workers > 1 or bool(getattr(a, "peer_store", None)))
+        self.link.start()
         self.servers = await start_servers(self.router, a.grpc_port, a.health_port,
                                            a.secure_serving, a.cert_path, a.request_body_mode,
                                            a.bind)
+        if self.workers > 1:
+            self.worker_procs = start_workers(a, self.servers.grpc_port, conns[1:])
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""
         self.metrics_server, _ = start_http_server(a.metrics_port, addr=host or "::",
-                                                   registry=self.metrics.registry)
-        await self.scraper.start()
+                                                   registry=self._metrics_registry())
         self._start_discovery()
         log.info("started", extra={"grpc_port": self.servers.grpc_port,
                                    "health_port": self.servers.health_port,
@@ -88,12 +118,13 @@ class App:
                                    "discovery": a.discovery})
 
     async def maintain(self) -> None:
-        """Readiness follows discovery sync and the endpoint set; lost requests are reaped."""
+        """Readiness follows discovery sync, the endpoint set and the first scrapes; lost
+        requests are reaped."""
         loop = asyncio.get_running_loop()
         ready = None
         next_reap = loop.time() + REAP_EVERY
         while not self._stopped.is_set():
-            now_ready = self.synced and bool(self.router.endpoints)
+            now_ready = self.synced and bool(self.router.endpoints) and self._scraped()
             if now_ready != ready:
                 await self.servers.set_ready(now_ready)
                 ready = now_ready
@@ -108,16 +139,58 @@ class App:
             except asyncio.TimeoutError:
                 pass
 
+    def _scraped(self) -> bool:
+        """An endpoint is ready, or every endpoint has been scraped once (failures included): the
+        signals process starts a moment after this one, and until its first results the picker
+        could only answer 503."""
+        r = self.router
+        return r.ready or all(e.metrics is not None or e.scrape_errors for e in r.endpoints.values())
+
     def request_stop(self) -> None:
         self._stopped.set()
 
+    def _share_self_signed_certificate(self) -> None:
+        """Every worker must present the same certificate: make one, hand them its directory."""
+        self._tls_dir = tempfile.TemporaryDirectory(prefix="picker-tls-")
+        key, cert = self_signed()
+        d = Path(self._tls_dir.name)
+        (d / "tls.key").write_bytes(key)
+        (d / "tls.crt").write_bytes(cert)
+        os.chmod(d / "tls.key", 0o600)
+        self.args.cert_path = str(d)
+
+    def _metrics_registry(self) -> CollectorRegistry:
+        """This process's registry; with several workers, every worker's counters and histograms
+        summed (prometheus_client's multiprocess mode, set up by __main__) plus this router's
+        per-endpoint gauges."""
+        if self.workers <= 1 or not os.environ.get(MULTIPROC_ENV):
+            return self.metrics.registry
+        from prometheus_client import multiprocess
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        self.metrics.watch_router(self.router, registry)
+        return registry
+
     async def stop(self) -> None:
         self.stop_watches.set()
-        await self.scraper.close()
+        if self.link is not None:
+            self.link.closing = True
+        for p in self.worker_procs:
+            p.terminate()
+        for p in self.worker_procs:
+            await asyncio.to_thread(p.join, 5)
         if self.servers is not None:
             await self.servers.stop()
+        if self.link is not None:
+            await self.link.close()
+        if self.signals_proc is not None:
+            await asyncio.to_thread(self.signals_proc.join, 5)
+            if self.signals_proc.is_alive():
+                self.signals_proc.terminate()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        if self._tls_dir is not None:
+            self._tls_dir.cleanup()
 
 
 async def run(args: Namespace) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from picker.signals.scraper import DEFAULT_INTERVAL
+from picker import defaults
 
 
 def _endpoints(text: str) -> list[str]:
@@ -18,9 +18,9 @@ def _endpoints(text: str) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m picker",
                                 description="Envoy ext_proc endpoint picker for vLLM leaders")
-    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
-    p.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port")
+    p.add_argument("--grpc-port", type=int, default=defaults.GRPC_PORT, help="ext_proc gRPC port")
+    p.add_argument("--health-port", type=int, default=defaults.HEALTH_PORT, help="gRPC health port")
+    p.add_argument("--metrics-port", type=int, default=defaults.METRICS_PORT, help="Prometheus /metrics port")
     p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=True,
                    help="serve ext_proc over TLS (default; self-signed unless --cert-path)")
     p.add_argument("--cert-path", help="directory with tls.crt and tls.key")
@@ -33,17 +33,23 @@ def parser() -> argparse.ArgumentParser:
                    help="static: InferenceObjective/InferenceModelRewrite YAML files or directories")
     p.add_argument("--profile", default="default",
                    help="scheduling profile: built-in name (default, upstream-default) or YAML path")
-    p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL,
-                   help="seconds between /metrics scrapes of each endpoint")
-    p.add_argument("--staleness", type=float, default=1.0,
+    p.add_argument("--scrape-interval", type=float, default=defaults.SCRAPE_INTERVAL,
+                   help="seconds between /metrics scrapes of each endpoint (grows with large "
+                        "pools, see README)")
+    p.add_argument("--staleness", type=float, default=defaults.STALENESS,
                    help="seconds after which metrics count as unknown-and-saturated")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+    p.add_argument("--max-body-bytes", type=int, default=defaults.MAX_BODY_BYTES,
                    help="larger request bodies get 413")
-    p.add_argument("--inflight-timeout", type=float, default=1800.0,
+    p.add_argument("--inflight-timeout", type=float, default=defaults.INFLIGHT_TIMEOUT,
                    help="seconds after which an unfinished request stops counting as in flight")
     p.add_argument("--default-objective", help="InferenceObjective for requests without the header")
     p.add_argument("--request-body-mode", choices=["full-duplex", "buffered"], default="full-duplex",
                    help="body mode assumed when Envoy sends no protocol_config")
+    p.add_argument("--workers", type=int, default=defaults.WORKERS,
+                   help="ext_proc worker processes behind the one gRPC port (one per core)")
+    p.add_argument("--peer-store", metavar="URL",
+                   help="redis://HOST:PORT[/DB]: share in-flight counts and the prefix index "
+                        "with the pool's other picker replicas")
     p.add_argument("--bind", default="[::]", help="address the servers listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -58,4 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--endpoints/--objects are for --discovery static")
     if args.scrape_interval <= 0 or args.staleness <= 0:
         p.error("--scrape-interval and --staleness must be positive")
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):
+        p.error("--peer-store must be a redis://, rediss:// or unix:// URL")
     return args

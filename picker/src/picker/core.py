@@ -12,17 +12,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from picker import defaults
 from picker.discovery.objects import Objective, Rewrite
 from picker.errors import PickerError
 from picker.openai import parse_body, rewrite_model
 from picker.scheduling.context import SchedulingContext
+from picker.scheduling.prefilter import LeastLoaded, prefilter
 from picker.scheduling.prefix import PrefixIndex, block_hashes
 from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
 from picker.scheduling.saturation import pool_saturation
-from picker.signals.metrics import MetricsParseError, parse_vllm_metrics
-from picker.signals.state import (EndpointState, InflightEntry, add_inflight, end_inflight,
-                                  record_scrape)
+from picker.signals.metrics import MetricsParseError, ModelServerMetrics, parse_vllm_metrics
+from picker.signals.state import (EndpointState, InflightEntry, Load, add_inflight, end_inflight,
+                                  own_load, record_scrape, set_peer_load)
 
 __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
@@ -32,11 +34,12 @@ REQUEST_ID_HEADER = "x-request-id"
 
 @dataclass(slots=True)
 class RouterSettings:
-    staleness: float = 1.0            # seconds; older metrics count as unknown-and-saturated
-    inflight_timeout: float = 1800.0  # seconds; reap() drops in-flight entries older than this
-    max_body_bytes: int = 8 * 1024 * 1024
+    staleness: float = defaults.STALENESS          # older metrics count as unknown-and-saturated
+    inflight_timeout: float = defaults.INFLIGHT_TIMEOUT  # reap() drops older in-flight entries
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     default_objective: str | None = None
-    avg_prompt_alpha: float = 0.05    # EWMA weight of the running mean prompt size
+    avg_prompt_alpha: float = defaults.AVG_PROMPT_ALPHA
+    timeouts_to_unready: int = defaults.SCRAPE_FAILURES_TO_UNREADY  # see on_scrape_failed
 
 
 @dataclass(slots=True)
@@ -70,11 +73,23 @@ class Router:
         self.rng = rng or random.Random()
         self.settings = settings or RouterSettings()
         self.metrics = metrics  # observability.metrics.PickerMetrics or None
+        self.count_scrape_errors = True  # one worker per replica counts them (workers.py)
         self.endpoints: dict[str, EndpointState] = {}
         self.inflight: dict[str, InflightEntry] = {}
         self.prefix = PrefixIndex(profile.lru_capacity_per_server)
         self.avg_prompt_tokens = 0.0
         self._ids = itertools.count(1)
+        # Ready endpoints per served model, rebuilt only when readiness or served models change.
+        self._serving: dict[str, dict[str, EndpointState]] = {}
+        self._serving_lists: dict[str, list[EndpointState]] = {}
+        self._ready_list: list[EndpointState] | None = None
+        self._least = LeastLoaded(profile.prefilter.least)
+        # For the peers that share this view (None: no peers): the prefix-index additions made
+        # here, the endpoints whose in-flight counts changed here, and a callback for the first
+        # change after take_changed_loads() (workers.py flushes them within the loop iteration).
+        self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
+        self.changed: set[str] | None = None
+        self.on_change: Callable[[], None] | None = None
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
         self.set_objects(objectives, rewrites)
@@ -86,9 +101,11 @@ class Router:
             if addr not in wanted:
                 del self.endpoints[addr]
                 self.prefix.remove_endpoint(addr)
+                self._least.forget(addr)
         for addr in wanted:
             if addr not in self.endpoints:
                 self.endpoints[addr] = EndpointState(addr)
+        self._changed()
 
     def set_objects(self, objectives: Iterable[Objective], rewrites: Iterable[Rewrite]) -> None:
         self.objectives = {o.name: o for o in objectives}
@@ -96,23 +113,83 @@ class Router:
 
     # ---- load signals ----------------------------------------------------------------------
     def on_scrape_ok(self, address: str, metrics_text: str | bytes, now: float | None = None) -> None:
-        state = self.endpoints.get(address)
-        if state is None:
+        if address not in self.endpoints:
             return
         try:
             metrics = parse_vllm_metrics(metrics_text)
         except MetricsParseError:
             self.on_scrape_failed(address, now)
             raise
-        record_scrape(state, metrics, self.clock() if now is None else now)
+        self.on_metrics(address, metrics, now)
 
-    def on_scrape_failed(self, address: str, now: float | None = None) -> None:
+    def on_metrics(self, address: str, metrics: ModelServerMetrics, now: float | None = None) -> None:
+        """A parsed scrape (from on_scrape_ok, or from the signals process)."""
+        state = self.endpoints.get(address)
+        if state is None:
+            return
+        old = state.metrics
+        was_ready = state.ready
+        had_since = state.since_scrape != state.peer_since_scrape
+        record_scrape(state, metrics, self.clock() if now is None else now)
+        self._least.observe(state)
+        if had_since:
+            self._touched(address)
+        if not was_ready or old is None or old.models != metrics.models \
+                or old.lora_running != metrics.lora_running or old.lora_waiting != metrics.lora_waiting:
+            self._changed()
+
+    def on_scrape_failed(self, address: str, now: float | None = None, timed_out: bool = False) -> None:
+        """A refused connection, an error status or a bad page takes the endpoint out at once;
+        a timed-out scrape only after `timeouts_to_unready` in a row (a slow scrape is not a
+        dead endpoint; its metrics age meanwhile and count as saturated once stale)."""
         state = self.endpoints.get(address)
         if state is not None:
-            state.failing = True
             state.scrape_errors += 1
-            if self.metrics is not None:
+            state.failures_in_a_row += 1
+            if not timed_out or state.failures_in_a_row >= self.settings.timeouts_to_unready:
+                if not state.failing:
+                    state.failing = True
+                    self._changed()
+            if self.metrics is not None and self.count_scrape_errors:
                 self.metrics.scrape_errors.labels(address).inc()
+
+    # ---- peers: other workers and replicas sharing this pool's view -------------------------
+    def own_loads(self) -> dict[str, Load]:
+        """This process's in-flight counts per endpoint (non-zero ones)."""
+        out = {}
+        for addr, e in self.endpoints.items():
+            if e.inflight != e.peer_inflight or e.since_scrape != e.peer_since_scrape:
+                out[addr] = own_load(e)
+        return out
+
+    def take_changed_loads(self) -> dict[str, Load]:
+        """This process's in-flight counts of the endpoints whose counts changed since the last
+        call (zeros included)."""
+        out = {a: own_load(self.endpoints[a]) for a in self.changed or () if a in self.endpoints}
+        if self.changed:
+            self.changed.clear()
+        return out
+
+    def set_peer_loads(self, loads: dict[str, Load], partial: bool = False) -> None:
+        """The sum of the peers' in-flight counts per endpoint (absent = none; with partial,
+        absent = unchanged)."""
+        zero = (0, 0, 0, 0)
+        if partial:
+            for addr, load in loads.items():
+                e = self.endpoints.get(addr)
+                if e is not None:
+                    set_peer_load(e, load)
+            return
+        for addr, e in self.endpoints.items():
+            load = loads.get(addr, zero)
+            if load != zero or e.peer_inflight or e.peer_since_scrape:
+                set_peer_load(e, load)
+
+    def add_peer_prefixes(self, adds: Iterable[tuple[str, list[int], int | None]]) -> None:
+        """Prefix-index additions made by peers (their decisions' prompts and endpoints)."""
+        for address, hashes, cap_blocks in adds:
+            if address in self.endpoints:
+                self.prefix.add(address, hashes, cap_blocks)
 
     @property
     def ready(self) -> bool:
@@ -136,6 +213,7 @@ class Router:
         entry = self.inflight.pop(request_id, None)
         if entry is not None:
             end_inflight(entry)
+            self._touched(entry.state.address)
             if usage and self.metrics is not None:
                 self.metrics.record_usage(usage)
 
@@ -144,7 +222,9 @@ class Router:
         limit = now - self.settings.inflight_timeout
         lost = [rid for rid, e in self.inflight.items() if e.sent_at < limit]
         for rid in lost:
-            end_inflight(self.inflight.pop(rid))
+            entry = self.inflight.pop(rid)
+            end_inflight(entry)
+            self._touched(entry.state.address)
         return len(lost)
 
     def pool_saturation(self) -> float:
@@ -158,9 +238,31 @@ class Router:
         for e in eps:
             e.stale = e.scraped_at is None or e.scraped_at < oldest
 
+    def _touched(self, address: str) -> None:
+        changed = self.changed
+        if changed is not None:
+            if not changed and self.on_change is not None:
+                self.on_change()
+            changed.add(address)
+
+    def _changed(self) -> None:
+        self._serving.clear()
+        self._serving_lists.clear()
+        self._ready_list = None
+
+    def _serving_model(self, model: str) -> tuple[list[EndpointState], dict[str, EndpointState]]:
+        by_addr = self._serving.get(model)
+        if by_addr is None:
+            by_addr = self._serving[model] = {a: e for a, e in self.endpoints.items()
+                                              if e.ready and e.serves(model)}
+            self._serving_lists[model] = list(by_addr.values())
+        return self._serving_lists[model], by_addr
+
     def _ready(self, subset: list[str] | None) -> list[EndpointState]:
         if subset is None:
-            return [e for e in self.endpoints.values() if e.ready]
+            if self._ready_list is None:
+                self._ready_list = [e for e in self.endpoints.values() if e.ready]
+            return self._ready_list
         eps = self.endpoints
         ready = [eps[a] for a in dict.fromkeys(subset) if a in eps and eps[a].ready]
         if not ready:
@@ -194,17 +296,23 @@ class Router:
         if parsed is None:  # bodiless (e.g. GET /v1/models): any ready endpoint
             chosen = self.rng.choice(ready)
             self.inflight[request_id] = add_inflight(chosen, 0, now)
+            self._touched(chosen.address)
             return Decision(chosen.address, request_id, "", "", b"", objective, priority)
         model = parsed.model
         target = choose_target(find_rule(self.rewrites, model), model, self.rng) \
             if self.rewrites else model
-        candidates = [e for e in ready if e.serves(target)]
+        if info.subset is None:
+            candidates, by_addr = self._serving_model(target)
+        else:
+            candidates = [e for e in ready if e.serves(target)]
+            by_addr = None
         if not candidates:
             raise PickerError(404, f"no endpoint serves model {target!r}"
                               + (f" (rewritten from {model!r})" if target != model else ""),
                               "model_not_found", model, target)
-        self._mark_stale(candidates, now)
         profile = self.profile
+        if priority < 0:
+            self._mark_stale(candidates, now)
         if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
             if self.metrics is not None:
                 self.metrics.shed.labels(model).inc()
@@ -218,18 +326,33 @@ class Router:
                                       profile.max_prefix_blocks)
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
+        candidates = self._prefilter(candidates, by_addr, ctx)
+        self._mark_stale(candidates, now)
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = parsed.prompt_tokens - cached
         if ctx.hashes:
             # The server holds as many of our blocks as its KV cache has tokens for.
             cap_tokens = chosen.metrics.kv_capacity_tokens if chosen.metrics else None
-            self.prefix.add(chosen.address, ctx.hashes,
-                            cap_tokens // profile.block_size_tokens if cap_tokens else None)
+            cap_blocks = cap_tokens // profile.block_size_tokens if cap_tokens else None
+            self.prefix.add(chosen.address, ctx.hashes, cap_blocks)
+            if self.prefix_log is not None:
+                self.prefix_log.append((chosen.address, ctx.hashes, cap_blocks))
         self.avg_prompt_tokens += self.settings.avg_prompt_alpha * (uncached - self.avg_prompt_tokens)
         self.inflight[request_id] = add_inflight(chosen, uncached, now)
+        self._touched(chosen.address)
         out_body = body if target == model else rewrite_model(parsed, target)
         if target != model and self.metrics is not None:
             self.metrics.rewrites.labels(model, target).inc()
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
                         parsed.prompt_tokens, cached)
+
+    def _prefilter(self, candidates: list[EndpointState], by_addr: dict[str, EndpointState] | None,
+                   ctx: SchedulingContext) -> list[EndpointState]:
+        settings = self.profile.prefilter
+        if len(candidates) <= settings.above:
+            return candidates
+        if by_addr is None:
+            by_addr = {e.address: e for e in candidates}
+        return prefilter(candidates, by_addr, ctx.prefix_match, self._least.members(), self.rng,
+                         settings)

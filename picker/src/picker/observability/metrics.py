@@ -49,8 +49,8 @@ class PickerMetrics:
             if isinstance(value, int) and value >= 0:
                 self.usage_tokens.labels(kind).inc(value)
 
-    def watch_router(self, router: "Router") -> None:
-        self.registry.register(_RouterCollector(router))
+    def watch_router(self, router: "Router", registry: CollectorRegistry | None = None) -> None:
+        (registry or self.registry).register(_RouterCollector(router))
 
 
 class _RouterCollector:

@@ -6,6 +6,7 @@
     picker: {type: max-score}
     saturation: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
     prefix: {blockSizeTokens: 16, maxPrefixBlocks: 256, lruCapacityPerServer: 31250}
+    prefilter: {above: 32, sample: 8, least: 4, owners: 8}   # optional, see prefilter.py
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from picker.scheduling import registry
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.filters import Filter
 from picker.scheduling.pickers import Picker
+from picker.scheduling.prefilter import PrefilterSettings
 from picker.scheduling.saturation import SaturationThresholds
 from picker.scheduling.scorers import Scorer
 from picker.signals.state import EndpointState
@@ -44,6 +46,7 @@ class Profile:
     max_prefix_blocks: int = 256
     lru_capacity_per_server: int = 31250
     needs_prefix: bool = False
+    prefilter: PrefilterSettings = field(default_factory=PrefilterSettings)
     source: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +98,13 @@ def profile_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Profile:
         picker = registry.build("picker", registry.PICKERS, pname, pparams)
         sat = doc.get("saturation") or {}
         prefix = doc.get("prefix") or {}
+        pf = doc.get("prefilter") or {}
+        unknown = set(pf) - {"above", "sample", "least", "owners"}
+        if unknown:
+            raise ValueError(f"prefilter: unknown keys {sorted(unknown)}")
+        prefilter = PrefilterSettings(**{k: int(v) for k, v in pf.items()})
+        if prefilter.above < 1 or min(prefilter.sample, prefilter.least, prefilter.owners) < 0:
+            raise ValueError("prefilter: 'above' must be >= 1 and the counts >= 0")
         return Profile(
             name=str(doc.get("name", source)),
             filters=filters,
@@ -106,6 +116,7 @@ def profile_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Profile:
             max_prefix_blocks=int(prefix.get("maxPrefixBlocks", 256)),
             lru_capacity_per_server=int(prefix.get("lruCapacityPerServer", 31250)),
             needs_prefix=needs_prefix,
+            prefilter=prefilter,
             source=doc,
         )
     except ValueError as exc:

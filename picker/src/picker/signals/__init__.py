@@ -1,1 +1,1 @@
-"""Load signals: vLLM /metrics parsing, per-endpoint state, in-flight counts, the scraper."""
+"""Load signals: vLLM /metrics parsing and per-endpoint state (scrapes, in-flight counts)."""

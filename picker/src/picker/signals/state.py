@@ -11,12 +11,19 @@ class EndpointState:
     address: str
     metrics: ModelServerMetrics | None = None
     scraped_at: float | None = None   # clock time of the last successful scrape
-    failing: bool = False             # the last scrape failed: out until one succeeds
+    failing: bool = False             # out until a scrape succeeds (see Router.on_scrape_failed)
     scrape_errors: int = 0
-    inflight: int = 0                 # sent by the picker, not yet finished
+    failures_in_a_row: int = 0        # consecutive failed scrapes
+    # In-flight counts: requests sent and not yet finished, by this process and (peer_*) by the
+    # other workers and replicas sharing this pool's view; the totals include the peers'.
+    inflight: int = 0                 # sent, not yet finished
     inflight_tokens: int = 0          # their approximate prompt tokens
     since_scrape: int = 0             # of those, sent after the last scrape (not in its numbers)
     since_scrape_tokens: int = 0
+    peer_inflight: int = 0
+    peer_inflight_tokens: int = 0
+    peer_since_scrape: int = 0
+    peer_since_scrape_tokens: int = 0
     stale: bool = False               # set per decision: metrics older than the staleness bound
     epoch: int = 0                    # number of successful scrapes, to date in-flight entries
 
@@ -53,8 +60,8 @@ def end_inflight(entry: InflightEntry) -> None:
     answered, long before the server's metrics show the request; dropping it from since_scrape
     then would let a burst between two scrapes pile onto one endpoint."""
     state = entry.state
-    state.inflight = max(0, state.inflight - 1)
-    state.inflight_tokens = max(0, state.inflight_tokens - entry.tokens)
+    state.inflight = max(state.peer_inflight, state.inflight - 1)
+    state.inflight_tokens = max(state.peer_inflight_tokens, state.inflight_tokens - entry.tokens)
 
 
 def record_scrape(state: EndpointState, metrics: ModelServerMetrics, now: float) -> None:
@@ -62,6 +69,29 @@ def record_scrape(state: EndpointState, metrics: ModelServerMetrics, now: float)
     state.metrics = metrics
     state.scraped_at = now
     state.failing = False
+    state.failures_in_a_row = 0
     state.epoch += 1
-    state.since_scrape = 0
-    state.since_scrape_tokens = 0
+    state.since_scrape = state.peer_since_scrape
+    state.since_scrape_tokens = state.peer_since_scrape_tokens
+
+
+Load = tuple[int, int, int, int]  # inflight, inflight_tokens, since_scrape, since_scrape_tokens
+
+
+def own_load(state: EndpointState) -> Load:
+    """This process's share of the in-flight counts (what it tells its peers)."""
+    return (state.inflight - state.peer_inflight,
+            state.inflight_tokens - state.peer_inflight_tokens,
+            state.since_scrape - state.peer_since_scrape,
+            state.since_scrape_tokens - state.peer_since_scrape_tokens)
+
+
+def set_peer_load(state: EndpointState, load: Load) -> None:
+    """Replace the peers' share of the in-flight counts (the sum over every peer)."""
+    inflight, tokens, since, since_tokens = load
+    state.inflight += inflight - state.peer_inflight
+    state.inflight_tokens += tokens - state.peer_inflight_tokens
+    state.since_scrape += since - state.peer_since_scrape
+    state.since_scrape_tokens += since_tokens - state.peer_since_scrape_tokens
+    state.peer_inflight, state.peer_inflight_tokens = inflight, tokens
+    state.peer_since_scrape, state.peer_since_scrape_tokens = since, since_tokens

@@ -1,13 +1,14 @@
 """`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
 
-    python -m picker.bench [--seconds 5] [--streams 64] [--endpoints 3,16,64]
+    python -m bench.picker [--seconds 5] [--streams 64] [--endpoints 3,16,64]
                            [--modes buffered,full-duplex] [--rates 250,500,750,1000 --hold 0.064]
                            [--repeat 3] [--response-phase] [--json FILE]
 
 1. In-process: Router.decide() alone (what the routing lab pays per decision).
 2. Through gRPC: the picker's real server (plaintext, default profile, Prometheus metrics on,
-   each endpoint's metrics page fed in-process every 100 ms, staggered, as if scraped) in a
-   child process, driven by a compiled load client (picker/bench/loadclient) playing Envoy: per
+   each endpoint's parsed metrics fed every 100 ms in 10 ms batches, as the signals process
+   delivers them) in a
+   child process, driven by a compiled load client (bench/picker/loadclient) playing Envoy: per
    request one ext_proc stream with request_headers + request_body (~4,000-token prompt,
    1,000-token prefix shared per tenant), then (with --response-phase) response_headers, then
    close: by default only the request phase, as the deployed EnvoyExtensionPolicy sends.
@@ -35,10 +36,10 @@ import subprocess
 import tempfile
 import time
 
-# The load generator is compiled (picker/bench/loadclient, built by `make tools`): a
+# The load generator is compiled (bench/picker/loadclient, built by `make tools`): a
 # Python client costs as much CPU per request as the server and would share its 2 cores.
 LOAD_CLIENT = os.environ.get("PICKER_LOADCLIENT", os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", ".tools", "bin", "picker-loadclient"))
+    os.path.dirname(__file__), "..", "..", ".tools", "bin", "picker-loadclient"))
 SYSTEM_PROMPTS = [f"tenant {t} system prompt: " + "policy clause %d. " % t * 180 for t in range(8)]
 
 
@@ -64,10 +65,16 @@ def vllm_page(waiting: int, running: int, kv: float, model: str = "qwq") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _router(n: int, profile: str = "default", metrics=None):
+def _router(n: int, profile: str = "default", metrics=None, prefilter: bool = True):
+    """A Router on n endpoints; prefilter=False scores every candidate (no candidate prefilter)."""
+    import dataclasses
+
     from picker.core import Router
     from picker.scheduling.profile import load_profile
-    router = Router(load_profile(profile), rng=random.Random(1), metrics=metrics)
+    prof = load_profile(profile)
+    if not prefilter:
+        prof.prefilter = dataclasses.replace(prof.prefilter, above=1 << 30)
+    router = Router(prof, rng=random.Random(1), metrics=metrics)
     addrs = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(n)]
     router.set_endpoints(addrs)
     return router, addrs
@@ -100,36 +107,45 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def bench_inprocess(n: int, count: int = 3000) -> dict:
+def bench_inprocess(n: int, count: int = 3000, prefilter: bool = True) -> dict:
+    """decide() alone. Wall time (perf_counter) and the thread's CPU time (thread_time) per
+    decision: on a shared machine the wall-time tail is mostly preemption by other processes;
+    the CPU-time tail is the decision's own cost."""
     from picker.core import RequestInfo
-    router, addrs = _router(n)
+    router, addrs = _router(n, prefilter=prefilter)
     rng = random.Random(2)
     _refresh(router, addrs, rng)
     bodies = [_request_body(rng) for _ in range(200)]
-    lat = []
+    lat, cpu = [], []
     for i in range(count):
         if i % 100 == 0:
             _refresh(router, addrs, rng)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         d = router.decide(RequestInfo("/v1/completions", {}, bodies[i % len(bodies)]))
+        cpu.append(time.thread_time() - c0)
         lat.append(time.perf_counter() - t0)
         if i >= 30:
             router.on_request_done(f"picker-{i - 29}")
         del d
-    return {"endpoints": n, "decisions_per_s": count / sum(lat),
-            "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99)}
+    return {"endpoints": n, "prefilter": prefilter, "decisions_per_s": count / sum(lat),
+            "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99),
+            "cpu_p50_ms": 1000 * _pct(cpu, 0.5), "cpu_p99_ms": 1000 * _pct(cpu, 0.99),
+            "cpu_ms_per_decision": 1000 * sum(cpu) / count}
 
 
 def _serve(n: int, port_queue, ctl, timings) -> None:
-    """Child: the real gRPC server (with its Prometheus metrics) and a router fed synthetic
-    scrapes every 100 ms, as the scraper would. On each message on `ctl` it puts the decide()
-    times (what picker_decision_duration_seconds observes) recorded since the last one on
-    `timings`."""
+    """Child: the real gRPC server (with its Prometheus metrics) and a router fed parsed scrapes
+    of every endpoint once per the pool's scrape interval, in batches every 10 ms, as the
+    signals process delivers them (the parsing itself happens in that other process). On each
+    message on `ctl` it puts the decide() times (what picker_decision_duration_seconds
+    observes) recorded since the last one on `timings`."""
     import queue
 
+    from picker import defaults
     from picker.app import run_loop
     from picker.observability.metrics import PickerMetrics
     from picker.protocol.server import start_servers
+    from picker.signals.metrics import parse_vllm_metrics
 
     seconds: list[float] = []
 
@@ -142,15 +158,15 @@ def _serve(n: int, port_queue, ctl, timings) -> None:
         router, addrs = _router(n, metrics=TimedMetrics())
         rng = random.Random(3)
         _refresh(router, addrs, rng)
+        parsed = [parse_vllm_metrics(_page(rng)) for _ in range(50)]
         servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
         port_queue.put(servers.grpc_port)
+        flush = 0.01
+        per_batch = max(1, round(n * flush / defaults.scrape_interval_for(n)))
         for i in itertools.count():
-            # One page every 100 ms / n: each endpoint every 100 ms, spread out as the Scraper's
-            # one-task-per-endpoint loops are (not all parsed in one burst).
-            await asyncio.sleep(0.1 / n)
-            router.on_scrape_ok(addrs[i % n], _page(rng))
-            if i % n:
-                continue
+            await asyncio.sleep(flush)
+            for j in range(i * per_batch, (i + 1) * per_batch):
+                router.on_metrics(addrs[j % n], rng.choice(parsed))
             try:
                 ctl.get_nowait()
             except queue.Empty:
@@ -206,9 +222,10 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _load_client(port: int, bodies: str, mode: str, seconds: float, streams: int = 64,
-                 rate: float = 0.0, hold: float = 0.0, response_phase: bool = False) -> dict:
+                 rate: float = 0.0, hold: float = 0.0, response_phase: bool = False,
+                 conns: int = 1) -> dict:
     cmd = [LOAD_CLIENT, "-addr", f"127.0.0.1:{port}", "-bodies", bodies, "-mode", mode,
-           "-seconds", str(seconds), "-streams", str(streams), "-warmup", "0",
+           "-seconds", str(seconds), "-streams", str(streams), "-warmup", "0", "-conns", str(conns),
            "-rate", str(rate), "-hold", f"{hold}s", f"-response-phase={str(response_phase).lower()}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 120)
     return json.loads(out.stdout)
@@ -313,7 +330,7 @@ def _fake_vllm_fleet(n: int, port_queue) -> None:
 
 
 def _scrape_child(ports: list[int], interval: float, seconds: float, out_queue) -> None:
-    from picker.signals.scraper import Scraper
+    from picker.scraper import Scraper
 
     async def main():
         router, _ = _router(0)
@@ -358,7 +375,7 @@ def _write_bodies(path: str, count: int = 200) -> None:
 
 
 def main() -> None:
-    from picker.signals.scraper import DEFAULT_INTERVAL
+    from picker.defaults import SCRAPE_INTERVAL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--streams", type=int, default=64, help="closed-loop concurrent streams")
@@ -374,7 +391,7 @@ def main() -> None:
     p.add_argument("--response-phase", action="store_true",
                    help="also send response_headers (as the local gateway does); by default only "
                         "the request phase, as the deployed EnvoyExtensionPolicy configures")
-    p.add_argument("--scrape-interval", type=float, default=DEFAULT_INTERVAL)
+    p.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
     if not os.access(LOAD_CLIENT, os.X_OK):

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from picker import bench
+from bench.picker import service as bench
 
 
 def test_a_rate_meets_the_latency_target_only_if_served_in_full_without_errors():
@@ -41,7 +41,7 @@ def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
     assert os.access(bench.LOAD_CLIENT, os.X_OK), "load client missing: run `make tools`"
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "picker.bench", "--seconds", "0.5", "--endpoints", "3",
+        [sys.executable, "-m", "bench.picker", "--seconds", "0.5", "--endpoints", "3",
          "--modes", "buffered,full-duplex", "--streams", "8", "--rates", "100", "--repeat", "2",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300)

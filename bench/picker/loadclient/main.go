@@ -157,6 +157,7 @@ func main() {
 	mode := flag.String("mode", "buffered", "request body mode: buffered or full-duplex")
 	rate := flag.Float64("rate", 0, "open loop: start this many requests per second (0: closed loop)")
 	hold := flag.Duration("hold", 0, "open loop: time each stream stays open after its routing answer")
+	conns := flag.Int("conns", 1, "gRPC connections, streams spread round robin (Envoy opens one per worker thread)")
 	responsePhase := flag.Bool("response-phase", true, "send response_headers before closing (false: request phase only)")
 	flag.Parse()
 	bodies, err := readBodies(*bodiesPath)
@@ -178,14 +179,23 @@ func main() {
 		bodyMsgs[i] = &extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_RequestBody{
 			RequestBody: &extproc.HttpBody{Body: b, EndOfStream: true}}}
 	}
-	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
+	if *conns < 1 {
+		fmt.Fprintln(os.Stderr, "-conns must be at least 1")
 		os.Exit(2)
 	}
-	defer conn.Close()
-	client := extproc.NewExternalProcessorClient(conn)
+	clients := make([]extproc.ExternalProcessorClient, *conns)
+	for i := range clients {
+		// One channel each, so each is its own TCP connection (a server with SO_REUSEPORT
+		// workers gets them spread over its processes).
+		conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		defer conn.Close()
+		clients[i] = extproc.NewExternalProcessorClient(conn)
+	}
 	ctx := context.Background()
 
 	run := func(d time.Duration) (result, []time.Duration) {
@@ -216,7 +226,7 @@ func main() {
 				wg.Add(1)
 				go func(i int) {
 					defer wg.Done()
-					record(oneRequest(ctx, client, head, bodyMsgs[i%len(bodyMsgs)], fullDuplex, *responsePhase, *hold))
+					record(oneRequest(ctx, clients[i%len(clients)], head, bodyMsgs[i%len(bodyMsgs)], fullDuplex, *responsePhase, *hold))
 				}(i)
 			}
 			wg.Wait() // until the last stream ends: a server that falls behind shows a lower rate
@@ -231,6 +241,7 @@ func main() {
 			wg.Add(1)
 			go func(w int) {
 				defer wg.Done()
+				client := clients[w%len(clients)]
 				mine := make([]time.Duration, 0, 1024)
 				errs, first := 0, ""
 				for i := w; time.Now().Before(deadline); i += *streams {

@@ -1,4 +1,4 @@
-module picker/bench/loadclient
+module bench/picker/loadclient
 
 go 1.26.0
 

@@ -1,37 +1,38 @@
-"""Scrape every endpoint's /metrics on an interval (one task per endpoint) into the Router.
+"""Scrape every endpoint's /metrics on an interval (one task per endpoint) into a sink.
 
-Default interval 100 ms: a vLLM engine step (one decode token for the whole batch) takes tens of
-milliseconds to ~100 ms on the target hardware, so 100 ms sees each change within about one
-step; the in-flight counts cover requests sent between scrapes. The upstream picker scrapes
-every 50 ms from Go; from Python that doubles the CPU for little gain (see README, bench).
+A driver, like app.py: the sink is the Router (in process, as in the tests and the lab) or the
+signals process's collector, which parses pages away from the decision path (signals_process.py).
+The sink has `endpoints` (the addresses to scrape), `on_scrape_ok(address, text)` (raises
+MetricsParseError on a bad page) and `on_scrape_failed(address, timed_out=False)`.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import aiohttp
 
-from picker.core import Router
+from picker import defaults
 from picker.signals.metrics import MetricsParseError
 
 log = logging.getLogger("picker.scraper")
-DEFAULT_INTERVAL = 0.1
 
 
 class Scraper:
-    def __init__(self, router: Router, interval: float = DEFAULT_INTERVAL,
+    def __init__(self, sink: Any, interval: float = defaults.SCRAPE_INTERVAL,
                  timeout: float | None = None):
-        self.router = router
+        self.sink = sink
         self.interval = interval
-        self.timeout = timeout if timeout is not None else max(0.5, 5 * interval)
+        self.fixed_timeout = timeout
+        self.timeout = timeout if timeout is not None else defaults.scrape_timeout_for(interval)
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._failures: dict[str, int] = {}  # consecutive failures per endpoint, for the log
         self.scrapes = 0
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.timeout),
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
             auto_decompress=True)
         self.sync()
@@ -40,29 +41,37 @@ class Scraper:
         """Start tasks for new endpoints and stop those of removed ones."""
         if self._session is None:
             return
-        wanted = set(self.router.endpoints)
+        wanted = set(self.sink.endpoints)
         for addr in list(self._tasks):
             if addr not in wanted:
                 self._tasks.pop(addr).cancel()
+                self._failures.pop(addr, None)
         for addr in wanted - self._tasks.keys():
             self._tasks[addr] = asyncio.create_task(self._loop(addr), name=f"scrape {addr}")
+
+    def set_interval(self, interval: float) -> None:
+        """Takes effect from each endpoint's next scrape (the timeout follows, unless fixed)."""
+        self.interval = interval
+        if self.fixed_timeout is None:
+            self.timeout = defaults.scrape_timeout_for(interval)
 
     async def scrape_once(self, addr: str) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(f"http://{addr}/metrics") as resp:
+            async with self._session.get(f"http://{addr}/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 text = await resp.text(errors="replace")
-            self.router.on_scrape_ok(addr, text)
+            self.sink.on_scrape_ok(addr, text)
             self.scrapes += 1
+            self._failures[addr] = 0
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MetricsParseError) as exc:
-            state = self.router.endpoints.get(addr)
-            was_ok = state is not None and not state.failing and state.metrics is not None
             if not isinstance(exc, MetricsParseError):  # a parse error already counted as failed
-                self.router.on_scrape_failed(addr)
-            if was_ok or state is None or state.scrape_errors == 1:
+                self.sink.on_scrape_failed(addr, timed_out=isinstance(exc, asyncio.TimeoutError))
+            failures = self._failures[addr] = self._failures.get(addr, 0) + 1
+            if failures == 1:  # log the first of a run of failures, not every one
                 log.warning("scrape failed", extra={"endpoint": addr, "error": repr(exc)[:200]})
             return False
 

@@ -1,0 +1,57 @@
+"""Every default of the picker, in one place: the CLI, the Router, the scraper, the signals
+process, the routing lab and the local stack read them from here.
+
+No imports: the lab and the local stack can read these without pulling in aiohttp or gRPC.
+"""
+
+# Ports (DESIGN.md "Interfaces").
+GRPC_PORT = 9002
+HEALTH_PORT = 9003
+METRICS_PORT = 9090
+
+# Scraping. A vLLM engine step (one decode token for the whole batch) takes tens of milliseconds
+# to ~100 ms on the target hardware, so 100 ms sees each change within about one step; the
+# in-flight counts cover requests sent between scrapes. The upstream picker scrapes every 50 ms
+# from Go; from Python that doubles the CPU for little gain (see README, bench).
+SCRAPE_INTERVAL = 0.1          # seconds between scrapes of one endpoint (small pools)
+# Large pools: the interval grows so the scrapes of the whole pool stay within this rate
+# (parsing a page costs ~0.2 ms of CPU: 2,000 pages/s is about half a core in the signals
+# process), but never past half the staleness bound, so a healthy endpoint never goes stale.
+SCRAPE_RATE_BUDGET = 2000.0    # pages per second per replica
+SCRAPE_TIMEOUT_MIN = 0.5       # seconds; the timeout of one scrape is max(this, 5 x interval)
+# Readiness: a failed scrape does not take an endpoint out at once (a slow or dropped scrape is
+# not a dead endpoint); this many consecutive failures, or metrics older than the staleness
+# bound, do.
+SCRAPE_FAILURES_TO_UNREADY = 3
+
+# Decisions.
+STALENESS = 1.0                # seconds; older metrics count as unknown-and-saturated
+INFLIGHT_TIMEOUT = 1800.0      # seconds; in-flight entries older than this are dropped
+MAX_BODY_BYTES = 8 * 1024 * 1024
+AVG_PROMPT_ALPHA = 0.05        # EWMA weight of the running mean prompt size
+
+# Candidate prefilter for large pools: above PREFILTER_ABOVE candidates, only the endpoints
+# holding the longest prefix match plus PREFILTER_SAMPLE endpoints sampled at random (the
+# power-of-d idea) and the PREFILTER_LEAST least-loaded are scored in full.
+PREFILTER_ABOVE = 32
+PREFILTER_SAMPLE = 8
+PREFILTER_LEAST = 4
+PREFILTER_OWNERS = 8           # at most this many prefix holders are kept
+
+# Process model.
+WORKERS = 1                    # ext_proc worker processes behind the one gRPC port
+PEER_SYNC_INTERVAL = 0.02      # seconds: Redis exchange between replicas; full-table resend to workers
+REAP_EVERY = 10.0              # seconds between sweeps for lost in-flight requests
+READINESS_EVERY = 0.2          # seconds between readiness checks
+
+
+def scrape_interval_for(endpoints: int, interval: float = SCRAPE_INTERVAL,
+                        staleness: float = STALENESS) -> float:
+    """The scrape interval for a pool of `endpoints`: `interval`, grown to keep the pool's
+    scrape rate within SCRAPE_RATE_BUDGET, capped at half the staleness bound."""
+    needed = endpoints / SCRAPE_RATE_BUDGET
+    return max(interval, min(needed, staleness / 2))
+
+
+def scrape_timeout_for(interval: float) -> float:
+    return max(SCRAPE_TIMEOUT_MIN, 5 * interval)

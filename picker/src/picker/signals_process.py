@@ -1,0 +1,246 @@
+"""The signals process: every signal intake of a replica, off the decision path.
+
+A driver beside app.py, in its own process (so its CPU never competes with decisions for the
+GIL): it scrapes and parses every endpoint's /metrics (scraper.py) and relays what the worker
+processes need to share. The workers only apply the results to their Routers.
+
+    workers --("objects", endpoints, objectives, rewrites)--> signals   (from worker 0 only)
+    workers --("load", {address: load}, prefix adds)--> signals      (as they decide: changed
+                                                                       endpoints only)
+    signals --("objects", ...)--> workers 1..n-1
+    signals --("scrapes", [(address, metrics | None, timed_out, at)])--> every worker
+    signals --("peers", {address: summed load of the others}, their prefix adds, partial)-->
+              the other workers at once (partial: the changed endpoints), and every
+              PEER_SYNC_INTERVAL each worker the whole table
+
+With --peer-store, the workers' changes also go to the other replicas through Redis, and theirs
+come back the same way (peer_store.py): added to what each worker gets in "peers", at once.
+
+Messages are pickled over one Pipe per worker. The signals process sends from one thread per
+worker, so a worker busy deciding never blocks it (and so never blocks the other workers).
+Timestamps are time.monotonic(), the same clock in every process of the machine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from picker import defaults
+from picker.signals.metrics import MetricsParseError, parse_vllm_metrics
+from picker.signals.state import Load
+
+log = logging.getLogger("picker.signals")
+FLUSH_EVERY = 0.01   # seconds: scrape results reach the workers within this
+ZERO: Load = (0, 0, 0, 0)
+
+
+class _Sender:
+    """A worker's pipe, written from its own thread (pickling and blocking there)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def send(self, msg: Any) -> None:
+        self.queue.put(msg)
+
+    def _run(self) -> None:
+        while True:
+            msg = self.queue.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError, BrokenPipeError):
+                return
+
+
+class Collector:
+    """The scraper's sink: parses pages here and batches the results for the workers."""
+
+    def __init__(self):
+        self.endpoints: list[str] = []
+        self.batch: list[tuple[str, Any, bool, float]] = []
+
+    def on_scrape_ok(self, address: str, text: str) -> None:
+        try:
+            metrics = parse_vllm_metrics(text)
+        except MetricsParseError:
+            self.batch.append((address, None, False, time.monotonic()))
+            raise
+        self.batch.append((address, metrics, False, time.monotonic()))
+
+    def on_scrape_failed(self, address: str, timed_out: bool = False) -> None:
+        self.batch.append((address, None, timed_out, time.monotonic()))
+
+
+class SignalsHub:
+    def __init__(self, conns: list[Connection], interval: float, staleness: float,
+                 peer_store: str | None = None, pool: str = "pool"):
+        self.conns = conns
+        self.peers = None
+        if peer_store:
+            from picker.peer_store import RedisPeers
+            self.peers = RedisPeers(peer_store, pool, on_remote=self._on_remote)
+        self.senders = [_Sender(c) for c in conns]
+        self.base_interval = interval
+        self.staleness = staleness
+        self.collector = Collector()
+        self.loads: list[dict[str, Load]] = [{} for _ in conns]
+
+        self.stopped = asyncio.Event()
+        from picker.scraper import Scraper  # aiohttp only in this process
+        self.scraper = Scraper(self.collector, interval)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for i, conn in enumerate(self.conns):
+            loop.add_reader(conn.fileno(), self._on_readable, i)
+            os.set_blocking(conn.fileno(), True)  # libuv made it non-blocking (see workers.py)
+        await self.scraper.start()
+        if self.peers is not None:
+            await self.peers.start()
+        next_peers = loop.time()
+        try:
+            while not self.stopped.is_set():
+                self._flush_scrapes()
+                if (len(self.conns) > 1 or self.peers) and loop.time() >= next_peers:
+                    self._send_peers()
+                    next_peers = loop.time() + defaults.PEER_SYNC_INTERVAL
+                try:
+                    await asyncio.wait_for(self.stopped.wait(), FLUSH_EVERY)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for conn in self.conns:
+                loop.remove_reader(conn.fileno())
+            await self.scraper.close()
+            if self.peers is not None:
+                await self.peers.close()
+            for s in self.senders:
+                s.send(None)
+
+    def _on_readable(self, i: int) -> None:
+        conn = self.conns[i]
+        try:
+            for _ in range(256):  # then back to the loop, so one busy worker starves nothing
+                if not conn.poll():
+                    break
+                self._handle(i, conn.recv())
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+            self.loads[i] = {}
+            if i == 0:  # worker 0 (the main process) went away: the replica is gone
+                self.stopped.set()
+
+    def _handle(self, i: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "objects":
+            endpoints = msg[1]
+            self.collector.endpoints = endpoints
+            self.scraper.set_interval(defaults.scrape_interval_for(
+                len(endpoints), self.base_interval, self.staleness))
+            self.scraper.sync()
+            for j, s in enumerate(self.senders):
+                if j != i:
+                    s.send(msg)
+        elif kind == "load":
+            self._on_load(i, msg[1], msg[2])
+        elif kind == "stop":
+            self.stopped.set()
+
+    def _flush_scrapes(self) -> None:
+        batch = self.collector.batch
+        if not batch:
+            return
+        self.collector.batch = []
+        msg = ("scrapes", batch)
+        for s in self.senders:
+            s.send(msg)
+
+    def _on_load(self, i: int, changed: dict[str, Load], adds: list) -> None:
+        """Worker i's changed counts and prefix additions: merged, and passed on at once."""
+        mine = self.loads[i]
+        for addr, load in changed.items():
+            if load == ZERO:
+                mine.pop(addr, None)
+            else:
+                mine[addr] = load
+        remote = {}
+        if self.peers is not None:
+            local = {a: self._local_sum(a, None) for a in changed}
+            self.peers.publish_changes(local, adds)
+            remote = self.peers.remote_loads(changed)
+        self._forward(changed, remote, adds, skip=i)
+
+    def _on_remote(self, remote: dict[str, Load], adds: list) -> None:
+        """Another replica's changes (peer_store.py): passed on to every worker at once."""
+        self._forward(remote, remote, adds, skip=None)
+
+    def _local_sum(self, addr: str, skip: int | None) -> list[int]:
+        t = [0, 0, 0, 0]
+        for k, loads in enumerate(self.loads):
+            if k != skip:
+                load = loads.get(addr)
+                if load:
+                    for n in range(4):
+                        t[n] += load[n]
+        return t
+
+    def _forward(self, addresses, remote: dict[str, Load], adds: list, skip: int | None) -> None:
+        """To each worker but `skip`: the others' sums for `addresses`, and `adds`."""
+        for j, s in enumerate(self.senders):
+            if j == skip:
+                continue
+            others = {}
+            for addr in addresses:
+                t = self._local_sum(addr, j)
+                r = remote.get(addr, ZERO)
+                others[addr] = (t[0] + r[0], t[1] + r[1], t[2] + r[2], t[3] + r[3])
+            s.send(("peers", others, adds, True))
+
+    def _send_peers(self) -> None:
+        """The whole table: to the other replicas (their heartbeat from us) and to each worker."""
+        remote = {}
+        if self.peers is not None:
+            self.peers.publish_table({a: tuple(t) for a, t in _sum_loads(self.loads).items()})
+            remote = self.peers.remote_loads()
+        total = _sum_loads([*self.loads, remote])
+        for i, s in enumerate(self.senders):
+            own = self.loads[i]
+            others = {}
+            for addr, t in total.items():
+                o = own.get(addr, ZERO)
+                others[addr] = (t[0] - o[0], t[1] - o[1], t[2] - o[2], t[3] - o[3])
+            s.send(("peers", others, [], False))
+
+
+def _sum_loads(tables) -> dict[str, list[int]]:
+    total: dict[str, list[int]] = {}
+    for loads in tables:
+        for addr, load in loads.items():
+            t = total.setdefault(addr, [0, 0, 0, 0])
+            for k in range(4):
+                t[k] += load[k]
+    return total
+
+
+def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
+         peer_store: str | None = None, pool: str = "pool") -> None:
+    """Entry point of the signals process (multiprocessing spawn target)."""
+    from picker.observability.logs import setup_logging
+    setup_logging(log_level)
+    import uvloop
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool)
+    try:
+        uvloop.run(hub.run())
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,183 @@
+"""The process model of one replica: worker processes deciding, one signals process feeding them.
+
+    python -m picker --workers N ...
+      worker 0 (the main process): discovery, gRPC health, /metrics, ext_proc on the gRPC port
+      workers 1..N-1: ext_proc on the same port (SO_REUSEPORT: the kernel spreads connections)
+      the signals process: scrapes and parses /metrics, relays in-flight counts and prefix-index
+                           additions among the workers and, with --peer-store, with the other
+                           replicas through Redis (signals_process.py, peer_store.py)
+
+Every worker keeps a full Router: it decides alone, from its last copy of the signals. What it
+sends where (in-flight counts of the endpoints it changed, prefix-index additions) goes to the
+signals process at the end of the event-loop iteration that decided it, and on to the other
+workers at once: they see it within a fraction of a millisecond when idle, and every
+PEER_SYNC_INTERVAL the signals process also resends the whole table. Adding workers adds
+decision throughput until the cores run out; the signals process is one more process whose
+cost grows with the pool, not with the request rate (README "Scale").
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+from argparse import Namespace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from picker.core import Router
+
+log = logging.getLogger("picker.workers")
+MAX_MESSAGES_PER_READ = 64
+
+
+class SignalsLink:
+    """A worker's end of its pipe to the signals process: applies scrapes and peers' state to
+    the Router, and reports the worker's own in-flight counts and prefix additions."""
+
+    def __init__(self, router: Router, conn: Connection, peers: bool, on_objects=None,
+                 on_closed=None):
+        self.router = router
+        self.on_closed = on_closed
+        self.conn = conn
+        self.peers = peers
+        self.on_objects = on_objects
+        self.scrape_batches = 0
+        self.closing = False  # set on shutdown: the signals process going away is expected
+        self._flush_pending = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if peers:
+            router.prefix_log = []
+            router.changed = set()
+            router.on_change = self._schedule_flush
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.conn.fileno(), self._on_readable)
+        # uvloop (libuv) makes a watched fd non-blocking; a Connection must block, or a large
+        # message that arrived in part fails to read, and a full pipe fails to write.
+        os.set_blocking(self.conn.fileno(), True)
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_pending and self._loop is not None:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """This worker's changed in-flight counts and prefix additions, to the signals process."""
+        self._flush_pending = False
+        adds = self.router.prefix_log
+        self.router.prefix_log = []
+        loads = self.router.take_changed_loads()
+        if loads or adds:
+            self._send(("load", loads, adds))
+
+    def send_objects(self, endpoints: list[str], objectives: list, rewrites: list) -> None:
+        self._send(("objects", endpoints, objectives, rewrites))
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, BrokenPipeError):
+            if not self.closing:
+                log.error("signals process gone")
+
+    def _on_readable(self) -> None:
+        try:
+            for _ in range(MAX_MESSAGES_PER_READ):  # then back to the loop: requests first
+                if not self.conn.poll():
+                    break
+                self._handle(self.conn.recv())
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            if self.on_closed is not None:
+                self.on_closed()
+            elif not self.closing:
+                log.error("signals process gone")
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        r = self.router
+        if kind == "scrapes":
+            self.scrape_batches += 1
+            for address, metrics, timed_out, at in msg[1]:
+                if metrics is None:
+                    r.on_scrape_failed(address, at, timed_out=timed_out)
+                else:
+                    r.on_metrics(address, metrics, at)
+        elif kind == "peers":
+            r.set_peer_loads(msg[1], partial=msg[3])
+            r.add_peer_prefixes(msg[2])
+        elif kind == "objects" and self.on_objects is not None:
+            self.on_objects(msg[1], msg[2], msg[3])
+
+    async def close(self) -> None:
+        self.closing = True
+        try:
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+        except (ValueError, OSError):
+            pass
+        try:
+            self._send(("stop",))
+        finally:
+            self.conn.close()
+
+
+def start_signals_process(args: Namespace, workers: int) -> tuple[mp.process.BaseProcess, list[Connection]]:
+    """The signals process and one connection per worker (index = worker number)."""
+    from picker import signals_process
+    ctx = mp.get_context("spawn")
+    ours, theirs = zip(*(ctx.Pipe(duplex=True) for _ in range(workers)))
+    proc = ctx.Process(target=signals_process.main, name="picker-signals",
+                       args=(list(theirs), args.scrape_interval, args.staleness, args.log_level,
+                             getattr(args, "peer_store", None),
+                             f"{getattr(args, 'pool_namespace', 'default')}/"
+                             f"{getattr(args, 'pool_name', 'pool')}"),
+                       daemon=True)
+    proc.start()
+    for c in theirs:
+        c.close()
+    return proc, list(ours)
+
+
+def start_workers(args: Namespace, grpc_port: int, conns: list[Connection]) -> list[mp.process.BaseProcess]:
+    """Workers 1..n-1 (conns[i-1] is worker i's), serving ext_proc on grpc_port."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i, conn in enumerate(conns, start=1):
+        p = ctx.Process(target=worker_main, name=f"picker-worker-{i}",
+                        args=(args, i, grpc_port, conn), daemon=True)
+        p.start()
+        conn.close()
+        procs.append(p)
+    return procs
+
+
+def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -> None:
+    """An extra worker: a Router and the ext_proc server, fed by the signals process."""
+    from picker.app import build_router, run_loop
+    from picker.observability.logs import setup_logging
+    setup_logging(args.log_level)
+
+    async def main():
+        from picker.protocol.server import start_servers
+        router = build_router(args, count_scrape_errors=False)
+
+        def apply(endpoints, objectives, rewrites):
+            router.set_endpoints(endpoints)
+            router.set_objects(objectives, rewrites)
+
+        stop = asyncio.Event()
+        link = SignalsLink(router, conn, peers=True, on_objects=apply, on_closed=stop.set)
+        link.start()
+        servers = await start_servers(router, grpc_port, 0, args.secure_serving, args.cert_path,
+                                      args.request_body_mode, args.bind)
+        loop = asyncio.get_running_loop()
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("worker started", extra={"worker": index, "pid": os.getpid()})
+        await stop.wait()
+        await servers.stop()
+        await link.close()
+    run_loop(main())
