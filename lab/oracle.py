@@ -5,8 +5,9 @@ the step in flight) and every request's output length (the engines stop each req
 `max_tokens`, and the oracle plays them forward). For each request it copies every candidate
 engine, adds the request to the copy and runs the copy step by step until the request's first
 token: that is the TTFT the request would get there if nothing else arrived after it. Requests
-that arrive later cannot delay it (the engine admits in FIFO order and preempts the newest
-first), so the figure is exact for this request. It picks the group with the lowest TTFT; ties
+that arrive later cannot overtake it (the engine admits in FIFO order and preempts the newest
+first); they can only share the steps of its last prefill chunks and make those steps longer,
+so the figure is exact or a slight underestimate. It picks the group with the lowest TTFT; ties
 (e.g. idle groups) go to the group with the least work left (prompt and output tokens still to
 compute), which keeps KV for the requests to come.
 
@@ -64,7 +65,7 @@ class _NoHistogram:
 
 def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
                    limit: float = math.inf) -> float:
-    """Seconds from now to the request's first token if sent to ep now (exact, see above);
+    """Seconds from now to the request's first token if sent to ep now (see above);
     inf once the copy's time passes now + limit (no need to know how much worse it is)."""
     t = [max(now, ep.step_end) if ep.busy else now]
     engine = copy_engine(ep.engine, lambda: t[0])
