@@ -1,7 +1,7 @@
 """`python -m bench [NAME ...]`: run benchmarks, then write BENCHMARKS.md.
 
     python -m bench                 # all of them (what `make bench` runs), then the report
-    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | gateway)
+    python -m bench validation      # one benchmark (validation | picker | lab | matrix | crosscheck | gateway)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "validation": lambda a: suites.validation(),
     "picker": lambda a: suites.picker(),
     "lab": lambda a: [suites.lab("article", a.seeds), suites.lab("shared-prefix", a.seeds)],
+    "matrix": lambda a: suites.lab_matrix(a.seeds),
     "crosscheck": lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
     "gateway": lambda a: suites.gateway(),
 }

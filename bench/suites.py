@@ -61,6 +61,19 @@ def lab(workload: str, seeds: list[int] | None = None) -> dict:
     return data
 
 
+def lab_matrix(seeds: list[int] | None = None) -> dict:
+    """`python -m lab matrix`: every scenario x policy x seed (lab/matrix.py), progress shown."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lab-matrix"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds)]
+    load_start = load_average()
+    wall = run(cmd)          # output inherited: one progress line per scenario and seed
+    data = {"command": shown(cmd), "seeds": seeds, "wall_s": wall, "load_average_start": load_start,
+            "matrix": json.loads((out / "matrix.json").read_text()), **stamp()}
+    save("lab-matrix", data)
+    return data
+
+
 def gateway() -> dict:
     """`python -m local.gateway.bench` (what `make bench-gateway` runs), with --json."""
     path = RESULTS / "gateway-raw.json"

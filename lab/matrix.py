@@ -193,7 +193,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
     out = []
     for s in scenarios:
         by_seed = per[s.name]
-        stats = {p: {k: _stats([by_seed[seed][p][k] for seed in seeds]) for k in KEYS}
+        stats = {p: {k: _stats([by_seed[seed][p][k] for seed in seeds]) for k in KEYS + ("cpu_s",)}
                  for p in policies}
         settings = profile_settings(s.workload, num_prompts=s.num_prompts)
         out.append({"name": s.name, "factor": s.factor, "description": s.description,
