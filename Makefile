@@ -83,7 +83,7 @@ compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
 	$(PY) -m local.gateway.bench
 
-bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck, gateway; 15-25 min) -> BENCHMARKS.md
+bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, gateway; 30-40 min) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
