@@ -18,7 +18,7 @@ BENCHMARKS = {
     "validation": lambda a: suites.validation(),
     "picker": lambda a: suites.picker(),
     "lab": lambda a: [suites.lab("article", a.seeds), suites.lab("shared-prefix", a.seeds)],
-    "matrix": lambda a: suites.lab_matrix(a.seeds),
+    "matrix": lambda a: suites.lab_matrix(a.seeds, a.matrix_args.split()),
     "crosscheck": lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
     "gateway": lambda a: suites.gateway(),
 }
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"{' | '.join(BENCHMARKS)} | report (default: all, then report)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="lab seeds")
     p.add_argument("--seed", type=int, default=0, help="workload seed of the crosscheck")
+    p.add_argument("--matrix-args", default="", help="more options of `python -m lab matrix`, "
+                   "e.g. \"--jobs 3 --resume\"")
     p.add_argument("--speedup", type=float, help="crosscheck simulator speedup (default: the demo's)")
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS and n != "report"]

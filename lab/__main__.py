@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     mat_p.add_argument("--policy", action="append", dest="policies",
                        help=f"policies (repeatable; default {' '.join(matrix.POLICIES)})")
     mat_p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the CPUs)")
+    mat_p.add_argument("--resume", action="store_true",
+                       help="reuse the runs an interrupted matrix saved in OUT/runs")
     args = ap.parse_args(argv)
 
     if args.cmd == "matrix":

@@ -28,6 +28,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -135,9 +136,16 @@ def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
 
 
 def _job(args):
-    scenario, seed, capacity, policies = args
+    """One scenario and seed, saved to runs/<scenario>-seed<seed>.json (reused by --resume)."""
+    scenario, seed, capacity, policies, runs = args
+    path = runs / f"{scenario}-seed{seed}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["policies"] == policies and saved["capacity_rps"] == capacity:
+            return scenario, seed, saved["result"], 0.0
     started = time.monotonic()
     result = run_one(BY_NAME[scenario], seed, capacity, policies)
+    path.write_text(json.dumps({"policies": policies, "capacity_rps": capacity, "result": result}))
     return scenario, seed, result, time.monotonic() - started
 
 
@@ -167,9 +175,11 @@ def _run_jobs(jobs: list, workers: int, progress: dict) -> list:
 
 
 def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
-               workers: int) -> dict:
-    """The base scenario first (its least-request throughput is the capacity), then the rest."""
+               workers: int, runs: Path) -> dict:
+    """The base scenario first (its least-request throughput is the capacity), then the rest.
+    Each finished job is saved in `runs`; jobs already there (same policies) are not rerun."""
     started = time.monotonic()
+    runs.mkdir(parents=True, exist_ok=True)
     names = {s.name for s in scenarios}
     need_base = BASE in names or any(s.load is not None for s in scenarios)
     progress = {"done": 0, "started": started,
@@ -177,14 +187,14 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
     results, capacity = [], None
     if need_base:
         base_policies = policies if BASE in names else ["least-request"]
-        results = _run_jobs([(BASE, seed, None, base_policies) for seed in seeds], workers,
+        results = _run_jobs([(BASE, seed, None, base_policies, runs) for seed in seeds], workers,
                             progress)
         capacity = float(np.mean([r["least-request"]["request_throughput"]
                                   for _, _, r in results]))
     rest = [s for s in scenarios if s.name != BASE]
     # Longest jobs first, so the workers finish together.
     weight = lambda s: s.engines * (s.num_prompts or 300) * (2 if s.load else 1)  # noqa: E731
-    jobs = [(s.name, seed, capacity, policies)
+    jobs = [(s.name, seed, capacity, policies, runs)
             for s in sorted(rest, key=weight, reverse=True) for seed in seeds]
     results += _run_jobs(jobs, workers, progress)
     per: dict = {}
@@ -245,7 +255,10 @@ def main(args) -> int:
     load_start = round(os.getloadavg()[0], 2)
     print(f"lab matrix: {len(names)} scenarios x {len(args.seeds)} seeds x {len(policies)} "
           f"policies, {workers} worker(s)", file=sys.stderr, flush=True)
-    data = run_matrix([BY_NAME[n] for n in names], args.seeds, policies, workers)
+    runs = args.out / "runs"
+    if runs.exists() and not args.resume:
+        shutil.rmtree(runs)
+    data = run_matrix([BY_NAME[n] for n in names], args.seeds, policies, workers, runs)
     data.update(load_average_start=load_start, load_average_end=round(os.getloadavg()[0], 2),
                 tuning_seeds=TUNING_SEEDS, workers=workers)
     args.out.mkdir(parents=True, exist_ok=True)
