@@ -83,7 +83,7 @@ compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
 	$(PY) -m local.gateway.bench
 
-bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, gateway; 30-40 min) -> BENCHMARKS.md
+bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, gateway; 15-25 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
@@ -102,3 +102,7 @@ lab: setup ## routing lab: article + shared-prefix workloads, least request vs p
 	for w in article shared-prefix; do \
 		$(PY) -m lab run --workload $$w $(LAB_POLICIES) --seeds $(LAB_SEEDS) --out $(LAB_OUT)/lab-$$w --plots || exit 1; \
 	done
+
+.PHONY: lab-matrix
+lab-matrix: setup ## routing lab scenario matrix (18 scenarios x 5 policies incl. the oracle x 5 seeds; its time: BENCHMARKS.md) -> $(LAB_OUT)/lab-matrix/matrix.json
+	$(PY) -m lab matrix --out $(LAB_OUT)/lab-matrix --seeds $(LAB_SEEDS)

@@ -37,7 +37,7 @@ def header(m: dict, loads: list[float]) -> list[str]:
         "# Benchmarks", "",
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
-        "(30-40 minutes); each benchmark runs alone with `python -m bench <name>` "
+        "(15-25 minutes + the lab matrix); each benchmark runs alone with `python -m bench <name>` "
         "(`validation`, `picker`, `lab`, `matrix`, `crosscheck`, `gateway`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",

@@ -152,3 +152,9 @@ def test_matrix_cli_measures_capacity_then_runs_open_loop(tmp_path, monkeypatch,
     assert "gap_closed_pct" not in base["assessment"]          # no picker in this run
     err = capsys.readouterr().err
     assert "[4/4]" in err and "left" in err
+    # --resume reuses the saved runs: same figures, nothing rerun.
+    assert lab_main(["matrix", "--out", str(tmp_path), "--seeds", "0", "1", "--jobs", "2",
+                     "--policy", "least-request", "--policy", "oracle", "--resume"]) == 0
+    again = json.loads((tmp_path / "matrix.json").read_text())
+    assert again["scenarios"] == data["scenarios"]
+    assert capsys.readouterr().err.count("(0.0 s)") == 4
