@@ -75,3 +75,7 @@ def long_tail_workload(rng: np.random.Generator, num_prompts: int, input_median:
                    max_model_len - ins).astype(int)
     return [PromptSpec(prompt=random_words(rng, int(i)), prompt_tokens=int(i), output_tokens=int(o))
             for i, o in zip(ins, outs)]
+
+
+BUILDERS = {"chat-reasoning": chat_reasoning_workload, "multi-turn": multi_turn_workload,
+            "long-tail": long_tail_workload}

@@ -164,10 +164,9 @@ def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]
     n = int(s["num_prompts"])
     if n <= 0:
         raise ValueError("num_prompts must be positive")
-    if s["kind"] in _MIXES:
-        from loadtest import mixes
-        builder = getattr(mixes, _MIXES[s["kind"]])
-        return builder(rng, n, **{k: s[k] for k in _KIND_PARAMS[s["kind"]]})
+    if s["kind"] in MIX_KINDS:
+        from loadtest.mixes import BUILDERS
+        return BUILDERS[s["kind"]](rng, n, **{k: s[k] for k in _KIND_PARAMS[s["kind"]]})
     if s["kind"] == "random":
         return random_workload(rng, n, s["prefix_len"], s["input_len"], s["output_len"],
                                s["range_ratio"])
@@ -180,8 +179,7 @@ def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]
     return sharegpt_workload(rng, n, s["path"], s["output_len"], bool(keep_long))
 
 
-_MIXES = {"chat-reasoning": "chat_reasoning_workload", "multi-turn": "multi_turn_workload",
-          "long-tail": "long_tail_workload"}
+MIX_KINDS = ("chat-reasoning", "multi-turn", "long-tail")     # built by loadtest/mixes.py
 
 
 def random_workload(rng: np.random.Generator, num_prompts: int, prefix_len: int,
