@@ -135,7 +135,7 @@ CHROMIUM := /usr/bin/chromium
 $(CHROMIUM):
 	apt-get update -qq && apt-get install -y -qq chromium
 
-bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck, make demo; 20-30 min) -> BENCHMARKS.md
+bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
@@ -157,3 +157,7 @@ lab: setup ## routing lab: article + shared-prefix workloads, least request vs p
 	for w in article shared-prefix; do \
 		$(PY) -m lab run --workload $$w $(LAB_POLICIES) --seeds $(LAB_SEEDS) --out $(LAB_OUT)/lab-$$w --plots || exit 1; \
 	done
+
+.PHONY: lab-matrix
+lab-matrix: setup ## routing lab scenario matrix (18 scenarios x 5 policies incl. the oracle x 5 seeds; its time: BENCHMARKS.md) -> $(LAB_OUT)/lab-matrix/matrix.json
+	$(PY) -m lab matrix --out $(LAB_OUT)/lab-matrix --seeds $(LAB_SEEDS)

@@ -1,7 +1,7 @@
 """`python -m bench [NAME ...]`: run benchmarks, then write BENCHMARKS.md.
 
     python -m bench                 # all of them (what `make bench` runs), then the report
-    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | phases |
+    python -m bench validation      # one benchmark (validation | picker | lab | matrix | crosscheck | phases |
                                     #   coldstart | demo | picker-scale | replicas | prefilter)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
@@ -19,6 +19,7 @@ BENCHMARKS = {
     "validation": lambda a: suites.validation(),
     "picker": lambda a: suites.picker(),
     "lab": lambda a: [suites.lab("article", a.seeds), suites.lab("shared-prefix", a.seeds)],
+    "matrix": lambda a: suites.lab_matrix(a.seeds, a.matrix_args.split()),
     "crosscheck": lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
     "phases": lambda a: phases.main(a.seeds),
     "coldstart": lambda a: coldstart.main(),
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"{' | '.join(BENCHMARKS)} | report (default: all, then report)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="lab seeds")
     p.add_argument("--seed", type=int, default=0, help="workload seed of the crosscheck")
+    p.add_argument("--matrix-args", default="", help="more options of `python -m lab matrix`, "
+                   "e.g. \"--jobs 3 --resume\"")
     p.add_argument("--speedup", type=float, help="crosscheck simulator speedup (default: the demo's)")
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS and n != "report"]

@@ -37,9 +37,9 @@ def header(m: dict, loads: list[float]) -> list[str]:
         "# Benchmarks", "",
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
-        "(15-25 minutes); each benchmark runs alone with `python -m bench <name>` "
-        "(`validation`, `picker`, `lab`, `crosscheck`, `phases`, `coldstart`, `demo`, `picker-scale`, `prefilter`, "
-        "`replicas`), then `python -m bench report`.", "",
+        "(30-40 minutes + the lab matrix); each benchmark runs alone with `python -m bench <name>` "
+        "(`validation`, `picker`, `lab`, `matrix`, `crosscheck`, `phases`, `coldstart`, `demo`, `picker-scale`, "
+        "`prefilter`, `replicas`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
@@ -186,6 +186,84 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
         out.append("")
     if not article and not shared:
         out += ["(not run)", ""]
+    return out
+
+
+MATRIX_POLICIES = [("least-request", "least request"), ("round-robin", "round robin"),
+                   ("picker-upstream", "upstream-default"), ("picker", "**default**"), ("oracle", "oracle")]
+
+
+def _cell(stats: dict) -> str:
+    return (f"{_f(stats['mean_ttft_ms']['mean'])} / {_f(stats['p99_ttft_ms']['mean'])} / "
+            f"{_f(stats['output_throughput']['mean'], 1)}")
+
+
+def _matrix_targets(scenarios: list[dict]) -> list[str]:
+    """Which of the issue's targets the measured matrix meets, scenario by scenario."""
+    worse = [f"{s['name']} ({', '.join(k for k, v in s['assessment']['worse_than_baseline_beyond_spread'].items() if v)})"
+             for s in scenarios if any(s["assessment"].get("worse_than_baseline_beyond_spread", {}).values())]
+    gap = [s for s in scenarios if s["assessment"].get("gap_target_applies")]
+    short = [f"{s['name']} ({s['assessment']['gap_closed_pct']:.0f} %)" for s in gap
+             if (s["assessment"]["gap_closed_pct"] or 0) < 75]
+    upstream = [s["name"] for s in scenarios if s["assessment"].get("default_beats_upstream") is False]
+    base = next((s for s in scenarios if s["name"] == "base"), None)
+    out = ["Targets (picker `default` against least request, means over the seeds; \"worse beyond the seed "
+           "spread\" = worse by more than the larger of the two policies' standard deviations over seeds):", ""]
+    out.append("- never worse than least request beyond the seed spread in mean TTFT, P99 TTFT or output "
+               f"throughput: {'met in every scenario' if not worse else 'not met in ' + '; '.join(worse)};")
+    out.append(f"- at least 75 % of the oracle's gap closed where the oracle beats least request by 20 % or more "
+               f"({len(gap)} scenarios: {', '.join(s['name'] for s in gap) or 'none'}): "
+               f"{'met' if not short else 'not met in ' + ', '.join(short)};")
+    if base:
+        c = base["assessment"]["change_pct"]
+        ok = c["mean_ttft_ms"] <= -40 and c["p99_ttft_ms"] <= -25
+        out.append(f"- article workload (base) at or below -40 % mean and -25 % P99 TTFT: "
+                   f"{c['mean_ttft_ms']:+.1f} % / {c['p99_ttft_ms']:+.1f} %, {'met' if ok else 'not met'};")
+    out.append("- `default` beats `upstream-default` in mean TTFT: "
+               + ("in every scenario." if not upstream else f"not in {', '.join(upstream)}."))
+    return out
+
+
+def _cpu_minutes(m: dict) -> float:
+    return sum(sum(p.get("cpu_s", {}).get("values", [])) for s in m["scenarios"]
+               for p in s["policies"].values()) / 60
+
+
+def lab_matrix_section(d: dict | None) -> list[str]:
+    out = ["## Routing lab: scenario matrix", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    m = d["matrix"]
+    seeds = " ".join(map(str, m["seeds"]))
+    out += [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
+            f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
+            f"**{d['wall_s'] / 60:.1f} min wall**, target 15 min; 1-minute load average "
+            f"{d['load_average_start']:.1f} at the start, {d['load_average_end']:.1f} at the end, on a machine "
+            "shared with other work). Design: a base scenario (the article's run: `article` workload, closed "
+            "loop at concurrency 30, 3 `a10-qwq32b` groups, KV 1x) and one-factor variations of it, not the "
+            "full cartesian product. Open-loop rates are fractions of the pool's capacity measured in the same "
+            f"run (least request's request throughput on the base scenario: {_f(m['capacity_rps'], 4)} "
+            f"requests/s). CPU time of all runs: {_cpu_minutes(m):.1f} min. "
+            f"Reported seeds {seeds}; the picker's profiles were not tuned on them (tuning seeds: "
+            f"{' '.join(map(str, m['tuning_seeds']))}).", "",
+            "The oracle is clairvoyant (lab/oracle.py): it knows every engine's exact state and every request's "
+            "output length, plays each candidate group forward and sends the request where its first token "
+            "comes soonest. Gap closed = (least request - default) / (least request - oracle) in mean TTFT.", "",
+            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", "",
+            "| scenario | varied | " + " | ".join(label for _, label in MATRIX_POLICIES)
+            + " | default vs least request (mean, P99, tok/s) | oracle vs least request | gap closed |",
+            "|---" * (len(MATRIX_POLICIES) + 5) + "|"]
+    for s in m["scenarios"]:
+        a, p = s["assessment"], s["policies"]
+        c = a.get("change_pct", {})
+        cells = [_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES]
+        gap = a.get("gap_closed_pct")
+        out.append(f"| {s['name']}: {s['description']} | {s['factor']} | " + " | ".join(cells) + " | "
+                   + (f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %"
+                      if c else "-")
+                   + f" | {_f(-a['oracle_gain_pct'], 1) + ' %' if 'oracle_gain_pct' in a else '-'}"
+                   + f" | {_f(gap) + ' %' if gap is not None else '-'} |")
+    out += [""] + _matrix_targets(m["scenarios"]) + [""]
     return out
 
 
@@ -395,20 +473,42 @@ def _replica_label(policy: str) -> str:
     return f"{n}, shared " + ("before every decision" if interval == 0 else f"every {interval * 1000:g} ms")
 
 
+def _old_sections(text: str) -> dict[str, list[str]]:
+    """The `## ` sections of an existing BENCHMARKS.md, by heading."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = sections.setdefault(line, [])
+        if current is not None:
+            current.append(line)
+    return sections
+
+
+def _keep_old(lines: list[str], old: dict[str, list[str]]) -> list[str]:
+    """A benchmark without results here keeps its section from the current BENCHMARKS.md."""
+    if "(not run)" in lines and lines and lines[0] in old:
+        return old[lines[0]] + ([""] if old[lines[0]][-1] else [])
+    return lines
+
+
 def write() -> str:
-    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "phases", "coldstart", "demo",
-             "picker-scale", "replicas", "prefilter"]
+    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "lab-matrix", "crosscheck", "phases",
+             "coldstart", "demo", "picker-scale", "replicas", "prefilter"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
+    path = REPO / "BENCHMARKS.md"
+    old = _old_sections(path.read_text()) if path.exists() else {}
     lines = header(machine(), loads)
-    lines += validation_section(data["validation"]) + picker_section(data["picker"])
-    lines += lab_section(data["lab-article"], data["lab-shared-prefix"])
-    lines += crosscheck_section(data["crosscheck"]) + phases_section(data["phases"])
-    lines += coldstart_section(data["coldstart"]) + demo_section(data["demo"])
-    lines += picker_scale_section(data["picker-scale"]) + prefilter_section(data["prefilter"])
-    lines += replicas_section(data["replicas"])
+    for section in (validation_section(data["validation"]), picker_section(data["picker"]),
+                    lab_section(data["lab-article"], data["lab-shared-prefix"]),
+                    lab_matrix_section(data["lab-matrix"]), crosscheck_section(data["crosscheck"]),
+                    phases_section(data["phases"]), coldstart_section(data["coldstart"]),
+                    demo_section(data["demo"]), picker_scale_section(data["picker-scale"]),
+                    prefilter_section(data["prefilter"]), replicas_section(data["replicas"])):
+        lines += _keep_old(section, old)
     text = "\n".join(lines).rstrip() + "\n"
-    (REPO / "BENCHMARKS.md").write_text(text)
+    path.write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")
     return text

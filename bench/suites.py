@@ -61,6 +61,21 @@ def lab(workload: str, seeds: list[int] | None = None) -> dict:
     return data
 
 
+def lab_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -> dict:
+    """`python -m lab matrix`: every scenario x policy x seed (lab/matrix.py), progress shown;
+    `extra`: more options (e.g. from `python -m bench matrix --matrix-args "--jobs 3"`)."""
+    extra = extra or []
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lab-matrix"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds), *extra]
+    load_start = load_average()
+    wall = run(cmd)          # output inherited: one progress line per scenario and seed
+    data = {"command": shown(cmd), "seeds": seeds, "wall_s": wall, "load_average_start": load_start,
+            "matrix": json.loads((out / "matrix.json").read_text()), **stamp()}
+    save("lab-matrix", data)
+    return data
+
+
 def demo() -> dict:
     """`make demo` as a user runs it: the stack on the real data plane, both listeners compared,
     with the CPU of every process and Envoy's own listener counters (local/stack.py demo)."""

@@ -4,6 +4,7 @@
         --seeds 0 1 2 3 4 --out results/lab
     python -m lab calibrate [--seeds 0 1 2 3 4]    # least request vs the article's 8080 figures
     python -m lab plot results/lab                 # TTFT CDF per policy, KV usage over time
+    python -m lab matrix --out results/lab-matrix  # every scenario x policy x seed (lab/matrix.py)
 
 `run` writes one JSON per (policy, seed) in vLLM's benchmark result format (plus lab fields),
 `<name>.series.json` with per-endpoint KV usage / running / waiting over virtual time, and
@@ -47,12 +48,14 @@ def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) ->
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--engine-profile", default=DEFAULT_PROFILE, choices=sorted(ENGINE_PROFILES))
     p.add_argument("--num-gpu-blocks", type=int, help="override the engine profile's KV capacity")
-    p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt")
+    p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt / sharegpt-long")
+    p.add_argument("--trace", help="JSONL trace for --workload trace (loadtest/traces.py)")
 
 
 def _workload(args) -> tuple[dict, dict]:
     """The workload's build options (the ShareGPT path) and its settings, --concurrency applied."""
-    extra = {"path": args.sharegpt_path} if args.workload == "sharegpt" else {}
+    extra = ({"path": args.sharegpt_path} if args.workload.startswith("sharegpt")
+             else {"path": args.trace} if args.workload == "trace" else {})
     settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
     settings["concurrency"] = args.concurrency or settings.get("concurrency")
     return extra, settings
@@ -168,7 +171,21 @@ def main(argv=None) -> int:
     plot_p = sub.add_parser("plot", help="plots from a `run` output folder")
     plot_p.add_argument("folder", type=Path)
     plot_p.add_argument("--seed", type=int, default=0, help="seed of the KV-usage plots")
+    from lab import matrix
+    mat_p = sub.add_parser("matrix", help="the scenario matrix (lab/matrix.py) -> OUT/matrix.json")
+    mat_p.add_argument("--out", required=True, type=Path)
+    mat_p.add_argument("--seeds", type=int, nargs="+", default=matrix.REPORTED_SEEDS)
+    mat_p.add_argument("--scenario", action="append", choices=list(matrix.BY_NAME),
+                       help="only these scenarios (repeatable; default all)")
+    mat_p.add_argument("--policy", action="append", dest="policies",
+                       help=f"policies (repeatable; default {' '.join(matrix.POLICIES)})")
+    mat_p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the CPUs)")
+    mat_p.add_argument("--resume", action="store_true",
+                       help="reuse the runs an interrupted matrix saved in OUT/runs")
     args = ap.parse_args(argv)
+
+    if args.cmd == "matrix":
+        return matrix.main(args)
 
     if args.cmd == "plot":
         from lab.plots import plot_folder

@@ -89,6 +89,10 @@ class PickerPolicy(Policy):
             self.done_tick[i] = tick
             self.scrapes += 1
 
+    def set_available(self, endpoints):
+        super().set_available(endpoints)
+        self.router.set_endpoints([ep.address for ep in endpoints])
+
     def pick(self, request: LabRequest):
         self._catch_up()
         body = json.dumps(request.body(self.endpoints[0].model_name)).encode()

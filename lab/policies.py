@@ -29,6 +29,9 @@ class LabEndpoint:
     model_name: str = "qwq"
     inflight: int = 0                  # gateway-side count of requests sent and not finished
     busy: bool = False                 # an engine step is scheduled or running
+    step_end: float = 0.0              # when the running step's tokens are delivered
+    up: bool = True                    # False while the group is down (an outage)
+    epoch: int = 0                     # bumps when the group restarts (stale steps are dropped)
     history: list = field(default_factory=list)   # (time, running, waiting, kv_usage) snapshots
 
 
@@ -41,6 +44,7 @@ class LabRequest:
     hashes: list
     max_tokens: int
     group: str = ""
+    arrival: Optional[float] = None    # send time from a trace (None: the run's arrival process)
     path: str = "/v1/completions"
     endpoint: Optional[LabEndpoint] = None
     router_id: Optional[str] = None    # the picker's request id, for on_request_done
@@ -71,6 +75,11 @@ class Policy:
 
     def pick(self, request: LabRequest) -> LabEndpoint:
         raise NotImplementedError
+
+    def set_available(self, endpoints: list[LabEndpoint]) -> None:
+        """The pool changed (a group went down or came back): pick only among `endpoints`, as
+        the gateway does once service discovery drops or re-adds the endpoint."""
+        self.endpoints = endpoints
 
     def on_done(self, request: LabRequest, endpoint: LabEndpoint) -> None:
         pass
@@ -132,11 +141,14 @@ def make_policy(name: str, **options) -> Policy:
     if name.startswith("replicas:"):
         from lab.replicas import ReplicatedPicker
         return ReplicatedPicker.from_name(name)
+    if name == "oracle":
+        from lab.oracle import Oracle
+        return Oracle()
     if name == "picker-upstream":
         name = "picker:upstream-default"
     if name == "picker" or name.startswith("picker:"):
         from lab.picker_policy import PickerPolicy
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, **options)
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, "
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, oracle, "
                      f"picker[:PROFILE], picker-upstream, replicas:N[:independent]")

@@ -3,7 +3,8 @@
 The engines are the simulator's `local.sim.engine.Engine` with a clock that reads the lab's
 virtual time. A discrete-event loop advances that time from event to event:
 
-- ARRIVAL: a request becomes ready to send (all at t=0 for an infinite rate); it is sent at once
+- ARRIVAL: a request becomes ready to send (all at t=0 for an infinite rate, at its own time for
+  a trace with arrival times); it is sent at once
   when the client's concurrency limit allows, else when a running request finishes (vLLM
   benchmark semantics: `--request-rate` gaps, then a `--max-concurrency` semaphore).
 - send: the policy picks an endpoint; the request is added to that engine; an idle engine
@@ -17,6 +18,10 @@ virtual time. A discrete-event loop advances that time from event to event:
   the simulator streams), finished requests free their slot, the engine starts its next step,
   and then the client sends what the freed slots allow (an engine does not wait for the
   client's next request; over HTTP it arrives a round trip later).
+
+- DOWN / UP (`LabConfig.outages`): a group fails: its in-flight requests fail (the client sees
+  the connection drop), the policy stops seeing it (service discovery drops it); it comes back
+  later with an empty cache and the policy sees it again.
 
 Client metrics follow vLLM's benchmark definitions (loadtest.metrics): no network, so TTFT is
 the first token's time minus the send time.
@@ -38,7 +43,7 @@ from local.sim.tokens import token_ids
 from lab.policies import LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
-_ARRIVAL, _STEP_DONE = 0, 2
+_ARRIVAL, _DOWN, _STEP_DONE, _UP = 0, 1, 2, 3
 
 
 @dataclass
@@ -52,6 +57,8 @@ class LabConfig:
     model_name: str = "qwq"
     kv_sample_interval: float = 1.0          # seconds between recorded KV/queue samples
     base_port: int = 8101                    # endpoint names 127.0.0.1:<base_port + i>
+    engine_profiles: Optional[Sequence[Profile]] = None   # per group (heterogeneous pool)
+    outages: Sequence[tuple] = ()            # (group index, down at s, back at s)
 
 
 @dataclass
@@ -79,7 +86,7 @@ def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
         ids = token_ids(s.prompt)
         out.append(LabRequest(index=i, request_id=f"req-{i}", prompt=s.prompt, token_ids=ids,
                               hashes=block_hashes(ids, block_size), max_tokens=s.output_tokens,
-                              group=getattr(s, "group", "")))
+                              group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None)))
     return out
 
 
@@ -90,8 +97,12 @@ class Lab:
         self.now = 0.0
         self.requests = list(requests)
         clock = lambda: self.now  # noqa: E731 - the engines' injected clock
+        self.clock = clock
+        profiles = list(config.engine_profiles or [config.profile] * config.num_engines)
+        if len(profiles) != config.num_engines:
+            raise ValueError(f"{len(profiles)} engine profiles for {config.num_engines} engines")
         self.endpoints = [
-            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(config.profile, clock),
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(profiles[i], clock),
                         config.model_name)
             for i in range(config.num_engines)]
         self.rng = random.Random(config.seed)
@@ -116,6 +127,8 @@ class Lab:
 
     def _arrival_times(self) -> list[float]:
         n, rate = len(self.requests), self.config.request_rate
+        if n and all(r.arrival is not None for r in self.requests):
+            return [r.arrival for r in self.requests]
         if math.isinf(rate):
             return [0.0] * n
         gen = np.random.default_rng(self.config.seed)
@@ -196,9 +209,12 @@ class Lab:
         if result is None:
             ep.busy = False
         else:
-            self._push(result.end_time, _STEP_DONE, (ep, result))
+            ep.step_end = result.end_time
+            self._push(result.end_time, _STEP_DONE, (ep, result, ep.epoch))
 
-    def _deliver(self, ep: LabEndpoint, result) -> None:
+    def _deliver(self, ep: LabEndpoint, result, epoch: int) -> None:
+        if epoch != ep.epoch:       # a step of an engine that has failed since
+            return
         now = self.now
         clients = self.clients
         for out in result.outputs:
@@ -214,18 +230,46 @@ class Lab:
         self._step(ep)
         self._send_pending()
 
+    def _down(self, ep: LabEndpoint) -> None:
+        ep.up, ep.busy = False, False
+        ep.epoch += 1
+        self.policy.set_available([e for e in self.endpoints if e.up])
+        for client in [c for c in self.clients.values() if c.request.endpoint is ep]:
+            req = client.request
+            del self.clients[req.request_id]
+            self.inflight -= 1
+            ep.inflight -= 1
+            self.samples.append(RequestSample(
+                start=client.sent, success=False, end=self.now, error="group down",
+                target=ep.address, prompt_tokens=len(req.token_ids), group=req.group))
+            self.policy.on_done(req, ep)
+        self._send_pending()
+
+    def _up(self, ep: LabEndpoint) -> None:
+        ep.engine = Engine(ep.engine.profile, self.clock)     # restarted: empty cache
+        ep.history.clear()
+        ep.up = True
+        self.policy.set_available([e for e in self.endpoints if e.up])
+
     # ----- main loop -----------------------------------------------------------------------
 
     def run(self) -> LabRun:
         self.policy.start(self.endpoints, lambda: self.now, self.rng)
         for req, t in zip(self.requests, self._arrival_times()):
             self._push(t, _ARRIVAL, req)
+        for index, down_at, up_at in self.config.outages:
+            self._push(down_at, _DOWN, self.endpoints[index])
+            self._push(up_at, _UP, self.endpoints[index])
         events = self.events
         while events:
             t, _, kind, obj = heapq.heappop(events)
             self.now = t
             if kind == _STEP_DONE:
                 self._deliver(*obj)
+            elif kind == _DOWN:
+                self._down(obj)
+            elif kind == _UP:
+                self._up(obj)
             else:
                 self.pending.append(obj)
                 self._send_pending()

@@ -120,8 +120,11 @@ class RunPlan:
                  on_phase_done: Callable[[int], None] | None = None, clock=time.monotonic):
         offsets = arrival_offsets(len(specs), options.request_rate, options.burstiness,
                                   options.seed)
-        self.items = [(i, specs[i], float(offsets[i]))
-                      for i in range(len(specs)) if i % worker_count == worker_index]
+        if options.request_rate == 0 and specs and all(s.arrival is not None for s in specs):
+            offsets = [s.arrival for s in specs]     # a trace's own arrival times
+        self.items = sorted(((i, specs[i], float(offsets[i]))
+                             for i in range(len(specs)) if i % worker_count == worker_index),
+                            key=lambda item: item[2])
         self.options = options
         self.phase_ports = options.phases()
         self.samples: list[RequestSample] = []

@@ -20,6 +20,9 @@ Workload kinds:
 - ``shared-prefix``: multi-tenant: ``num_groups`` long system prompts, ``users_per_group`` users
   each; every request is one user's question after its tenant's system prompt, so requests of a
   tenant share a long prefix (where prefix-cache affinity matters).
+- ``chat-reasoning``, ``multi-turn``, ``long-tail``: production-like mixes (loadtest/mixes.py).
+- ``trace``: a JSONL trace of your own traffic, lengths or prompts, prefix groups, arrival times
+  (loadtest/traces.py; example: loadtest/examples/trace.jsonl).
 
 Everything is deterministic for a given seed.
 """
@@ -39,6 +42,7 @@ class PromptSpec:
     output_tokens: int     # max_tokens to request (sent with ignore_eos=True)
     group: str = ""        # shared-prefix group / tenant id ("" if none)
     messages: list | None = None  # for chat: OpenAI messages (None: one user message = prompt)
+    arrival: float | None = None  # send time in s from the start (traces); None: the run decides
 
     def chat_messages(self) -> list:
         return self.messages if self.messages is not None else [
@@ -79,15 +83,36 @@ PROFILES: dict[str, dict] = {
                           system_prompt_len=4000, question_len=800, output_len=300,
                           num_prompts=400, concurrency=30),
     # ShareGPT file by path (no download): build_workload("sharegpt", path="...").
-    "sharegpt": dict(kind="sharegpt", path=None, output_len=None, num_prompts=300,
-                     concurrency=30),
+    "sharegpt": dict(kind="sharegpt", path=None, output_len=None, keep_long=False,
+                     num_prompts=300, concurrency=30),
+    # ShareGPT without vLLM's 2k-context pruning: prompts and answers up to a 16k context.
+    "sharegpt-long": dict(kind="sharegpt", path=None, output_len=None, keep_long=True,
+                          num_prompts=300, concurrency=30),
+    # A reasoning model's traffic: 70 % short chat, 30 % long reasoning (lengths in tokens).
+    "chat-reasoning": dict(kind="chat-reasoning", long_share=0.3, short_input=(100, 600),
+                           short_output=(50, 400), long_input=(2000, 6000),
+                           long_output=(1500, 4000), num_prompts=300, concurrency=30),
+    # 60 chat sessions x 5 turns resending their history (one 500-token system prompt; the
+    # 5th turn is ~3,000 tokens); the sessions' histories (~200k tokens) exceed 3 groups' KV.
+    "multi-turn": dict(kind="multi-turn", num_sessions=60, turns=5, system_prompt_len=500,
+                       user_len=(50, 400), output_len=(100, 800), num_prompts=300,
+                       concurrency=30),
+    # Lognormal lengths (median 1,000 in / 400 out, sigma 1): most requests short, a few huge.
+    "long-tail": dict(kind="long-tail", input_median=1000, input_sigma=1.0, output_median=400,
+                      output_sigma=1.0, max_model_len=16384, num_prompts=400, concurrency=30),
+    # A JSONL trace by path (loadtest/traces.py); every line unless num_prompts is given.
+    "trace": dict(kind="trace", path=None, num_prompts=None, concurrency=30),
 }
 
 _KIND_PARAMS = {
     "random": {"prefix_len", "input_len", "output_len", "range_ratio"},
     "shared-prefix": {"num_groups", "users_per_group", "system_prompt_len", "question_len",
                       "output_len"},
-    "sharegpt": {"path", "output_len"},
+    "sharegpt": {"path", "output_len", "keep_long"},
+    "chat-reasoning": {"long_share", "short_input", "short_output", "long_input", "long_output"},
+    "multi-turn": {"num_sessions", "turns", "system_prompt_len", "user_len", "output_len"},
+    "long-tail": {"input_median", "input_sigma", "output_median", "output_sigma", "max_model_len"},
+    "trace": {"path"},
 }
 
 _CONSONANTS = list("bdfgklmnprstvz")
@@ -132,17 +157,29 @@ def profile_settings(name: str, **overrides) -> dict:
 def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]:
     """Build the prompts of profile `name` (see PROFILES), deterministic for `seed`."""
     s = profile_settings(name, **overrides)
+    if s["kind"] == "trace":
+        from loadtest.traces import trace_workload
+        return trace_workload(seed, s["path"], s["num_prompts"])
     rng = np.random.default_rng(seed)
     n = int(s["num_prompts"])
     if n <= 0:
         raise ValueError("num_prompts must be positive")
+    if s["kind"] in MIX_KINDS:
+        from loadtest.mixes import BUILDERS
+        return BUILDERS[s["kind"]](rng, n, **{k: s[k] for k in _KIND_PARAMS[s["kind"]]})
     if s["kind"] == "random":
         return random_workload(rng, n, s["prefix_len"], s["input_len"], s["output_len"],
                                s["range_ratio"])
     if s["kind"] == "shared-prefix":
         return shared_prefix_workload(rng, n, s["num_groups"], s["users_per_group"],
                                       s["system_prompt_len"], s["question_len"], s["output_len"])
-    return sharegpt_workload(rng, n, s["path"], s["output_len"])
+    keep_long = s["keep_long"]
+    if isinstance(keep_long, str):          # from --workload-args keep_long=true
+        keep_long = keep_long.strip().lower() in ("1", "true", "yes")
+    return sharegpt_workload(rng, n, s["path"], s["output_len"], bool(keep_long))
+
+
+MIX_KINDS = ("chat-reasoning", "multi-turn", "long-tail")     # built by loadtest/mixes.py
 
 
 def random_workload(rng: np.random.Generator, num_prompts: int, prefix_len: int,
@@ -183,9 +220,17 @@ def shared_prefix_workload(rng: np.random.Generator, num_prompts: int, num_group
     return specs
 
 
+# ShareGPT pruning: vLLM's benchmark (for 2k-context models), and with keep_long a 16k context.
+SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 1024, 2048
+LONG_CONTEXT = 16384
+
+
 def sharegpt_workload(rng: np.random.Generator, num_prompts: int, path: str | None,
-                      output_len: int | None = None) -> list[PromptSpec]:
-    """Sample a ShareGPT-format file like vLLM's sample_sharegpt_requests (word counts)."""
+                      output_len: int | None = None, keep_long: bool = False) -> list[PromptSpec]:
+    """Sample a ShareGPT-format file like vLLM's sample_sharegpt_requests (word counts).
+
+    vLLM prunes prompts over 1,024 tokens and pairs over 2,048; keep_long keeps every pair that
+    fits a 16,384-token context (a reasoning model's long prompts and answers)."""
     if not path:
         raise ValueError("the sharegpt workload needs path=<ShareGPT JSON file>")
     try:
@@ -205,7 +250,9 @@ def sharegpt_workload(rng: np.random.Generator, num_prompts: int, path: str | No
         # vLLM's pruning: too short, or too long for a 2k-context model.
         if len(prompt_words) < 4 or (output_len is None and out < 4):
             continue
-        if len(prompt_words) > 1024 or len(prompt_words) + out > 2048:
+        max_prompt, max_total = ((LONG_CONTEXT, LONG_CONTEXT) if keep_long
+                                 else (SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL))
+        if len(prompt_words) > max_prompt or len(prompt_words) + out > max_total:
             continue
         prompt = " ".join(prompt_words)
         specs.append(PromptSpec(prompt=prompt, prompt_tokens=len(prompt_words),
@@ -213,5 +260,6 @@ def sharegpt_workload(rng: np.random.Generator, num_prompts: int, path: str | No
         if len(specs) == num_prompts:
             break
     if not specs:
-        raise ValueError(f"{path}: no usable conversations (need >= 2 turns, 4..1024 words)")
+        raise ValueError(f"{path}: no usable conversations (need >= 2 turns, 4.."
+                         f"{LONG_CONTEXT if keep_long else SHAREGPT_MAX_PROMPT} words)")
     return specs

@@ -273,10 +273,12 @@ class Engine:
         if free - (total_blocks - best_hits) < self.watermark_blocks:
             return False
         hits = self._prefix_hits(req) if p.enable_prefix_caching else 0
+        new_blocks = total_blocks - hits
+        if free - new_blocks < self.watermark_blocks:     # fails whatever `revived` below is
+            return False
         hit_hashes = req.block_hashes[:hits]
         evictable = self.evictable
         revived = sum(1 for h in hit_hashes if h in evictable)
-        new_blocks = total_blocks - hits
         if free - revived - new_blocks < self.watermark_blocks:
             return False
         refs = self.refs

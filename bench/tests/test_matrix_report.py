@@ -1,0 +1,59 @@
+"""BENCHMARKS.md: the lab matrix section and sections kept for benchmarks not run."""
+
+from __future__ import annotations
+
+import json
+
+from bench import common, report
+from lab.matrix import assess
+
+
+def stats(mean, p99, tput, std=50.0):
+    return {"mean_ttft_ms": {"mean": mean, "std": std}, "p99_ttft_ms": {"mean": p99, "std": std},
+            "output_throughput": {"mean": tput, "std": 1.0}, "cpu_s": {"values": [30.0, 30.0]}}
+
+
+def scenario(name, policies):
+    return {"name": name, "factor": "-", "description": name + " desc", "policies": policies,
+            "assessment": assess(policies)}
+
+
+def matrix_bench():
+    base = {"least-request": stats(10000, 90000, 230), "round-robin": stats(15000, 99000, 225),
+            "picker-upstream": stats(20000, 400000, 220), "picker": stats(5000, 50000, 236),
+            "oracle": stats(4000, 30000, 232)}
+    mixed = {"least-request": stats(18000, 200000, 170), "round-robin": stats(40000, 300000, 140),
+             "picker-upstream": stats(17000, 210000, 171), "picker": stats(15000, 180000, 165),
+             "oracle": stats(11000, 90000, 180)}
+    m = {"seeds": [0, 1], "policies": list(base), "capacity_rps": 0.1234, "wall_s": 600.0,
+         "workers": 2, "tuning_seeds": [100, 101], "scenarios": [scenario("base", base),
+                                                                 scenario("mixed", mixed)]}
+    return {"command": "python -m lab matrix --out x --seeds 0 1", "wall_s": 630.0,
+            "load_average_start": 3.0, "load_average_end": 4.0, "matrix": m}
+
+
+def test_matrix_section_rows_and_targets():
+    text = "\n".join(report.lab_matrix_section(matrix_bench()))
+    assert ("| base: base desc | - | 10,000 / 90,000 / 230.0 | 15,000 / 99,000 / 225.0 | "
+            "20,000 / 400,000 / 220.0 | 5,000 / 50,000 / 236.0 | 4,000 / 30,000 / 232.0 | "
+            "-50.0 %, -44.4 %, +2.6 % | -60.0 % | 83 % |") in text
+    assert "| -16.7 %, -10.0 %, -2.9 % | -38.9 % | 43 % |" in text
+    assert "**10.5 min wall**, target 15 min" in text and "0.1234 requests/s" in text
+    assert "CPU time of all runs: 10.0 min" in text
+    assert "not met in mixed (output_throughput)" in text           # 165 vs 170 +- 1
+    assert "(2 scenarios: base, mixed): not met in mixed (43 %)" in text
+    assert "-50.0 % / -44.4 %, met;" in text
+    assert "`default` beats `upstream-default` in mean TTFT: in every scenario." in text
+
+
+def test_report_keeps_sections_of_benchmarks_not_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\nold header\n\n## Validation time\n\n"
+                                            "| old table |\n\n## Local gateway streaming\n\n(not run)\n")
+    (tmp_path / "lab-matrix.json").write_text(json.dumps(matrix_bench()))
+    text = report.write()
+    assert "## Validation time\n\n| old table |\n\n## Picker" in text          # kept
+    assert "## Picker decision throughput and latency\n\n(not run)" in text   # never run
+    assert "| base: base desc |" in text and "old header" not in text
+

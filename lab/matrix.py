@@ -1,0 +1,267 @@
+"""The scenario matrix: every routing policy on many workloads, arrival processes and pools.
+
+Design: one base scenario plus one-factor variations (not the full cartesian product). The base
+is the article's run: the `article` workload, closed loop at concurrency 30, 3 `a10-qwq32b`
+groups with their KV capacity. Each other scenario changes one factor of the base:
+
+- workload: shared-prefix, chat-reasoning, multi-turn, long-tail (each at its own size and
+  concurrency 30);
+- arrivals: open loop (no concurrency limit) at 50 / 80 / 95 % of the pool's measured capacity,
+  Poisson and bursty (gamma shape 0.25). The capacity is measured in the same run: the request
+  throughput of least request on the base scenario (closed loop, KV-bound: queues never empty),
+  mean over the seeds. Open-loop runs send 150 prompts (they last 2x-4x longer per prompt);
+- pool: 8 and 16 groups, the base's load per group (concurrency 10 per group), 50 / 40 prompts
+  per group;
+- KV capacity 0.8x and 2x the profile's;
+- heterogeneous pool: group 0 steps 1.5x slower, or has half the KV (a canary on other hardware);
+- outage: group 0 fails at 600 s (its in-flight requests fail) and comes back empty at 900 s.
+
+Every scenario runs every policy of POLICIES on the same prompts for each seed (the seed
+changes the prompts, the arrival times and the policy's randomness).
+
+    python -m lab matrix --out results/lab-matrix [--seeds 0 1 2 3 4] [--jobs 2] [--scenario NAME ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from local.sim.profiles import A10_QWQ32B
+from loadtest.workloads import build_workload, profile_settings
+from lab.policies import make_policy
+from lab.runner import LabConfig, prepare_requests, run_lab
+
+POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "oracle"]
+KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput",
+        "request_throughput", "duration", "completed", "failed")
+REPORTED_SEEDS = [0, 1, 2, 3, 4]
+TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
+BASE = "base"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    factor: str                        # the factor varied from the base ("-" for the base)
+    description: str
+    workload: str = "article"
+    num_prompts: Optional[int] = None  # None: the workload's
+    concurrency: Optional[int] = 30    # None: open loop without a limit
+    load: Optional[float] = None       # open loop: fraction of the measured capacity
+    burstiness: float = 1.0
+    engines: int = 3
+    kv_scale: float = 1.0
+    slow_group: float = 1.0            # group 0's step-time factor
+    small_kv_group: float = 1.0        # group 0's KV-capacity factor
+    outages: tuple = ()                # (group, down at s, back at s)
+
+    def profiles(self):
+        base = A10_QWQ32B.with_overrides(
+            num_gpu_blocks=int(A10_QWQ32B.num_gpu_blocks * self.kv_scale))
+        first = base.with_overrides(
+            num_gpu_blocks=int(base.num_gpu_blocks * self.small_kv_group),
+            stage_base_s=base.stage_base_s * self.slow_group,
+            stage_prefill_token_s=base.stage_prefill_token_s * self.slow_group,
+            stage_decode_seq_s=base.stage_decode_seq_s * self.slow_group,
+            stage_context_token_s=base.stage_context_token_s * self.slow_group)
+        return [first] + [base] * (self.engines - 1)
+
+
+def _open(load: float, bursty: bool) -> Scenario:
+    kind = "bursty" if bursty else "poisson"
+    shape = "gamma shape 0.25" if bursty else "Poisson"
+    return Scenario(f"open-{kind}-{round(load * 100)}", "arrivals",
+                    f"open loop, {shape} arrivals at {load:.0%} of capacity, 150 prompts",
+                    num_prompts=150, concurrency=None, load=load,
+                    burstiness=0.25 if bursty else 1.0)
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario(BASE, "-", "article workload, closed loop 30, 3 A10 groups, KV 1x"),
+    Scenario("shared-prefix", "workload", "12 tenants' 4,000-token system prompts, 400 prompts",
+             workload="shared-prefix"),
+    Scenario("chat-reasoning", "workload", "70 % short chat + 30 % long reasoning, 300 prompts",
+             workload="chat-reasoning"),
+    Scenario("multi-turn", "workload", "60 chat sessions x 5 turns resending their history",
+             workload="multi-turn"),
+    Scenario("long-tail", "workload", "lognormal lengths (median 1,000 in / 400 out), 400 prompts",
+             workload="long-tail"),
+    *[_open(load, bursty) for bursty in (False, True) for load in (0.5, 0.8, 0.95)],
+    Scenario("pool-8", "pool", "8 groups, concurrency 80, 400 prompts", engines=8,
+             num_prompts=400, concurrency=80),
+    Scenario("pool-16", "pool", "16 groups, concurrency 160, 640 prompts", engines=16,
+             num_prompts=640, concurrency=160),
+    Scenario("kv-0.8x", "KV", "KV capacity 0.8x (1,880 blocks per group)", kv_scale=0.8),
+    Scenario("kv-2x", "KV", "KV capacity 2x (4,700 blocks per group)", kv_scale=2.0),
+    Scenario("slow-group", "heterogeneous", "group 0 steps 1.5x slower", slow_group=1.5),
+    Scenario("small-kv-group", "heterogeneous", "group 0 has half the KV capacity",
+             small_kv_group=0.5),
+    Scenario("outage", "outage", "group 0 down from 600 s to 900 s, back with an empty cache",
+             outages=((0, 600.0, 900.0),)),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
+            policies: list[str]) -> dict:
+    """Every policy on one scenario and seed: policy -> the summary's KEYS (+ wall seconds)."""
+    specs = build_workload(scenario.workload, seed=seed, num_prompts=scenario.num_prompts)
+    requests = prepare_requests(specs, A10_QWQ32B.block_size)
+    rate = math.inf
+    if scenario.load is not None:
+        if not capacity_rps:
+            raise ValueError(f"{scenario.name}: open loop needs the measured capacity")
+        rate = scenario.load * capacity_rps
+    out = {}
+    for name in policies:
+        config = LabConfig(num_engines=scenario.engines, engine_profiles=scenario.profiles(),
+                           concurrency=scenario.concurrency, request_rate=rate,
+                           burstiness=scenario.burstiness, seed=seed, outages=scenario.outages)
+        started = time.process_time()
+        summary = run_lab(requests, make_policy(name), config).summary
+        out[name] = {k: float(summary[k]) for k in KEYS}
+        out[name]["cpu_s"] = time.process_time() - started
+    return out
+
+
+def _job(args):
+    """One scenario and seed, saved to runs/<scenario>-seed<seed>.json (reused by --resume)."""
+    scenario, seed, capacity, policies, runs = args
+    path = runs / f"{scenario}-seed{seed}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["policies"] == policies and saved["capacity_rps"] == capacity:
+            return scenario, seed, saved["result"], 0.0
+    started = time.monotonic()
+    result = run_one(BY_NAME[scenario], seed, capacity, policies)
+    path.write_text(json.dumps({"policies": policies, "capacity_rps": capacity, "result": result}))
+    return scenario, seed, result, time.monotonic() - started
+
+
+def _stats(values: list[float]) -> dict:
+    v = np.array(values, dtype=float)
+    return {"mean": float(v.mean()), "std": float(v.std()), "values": v.tolist()}
+
+
+def _run_jobs(jobs: list, workers: int, progress: dict) -> list:
+    """Run jobs in `workers` processes, printing one progress line per finished job."""
+    results = []
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        for scenario, seed, result, wall in pool.imap_unordered(_job, jobs):
+            results.append((scenario, seed, result))
+            progress["done"] += 1
+            elapsed = time.monotonic() - progress["started"]
+            done, total = progress["done"], progress["total"]
+            eta = elapsed / done * (total - done)
+            lr, pk, orc = (result.get(p, {}).get("mean_ttft_ms") for p in
+                           ("least-request", "picker", "oracle"))
+            print(f"[{done}/{total}] {scenario} seed {seed}: mean TTFT least-request "
+                  f"{lr or 0:,.0f} ms, picker {pk or 0:,.0f} ms, oracle {orc or 0:,.0f} ms "
+                  f"({wall:.1f} s); {elapsed:.0f} s elapsed, ~{eta:.0f} s left",
+                  file=sys.stderr, flush=True)
+    return results
+
+
+def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
+               workers: int, runs: Path) -> dict:
+    """The base scenario first (its least-request throughput is the capacity), then the rest.
+    Each finished job is saved in `runs`; jobs already there (same policies) are not rerun."""
+    started = time.monotonic()
+    runs.mkdir(parents=True, exist_ok=True)
+    names = {s.name for s in scenarios}
+    need_base = BASE in names or any(s.load is not None for s in scenarios)
+    progress = {"done": 0, "started": started,
+                "total": len(seeds) * (len(names - {BASE}) + (1 if need_base else 0))}
+    results, capacity = [], None
+    if need_base:
+        base_policies = policies if BASE in names else ["least-request"]
+        results = _run_jobs([(BASE, seed, None, base_policies, runs) for seed in seeds], workers,
+                            progress)
+        capacity = float(np.mean([r["least-request"]["request_throughput"]
+                                  for _, _, r in results]))
+    rest = [s for s in scenarios if s.name != BASE]
+    # Longest jobs first, so the workers finish together.
+    weight = lambda s: s.engines * (s.num_prompts or 300) * (2 if s.load else 1)  # noqa: E731
+    jobs = [(s.name, seed, capacity, policies, runs)
+            for s in sorted(rest, key=weight, reverse=True) for seed in seeds]
+    results += _run_jobs(jobs, workers, progress)
+    per: dict = {}
+    for scenario, seed, result in results:
+        per.setdefault(scenario, {})[seed] = result
+    out = []
+    for s in scenarios:
+        by_seed = per[s.name]
+        stats = {p: {k: _stats([by_seed[seed][p][k] for seed in seeds]) for k in KEYS + ("cpu_s",)}
+                 for p in policies}
+        settings = profile_settings(s.workload, num_prompts=s.num_prompts)
+        out.append({"name": s.name, "factor": s.factor, "description": s.description,
+                    "workload": s.workload,
+                    "workload_settings": {k: v for k, v in settings.items() if k != "kind"},
+                    "concurrency": s.concurrency, "engines": s.engines,
+                    "request_rate": s.load * capacity if s.load else None,
+                    "policies": stats, "assessment": assess(stats)})
+    return {"seeds": seeds, "policies": policies, "capacity_rps": capacity,
+            "wall_s": time.monotonic() - started, "scenarios": out}
+
+
+def assess(stats: dict, picker: str = "picker", baseline: str = "least-request") -> dict:
+    """The issue's targets for one scenario (means over seeds; spread = the larger seed std)."""
+    if picker not in stats or baseline not in stats:
+        return {}
+    p, b = stats[picker], stats[baseline]
+    worse = {}
+    for key, higher_better in (("mean_ttft_ms", False), ("p99_ttft_ms", False),
+                               ("output_throughput", True)):
+        diff = p[key]["mean"] - b[key]["mean"]
+        spread = max(p[key]["std"], b[key]["std"])
+        worse[key] = (-diff if higher_better else diff) > spread
+    out = {"change_pct": {k: (p[k]["mean"] / b[k]["mean"] - 1) * 100 if b[k]["mean"] else None
+                          for k in ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")},
+           "worse_than_baseline_beyond_spread": worse}
+    if "oracle" in stats:
+        lr, orc, pk = b["mean_ttft_ms"]["mean"], stats["oracle"]["mean_ttft_ms"]["mean"], \
+            p["mean_ttft_ms"]["mean"]
+        gain = (lr - orc) / lr if lr else 0.0
+        out["oracle_gain_pct"] = gain * 100
+        out["gap_closed_pct"] = (lr - pk) / (lr - orc) * 100 if lr > orc else None
+        out["gap_target_applies"] = gain >= 0.20
+    if "picker-upstream" in stats:
+        out["default_beats_upstream"] = (p["mean_ttft_ms"]["mean"]
+                                         <= stats["picker-upstream"]["mean_ttft_ms"]["mean"])
+    return out
+
+
+def main(args) -> int:
+    names = args.scenario or [s.name for s in SCENARIOS]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    policies = args.policies or POLICIES
+    for name in policies:
+        make_policy(name)
+    workers = args.jobs or min(2, os.cpu_count() or 1)
+    load_start = round(os.getloadavg()[0], 2)
+    print(f"lab matrix: {len(names)} scenarios x {len(args.seeds)} seeds x {len(policies)} "
+          f"policies, {workers} worker(s)", file=sys.stderr, flush=True)
+    runs = args.out / "runs"
+    if runs.exists() and not args.resume:
+        shutil.rmtree(runs)
+    data = run_matrix([BY_NAME[n] for n in names], args.seeds, policies, workers, runs)
+    data.update(load_average_start=load_start, load_average_end=round(os.getloadavg()[0], 2),
+                tuning_seeds=TUNING_SEEDS, workers=workers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "matrix.json").write_text(json.dumps(data, indent=1))
+    print(f"wrote {args.out / 'matrix.json'} ({data['wall_s']:.0f} s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,108 @@
+"""The clairvoyant router: the limit of routing with a fixed pool, for comparison only.
+
+It sees what no real router can: every engine's exact state (queues, KV blocks, prefix cache,
+the step in flight) and every request's output length (the engines stop each request at its
+`max_tokens`, and the oracle plays them forward). For each request it copies every candidate
+engine, adds the request to the copy and runs the copy step by step until the request's first
+token: that is the TTFT the request would get there if nothing else arrived after it. Requests
+that arrive later cannot overtake it (the engine admits in FIFO order and preempts the newest
+first); they can only share the steps of its last prefill chunks and make those steps longer,
+so the figure is exact or a slight underestimate. It picks the group with the lowest TTFT; ties
+(e.g. idle groups) go to the group with the least work left (prompt and output tokens still to
+compute), which keeps KV for the requests to come.
+
+Greedy per request, it is not a proof of optimality for the pool's mean: a choice that is best
+for this request can delay later ones (its KV blocks). The matrix reports it next to the
+picker; where the picker beats it, the greedy rule is what falls short.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+
+from local.sim.engine import Engine, EngineRequest
+from lab.policies import LabEndpoint, LabRequest, Policy
+
+MAX_STEPS = 20000        # a request not started after this many steps counts as never
+
+
+def _copy_request(r: EngineRequest) -> EngineRequest:
+    c = EngineRequest.__new__(EngineRequest)
+    for name in EngineRequest.__slots__:
+        setattr(c, name, getattr(r, name))
+    c.hashed = list(r.hashed)
+    return c
+
+
+def copy_engine(engine: Engine, clock) -> Engine:
+    """An independent copy of the engine's scheduling state (not its histograms or counters)."""
+    c = Engine.__new__(Engine)
+    c.profile, c.clock = engine.profile, clock
+    requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
+    c.requests = requests
+    c.waiting = deque(requests[r.request_id] for r in engine.waiting)
+    c.running = [requests[r.request_id] for r in engine.running]
+    c.used = engine.used
+    c.refs = dict(engine.refs)
+    c.evictable = OrderedDict(engine.evictable)
+    c.cache_epoch = engine.cache_epoch + 1          # cached prefix-hit counts are per object
+    for r in requests.values():
+        r._hit_epoch = -1
+    c.watermark_blocks = engine.watermark_blocks
+    c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
+    c.prompt_tokens = c.generation_tokens = 0
+    c.request_success = {}
+    c.version = 0
+    c.ttft = c.itl = c.e2e = _NoHistogram()
+    return c
+
+
+class _NoHistogram:
+    def observe(self, value: float) -> None:
+        pass
+
+
+def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
+                   limit: float = math.inf) -> float:
+    """Seconds from now to the request's first token if sent to ep now (see above);
+    inf once the copy's time passes now + limit (no need to know how much worse it is)."""
+    t = [max(now, ep.step_end) if ep.busy else now]
+    engine = copy_engine(ep.engine, lambda: t[0])
+    try:
+        engine.add_request(request.request_id, request.token_ids, request.max_tokens,
+                           hashes=request.hashes)
+    except ValueError:
+        return math.inf
+    target = request.request_id
+    for _ in range(MAX_STEPS):
+        result = engine.step()
+        if result is None:
+            return math.inf
+        t[0] = result.end_time
+        if t[0] - now > limit:
+            return math.inf
+        for out in result.outputs:
+            if out.first_token and out.request_id == target:
+                return result.end_time - now
+    return math.inf
+
+
+def work_left(engine: Engine) -> int:
+    """Tokens still to compute on the engine: prefill left plus output left, over its requests."""
+    return sum(r.prefill_len - min(r.num_computed, r.prefill_len) + r.stop_at - r.num_output
+               for r in engine.requests.values())
+
+
+class Oracle(Policy):
+    name = "oracle"
+
+    def pick(self, request: LabRequest) -> LabEndpoint:
+        now = self.clock()
+        best, best_key = None, (math.inf, math.inf)
+        # Likely winners first (short queues), so the bound cuts the other simulations short.
+        for ep in sorted(self.endpoints, key=lambda e: (len(e.engine.waiting), e.engine.used)):
+            key = (predicted_ttft(ep, request, now, best_key[0]), work_left(ep.engine))
+            if best is None or key < best_key:
+                best, best_key = ep, key
+        return best
