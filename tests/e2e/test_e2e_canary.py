@@ -2,21 +2,26 @@
 `qwq-canary qwq`, the HTTPRoute backendRef weights on the gateway, the InferenceModelRewrite
 weights in the picker), in both request-body modes.
 
-Tolerance: with N requests and a 10 % share the count is binomial, sd = sqrt(N * 0.1 * 0.9);
-N = 300 gives sd 5.2 requests (1.7 %), and the tests accept 10 % +- 6 % (3.5 sd)."""
+The share is read from components/canary/split.yaml. Tolerance: with N requests and a share p
+the count is binomial, sd = sqrt(N p (1 - p)); the tests accept p +- 3.5 sd (10 % of 300: +- 6 %)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
+from local.stack import REPO
 from tests.e2e.conftest import completion, start_stack, successes
+from validation.canary import split_weights
 
 pytestmark = pytest.mark.e2e
 
 N = 300
-SHARE, TOLERANCE = 0.10, 0.06
+SPLIT = split_weights(REPO)
+SHARE = SPLIT["canaryWeight"] / (SPLIT["stableWeight"] + SPLIT["canaryWeight"])
+TOLERANCE = 3.5 * math.sqrt(SHARE * (1 - SHARE) / N)
 
 
 @pytest.fixture(scope="module", params=["buffered", "full-duplex"])
@@ -52,7 +57,7 @@ async def send_all(session, stack, port: int) -> tuple[list[tuple[int, str]], di
 
 async def test_8080_splits_by_backend_weights(stack, session):
     weights = {name: w for name, w, _ in stack.topology.http_route}
-    assert weights == {"qwq-dist-v1": 90, "qwq-dist-v2": 10}
+    assert weights == {"qwq-dist-v1": SPLIT["stableWeight"], "qwq-dist-v2": SPLIT["canaryWeight"]}
     results, served = await send_all(session, stack, stack.http_port)
     assert all(status == 200 for status, _ in results)
     assert sum(served.values()) == N
@@ -61,7 +66,7 @@ async def test_8080_splits_by_backend_weights(stack, session):
 
 
 async def test_8081_splits_by_model_rewrite_weights(stack, session):
-    """The picker rewrites `qwq` to `qwq-canary` for 10 % of requests and only the canary group
+    """The picker rewrites `qwq` to `qwq-canary` for the canary share of requests and only the canary group
     serves that name; every request must succeed."""
     # Envoy draws a weighted backendRef's Service before applying the endpoint override, so
     # this only works with one 8081 backendRef selecting every leader (overlays/a10-canary).
