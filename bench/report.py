@@ -7,14 +7,9 @@ import time
 from bench import coldstart, crosscheck, phases
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
+from lab.article import ARTICLE
+from loadtest.report import change_pct
 
-# The article's table (REFERENCE.md §10): 8080 = Envoy Gateway least request, 8081 = the EPP.
-ARTICLE = {
-    "least-request": {"mean_ttft_ms": 10909, "median_ttft_ms": 2446, "p99_ttft_ms": 119309,
-                      "mean_tpot_ms": 114.2, "output_throughput": 227.6, "duration": 2362.7},
-    "picker": {"mean_ttft_ms": 7336, "median_ttft_ms": 2413, "p99_ttft_ms": 106624,
-               "mean_tpot_ms": 117.3, "output_throughput": 231.5, "duration": 2325.1},
-}
 LAB_KEYS = [("mean_ttft_ms", "mean TTFT ms"), ("median_ttft_ms", "median TTFT ms"), ("p99_ttft_ms", "P99 TTFT ms"),
             ("mean_tpot_ms", "mean TPOT ms"), ("output_throughput", "output tok/s"), ("duration", "duration s")]
 
@@ -24,7 +19,7 @@ def _f(x, digits=0) -> str:
 
 
 def _pct(new, old) -> str:
-    return "n/a" if not old or new is None else f"{(new / old - 1) * 100:+.1f} %"
+    return change_pct(old, new)
 
 
 def header(m: dict, loads: list[float]) -> list[str]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from loadtest.workloads import PROFILES as WORKLOADS, build_workload, profile_settings
 from local.sim.profiles import DEFAULT_PROFILE, PROFILES as ENGINE_PROFILES, get_profile
+from lab.article import ARTICLE
 from lab.policies import file_name, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
@@ -31,9 +32,7 @@ TABLE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "
 COMPARE_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")
 BASELINE = "least-request"   # the 8080 route: Envoy Gateway's least request
 
-# The article's 8080 run (Envoy Gateway least request), REFERENCE.md §10.
-ARTICLE_8080 = {"mean_ttft_ms": 10909.0, "median_ttft_ms": 2446.0, "p99_ttft_ms": 119309.0,
-                "mean_tpot_ms": 114.2, "output_throughput": 227.6, "duration": 2362.7}
+ARTICLE_8080 = ARTICLE["least-request"]  # Envoy Gateway least request, the calibration target
 
 
 def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
