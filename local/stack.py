@@ -1,4 +1,4 @@
-"""Launcher of the local stack: simulated vLLM groups, the picker, the local gateway.
+"""Launcher of the local stack: simulated vLLM groups, the picker, Envoy Gateway + Envoy.
 
     python -m local.stack up     [options]   start, wait until healthy, leave it running
     python -m local.stack down   [--name N]  stop a stack started by `up`
@@ -10,9 +10,10 @@ Every process runs in its own process group (session); its output goes to runs/<
 and runs/<name>/state.json records what was started, so `down` can stop it from another shell.
 Any failure or Ctrl-C while starting stops everything that was started.
 
-The picker's objects come from `kubectl kustomize base/inference` (with --canary: the
-overlays/a10-canary render, whose HTTPRoute weights also configure the gateway), written to the
-run folder.
+Everything comes from one render of the overlay a cluster would deploy (overlays/a10, or
+overlays/a10-canary with --canary; components/buffered-body with --body-mode buffered): the
+simulated groups from its LeaderWorkerSets, the picker's objects from its InferenceObjectives and
+InferenceModelRewrite, and Envoy Gateway's input from its gateway objects (local/dataplane.py).
 """
 
 from __future__ import annotations

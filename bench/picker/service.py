@@ -389,7 +389,7 @@ def main() -> None:
                    help="runs of the closed loop and of each rate, interleaved; reported: the "
                         "median-throughput closed run, each rate's median-p99 run")
     p.add_argument("--response-phase", action="store_true",
-                   help="also send response_headers (as the local gateway does); by default only "
+                   help="also send response_headers (a policy with a response phase); by default only "
                         "the request phase, as the deployed EnvoyExtensionPolicy configures")
     p.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
     p.add_argument("--json", help="also write the results here")
