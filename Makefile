@@ -10,6 +10,8 @@ KUBECONFORM_VERSION := v0.7.0
 KUBECONFORM := $(TOOLS)/kubeconform
 # CRDs for offline validation: the shared test data when it is there, else the cache `make crds` fills.
 CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/crds)
+# CRDs that ship in pinned Go modules (the Prometheus Operator's, for components/monitoring).
+EXTRA_CRDS_DIR := .cache/crds-extra
 RUN_DIR     ?= runs/local
 GROUPS      ?= 3
 SPEEDUP     ?= 20
@@ -30,7 +32,7 @@ $(VENV)/.stamp: requirements.txt picker/pyproject.toml
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e picker
 	touch $@
 
-setup: $(VENV)/.stamp tools ## build the virtualenv and the pinned tools into the working tree
+setup: $(VENV)/.stamp tools promtool ## build the virtualenv and the pinned tools into the working tree
 
 $(KUBECONFORM):
 	mkdir -p $(TOOLS)
@@ -38,22 +40,35 @@ $(KUBECONFORM):
 
 tools: $(KUBECONFORM) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, the picker benchmark's load client
 
+# Prometheus and promtool from Debian (bookworm: 2.42.0+ds-5+deb12u1), installed when missing.
+.PHONY: promtool
+promtool:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
 	.cache/lock-venv/bin/pip install --quiet -r requirements.in
 	{ sed -n '1,2p' requirements.txt; .cache/lock-venv/bin/pip freeze; } > requirements.txt.new && mv requirements.txt.new requirements.txt
 
-crds: $(VENV)/.stamp ## download the pinned upstream CRDs into .cache/crds (for CRDS_DIR when ../shared/crds is absent)
+crds: $(VENV)/.stamp $(EXTRA_CRDS_DIR) ## download the pinned upstream CRDs into .cache/crds (for CRDS_DIR when ../shared/crds is absent)
 	$(PY) -m validation.crds --dest .cache/crds
 
-validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; policy suite
+$(EXTRA_CRDS_DIR): validation/crds.py | $(VENV)/.stamp
+	$(PY) -m validation.crds --go-modules --dest $(EXTRA_CRDS_DIR)
+	touch $@
+
+validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; alert rules, dashboards; policy suite
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
-	$(PY) -m validation --crds-dir $(CRDS_DIR) --kubeconform $(KUBECONFORM)
+	$(PY) -m validation --crds-dir $(CRDS_DIR) --extra-crds-dir $(EXTRA_CRDS_DIR) --kubeconform $(KUBECONFORM)
+	$(PY) -m monitoring.rules check
+	$(PY) -m monitoring.dashboards --check
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
 test: setup ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
+	$(PY) -m pytest -q monitoring/tests
 
 up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)
