@@ -21,7 +21,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare bench bench-picker clean
+.PHONY: help setup tools lock crds validate test test-unit demo up observe down loadtest compare bench bench-picker clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -72,6 +72,10 @@ test: setup ## make validate, then every test suite: unit, protocol, lab smoke, 
 
 up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)
+
+OBSERVE_PORT ?= 9095
+observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
+	$(PY) -m local.observe --name $(notdir $(RUN_DIR)) --port $(OBSERVE_PORT)
 
 down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
