@@ -76,6 +76,7 @@ def scrape_jobs(monitor: dict, targets: list[Target], interval: str) -> list[dic
             "scrape_timeout": interval,
             "metrics_path": ep.get("path", "/metrics"),
             "scheme": ep.get("scheme", "http"),
+            "honor_labels": bool(ep.get("honorLabels", False)),
             "static_configs": static,
             "relabel_configs": operator_defaults + [relabel_config(r) for r in ep.get("relabelings", [])],
             "metric_relabel_configs": [relabel_config(r) for r in ep.get("metricRelabelings", [])],

@@ -177,6 +177,13 @@ def test_prometheus_evaluates_the_alert_rules(live):
     assert {s["metric"]["pod"] for s in down} == {"qwq-dist-v1-2"}
 
 
+def test_picker_series_keep_the_endpoint_they_describe(live):
+    """`endpoint` on the picker's series is a leader's address, not the scrape's port name."""
+    prom, during_load, _, _ = live
+    ready = prom.query('picker_endpoint_ready{job="picker"}', during_load)
+    assert ready and all(re.fullmatch(r"127\.0\.0\.1:\d+", s["metric"]["endpoint"]) for s in ready), ready
+
+
 def family(sample: str) -> str:
     return re.sub(r"_(total|bucket|sum|count|created)$", "", sample)
 
