@@ -202,15 +202,15 @@ class Prometheus:
             time.sleep(0.5)
 
 
-def running_stack(name: str) -> tuple[StackConfig, Topology]:
+def running_stack(name: str, run_root: Path = REPO / "runs") -> tuple[StackConfig, Topology]:
     """The config of a stack started by `make up` (from its state file) and its topology."""
     from local.stack import topology
-    state = REPO / "runs" / name / "state.json"
+    state = Path(run_root) / name / "state.json"
     if not state.is_file():
         raise SystemExit(f"no running stack {name!r} ({state} missing): start one with `make up`")
     raw = json.loads(state.read_text())["config"]
     fields = StackConfig.__dataclass_fields__
-    config = StackConfig(**{k: v for k, v in raw.items() if k in fields and k != "run_root"})
+    config = StackConfig(**{k: v for k, v in raw.items() if k in fields and k != "run_root"}, run_root=Path(run_root))
     return config, topology(config)
 
 

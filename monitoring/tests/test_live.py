@@ -10,7 +10,6 @@ alert expression must match series, and every metric named must be one a compone
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import socket
 import time
@@ -200,14 +199,3 @@ def test_vllm_metrics_the_queries_read_are_current_vllm_names():
              for m, _ in selectors(e) if m.startswith("vllm:")}
     assert len(named) >= 10 and named - real == set()
     assert not {n for n in named if "gpu_" in n or "time_per_output_token" in n}
-
-
-def test_scrape_config_keeps_the_monitors_relabelings():
-    config = observe.prometheus_config({"envoy-proxy": [observe.Target("127.0.0.1:1", "envoy-0")]})
-    (job,) = config["scrape_configs"]
-    assert job["metrics_path"] == "/stats/prometheus"
-    assert {"target_label": "job", "replacement": "envoy", "action": "replace"} in job["relabel_configs"]
-    assert job["metric_relabel_configs"] == [{
-        "action": "replace", "source_labels": ["envoy_http_conn_manager_prefix"],
-        "regex": "http-1?(808[01])", "target_label": "listener", "replacement": "$1"}]
-    json.dumps(config)
