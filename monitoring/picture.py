@@ -76,12 +76,17 @@ def draw(title: str, panels: list[dict], spans, start: float, out: Path) -> None
     import matplotlib.pyplot as plt
 
     graphs = [p for p in panels if p["type"] != "row"]
-    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in graphs)
+    row_ys = [p["gridPos"]["y"] for p in panels if p["type"] == "row"]
+
+    def top(p):  # the dashboard's grid without its one-unit row headers
+        return p["gridPos"]["y"] - sum(1 for y in row_ys if y < p["gridPos"]["y"])
+
+    bottom = max(top(p) + p["gridPos"]["h"] for p in graphs)
     fig = plt.figure(figsize=(16, bottom * 0.42))
-    grid = fig.add_gridspec(bottom, 24, hspace=2.2, wspace=1.5)
+    grid = fig.add_gridspec(bottom, 24, hspace=2.2, wspace=1.5, top=0.95)
     for p in graphs:
-        pos = p["gridPos"]
-        ax = fig.add_subplot(grid[pos["y"]:pos["y"] + pos["h"] - 1, pos["x"]:pos["x"] + pos["w"]])
+        pos, y = p["gridPos"], top(p)
+        ax = fig.add_subplot(grid[y:y + pos["h"] - 1, pos["x"]:pos["x"] + pos["w"]])
         ax.set_title(p["title"], fontsize=10, loc="left")
         for name, t0, t1 in spans:
             ax.axvspan((t0 - start) / 60, (t1 - start) / 60, alpha=0.08,
@@ -96,7 +101,7 @@ def draw(title: str, panels: list[dict], spans, start: float, out: Path) -> None
         ax.set_ylabel(unit, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("minutes (blue: load on 8080, orange: load on 8081)", fontsize=7)
-    fig.suptitle(title, fontsize=13)
+    fig.suptitle(title, fontsize=13, y=0.98)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80, bbox_inches="tight")
     plt.close(fig)
