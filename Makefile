@@ -41,10 +41,11 @@ $(KUBECONFORM):
 tools: $(KUBECONFORM) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, the picker benchmark's load client
 
 # Prometheus and promtool from Debian (bookworm: 2.42.0+ds-5+deb12u1), installed when missing.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 .PHONY: promtool
 promtool:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
