@@ -7,7 +7,10 @@ overlays/a10-monitoring), so the jobs, paths, relabelings and metric relabelings
 once: each monitor endpoint becomes one scrape job whose static targets stand in for the pods
 Kubernetes service discovery would find (their `__meta_kubernetes_*` labels included), followed by
 the labels the Prometheus Operator adds (namespace, pod, endpoint, job) and the monitor's own
-relabelings. Only the interval differs: the simulators run faster than real time.
+relabelings. Two things differ: the interval (the simulators run faster than real time), and
+the local listener ports, which a first metric relabeling renames to the cluster's (Envoy
+Gateway names a listener's stats `http-<port>`), so the monitor's own rules see what they would
+see in the cluster.
 The alert rules (components/monitoring/rules.yaml) are loaded too, so the UI shows their state.
 Prometheus (Debian's package) listens on loopback; its data lives in the run folder.
 """
@@ -56,7 +59,14 @@ def relabel_config(rule: dict) -> dict:
     return out
 
 
-def scrape_jobs(monitor: dict, targets: list[Target], interval: str) -> list[dict]:
+def listener_renames(listeners: dict[int, int]) -> list[dict]:
+    """Metric relabelings: local listener port -> the cluster's (`listeners`: cluster -> local)."""
+    return [{"source_labels": ["envoy_http_conn_manager_prefix"], "regex": f"http-{local}",
+             "target_label": "envoy_http_conn_manager_prefix", "replacement": f"http-{cluster}"}
+            for cluster, local in sorted(listeners.items()) if cluster != local]
+
+
+def scrape_jobs(monitor: dict, targets: list[Target], interval: str, listeners: dict[int, int] | None = None) -> list[dict]:
     meta, spec = monitor["metadata"], monitor["spec"]
     jobs = []
     for i, ep in enumerate(spec["podMetricsEndpoints"]):
@@ -79,7 +89,8 @@ def scrape_jobs(monitor: dict, targets: list[Target], interval: str) -> list[dic
             "honor_labels": bool(ep.get("honorLabels", False)),
             "static_configs": static,
             "relabel_configs": operator_defaults + [relabel_config(r) for r in ep.get("relabelings", [])],
-            "metric_relabel_configs": [relabel_config(r) for r in ep.get("metricRelabelings", [])],
+            "metric_relabel_configs": listener_renames(listeners or {})
+            + [relabel_config(r) for r in ep.get("metricRelabelings", [])],
         })
     return jobs
 
@@ -99,14 +110,22 @@ def stack_targets(config: StackConfig, topology: Topology, envoy_stats: str | No
 
 
 def prometheus_config(targets: dict[str, list[Target]], interval: str = DEFAULT_INTERVAL,
-                      rule_files: list[str] = ()) -> dict:
+                      listeners: dict[int, int] | None = None) -> dict:
+    """`listeners`: cluster listener port -> local port (8080 -> the stack's http port, ...)."""
     jobs = []
     for monitor in monitors():
         found = targets.get(monitor["metadata"]["name"])
         if found:
-            jobs += scrape_jobs(monitor, found, interval)
+            jobs += scrape_jobs(monitor, found, interval, listeners)
     return {"global": {"scrape_interval": interval, "evaluation_interval": interval},
-            "rule_files": list(rule_files), "scrape_configs": jobs}
+            "scrape_configs": jobs}
+
+
+def stack_config(config: StackConfig, topology: Topology, envoy_stats: str | None = None,
+                 interval: str = DEFAULT_INTERVAL) -> dict:
+    """The Prometheus config for one local stack (`envoy_stats`: Envoy's stats address, if any)."""
+    listeners = {8080: config.http_port, 8081: config.llm_port}
+    return prometheus_config(stack_targets(config, topology, envoy_stats), interval, listeners)
 
 
 class Prometheus:
@@ -190,8 +209,10 @@ class Prometheus:
     def targets(self) -> list[dict]:
         return self.api("targets")["activeTargets"]
 
-    def wait_scraped(self, expected: int, timeout: float = 30.0) -> list[dict]:
-        """Wait until `expected` targets have been scraped once (discovery applies every 5 s)."""
+    def wait_scraped(self, timeout: float = 30.0) -> list[dict]:
+        """Wait until every target has been scraped once (discovery applies every 5 s)."""
+        expected = sum(len(group["targets"]) for job in self.config["scrape_configs"]
+                       for group in job["static_configs"])
         deadline = time.monotonic() + timeout
         while True:
             targets = [t for t in self.targets() if not t["lastScrape"].startswith("0001-")]  # never: year 1
@@ -221,7 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--interval", default=DEFAULT_INTERVAL, help="scrape and rule evaluation interval")
     args = p.parse_args(argv)
     config, topo = running_stack(args.name)
-    prom = Prometheus(config.run_dir, prometheus_config(stack_targets(config, topo), args.interval), args.port)
+    prom = Prometheus(config.run_dir, stack_config(config, topo, interval=args.interval), args.port)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with prom:
         print(f"Prometheus {prom.url} scraping stack {args.name!r} (config and data in {prom.dir}); Ctrl-C stops it",

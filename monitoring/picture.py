@@ -123,9 +123,9 @@ def main(argv=None) -> int:
                              llm_port=ports[1], admin_port=ports[2], picker_grpc_port=ports[3],
                              picker_health_port=ports[4], picker_metrics_port=ports[5])
         with Stack(config) as stack:
-            targets = observe.stack_targets(config, stack.topology)
-            with observe.Prometheus(config.run_dir, observe.prometheus_config(targets, "1s"), ports[9]) as prom:
-                prom.wait_scraped(sum(len(t) for t in targets.values()))
+            prom_config = observe.stack_config(config, stack.topology, interval="1s")
+            with observe.Prometheus(config.run_dir, prom_config, ports[9]) as prom:
+                prom.wait_scraped()
                 start = time.time()
                 spans = run_load(config, Path(tmp) / "results", args.num_prompts, args.seed)
                 time.sleep(2)

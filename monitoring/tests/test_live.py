@@ -120,10 +120,9 @@ def live(tmp_path_factory):
         sim_args=["--max-num-seqs", "2"], picker_args=["--scrape-interval", "0.2"])
     tally: dict = {}
     with Stack(config) as stack:
-        targets = observe.stack_targets(config, stack.topology)
-        prom_config = observe.prometheus_config(targets, interval="1s")
+        prom_config = observe.stack_config(config, stack.topology, interval="1s")
         with observe.Prometheus(config.run_dir, prom_config, port=ports[9]) as prom:
-            prom.wait_scraped(sum(len(t) for t in targets.values()))
+            prom.wait_scraped()
             asyncio.run(load(config, LOAD_SECONDS, tally))
             stack.stop_process(f"sim-{stack.topology.sims[-1].port}")
             asyncio.run(load(config, LOAD_SECONDS, tally))

@@ -10,15 +10,18 @@ from local import observe
 from local.stack import StackConfig
 
 
-def test_scrape_config_keeps_the_monitors_relabelings():
-    config = observe.prometheus_config({"envoy-proxy": [observe.Target("127.0.0.1:1", "envoy-0")]})
+def test_scrape_config_keeps_the_monitors_relabelings_after_renaming_local_listeners():
+    config = observe.prometheus_config({"envoy-proxy": [observe.Target("127.0.0.1:1", "envoy-0")]},
+                                       listeners={8080: 18080, 8081: 8081})
     (job,) = config["scrape_configs"]
     assert job["job_name"] == "podMonitor/llm/envoy-proxy/0"
     assert job["metrics_path"] == "/stats/prometheus"
     assert {"target_label": "job", "replacement": "envoy", "action": "replace"} in job["relabel_configs"]
-    assert job["metric_relabel_configs"] == [{
-        "action": "replace", "source_labels": ["envoy_http_conn_manager_prefix"],
-        "regex": "http-1?(808[01])", "target_label": "listener", "replacement": "$1"}]
+    assert job["metric_relabel_configs"] == [
+        {"source_labels": ["envoy_http_conn_manager_prefix"], "regex": "http-18080",
+         "target_label": "envoy_http_conn_manager_prefix", "replacement": "http-8080"},
+        {"action": "replace", "source_labels": ["envoy_http_conn_manager_prefix"],
+         "regex": "http-(8080|8081)", "target_label": "listener", "replacement": "$1"}]
 
 
 def test_a_running_stack_becomes_targets_named_like_the_pods(tmp_path):
