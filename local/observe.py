@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from local.stack import REPO, StackConfig, Topology, kustomize, port_free, stop_group
+from local.stack import REPO, Stack, StackConfig, kustomize, port_free, stop_group, topology
 
 MONITOR_OVERLAY = "overlays/a10-monitoring"
 DEFAULT_PORT = 9095          # the picker has 9090
@@ -95,18 +95,24 @@ def scrape_jobs(monitor: dict, targets: list[Target], interval: str, listeners: 
     return jobs
 
 
-def stack_targets(config: StackConfig, topology: Topology, envoy_stats: str | None = None) -> dict[str, list[Target]]:
+def stack_targets(stack: Stack) -> dict[str, list[Target]]:
     """Monitor name -> the local processes standing in for the pods it selects."""
-    index: dict[str, int] = {}
-    sims = []
-    for sim in topology.sims:   # leader pods are named <LeaderWorkerSet>-<group index>
+    config, index, sims = stack.config, {}, []
+    for sim in stack.topology.sims:   # leader pods are named <LeaderWorkerSet>-<group index>
         n = index[sim.lws] = index.get(sim.lws, -1) + 1
         sims.append(Target(sim.address, f"{sim.lws}-{n}"))
-    out = {"vllm-leaders": sims,
-           "picker": [Target(f"{config.host}:{config.picker_metrics_port}", "inference-gateway-ext-proc-0")]}
-    if envoy_stats:
-        out["envoy-proxy"] = [Target(envoy_stats, "envoy-inference-gateway-0", "envoy-gateway-system")]
-    return out
+    envoy = stack.envoy_admin().removeprefix("http://")   # the admin API serves /stats/prometheus too
+    return {"vllm-leaders": sims,
+            "picker": [Target(f"{config.host}:{config.picker_metrics_port}", "inference-gateway-ext-proc-0")],
+            "envoy-proxy": [Target(envoy, "envoy-inference-gateway-0", "envoy-gateway-system")]}
+
+
+def cluster_listener_ports(stack: Stack) -> dict[int, int]:
+    """The Gateway's listener ports in the cluster -> the local stack's."""
+    local = stack.listener_ports()
+    return {listener["port"]: local[listener["name"]]
+            for gw in stack.topology.gateway if gw["kind"] == "Gateway"
+            for listener in gw["spec"]["listeners"] if listener["name"] in local}
 
 
 def prometheus_config(targets: dict[str, list[Target]], interval: str = DEFAULT_INTERVAL,
@@ -121,11 +127,9 @@ def prometheus_config(targets: dict[str, list[Target]], interval: str = DEFAULT_
             "scrape_configs": jobs}
 
 
-def stack_config(config: StackConfig, topology: Topology, envoy_stats: str | None = None,
-                 interval: str = DEFAULT_INTERVAL) -> dict:
-    """The Prometheus config for one local stack (`envoy_stats`: Envoy's stats address, if any)."""
-    listeners = {8080: config.http_port, 8081: config.llm_port}
-    return prometheus_config(stack_targets(config, topology, envoy_stats), interval, listeners)
+def stack_config(stack: Stack, interval: str = DEFAULT_INTERVAL) -> dict:
+    """The Prometheus config for a started local stack."""
+    return prometheus_config(stack_targets(stack), interval, cluster_listener_ports(stack))
 
 
 class Prometheus:
@@ -223,16 +227,17 @@ class Prometheus:
             time.sleep(0.5)
 
 
-def running_stack(name: str, run_root: Path = REPO / "runs") -> tuple[StackConfig, Topology]:
-    """The config of a stack started by `make up` (from its state file) and its topology."""
-    from local.stack import topology
+def running_stack(name: str, run_root: Path = REPO / "runs") -> Stack:
+    """The stack started by `make up` (config from its state file, topology from the manifests)."""
     state = Path(run_root) / name / "state.json"
     if not state.is_file():
         raise SystemExit(f"no running stack {name!r} ({state} missing): start one with `make up`")
     raw = json.loads(state.read_text())["config"]
     fields = StackConfig.__dataclass_fields__
-    config = StackConfig(**{k: v for k, v in raw.items() if k in fields and k != "run_root"}, run_root=Path(run_root))
-    return config, topology(config)
+    stack = Stack(StackConfig(**{k: v for k, v in raw.items() if k in fields and k != "run_root"},
+                              run_root=Path(run_root)))
+    stack.topology = topology(stack.config)
+    return stack
 
 
 def main(argv=None) -> int:
@@ -241,8 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="Prometheus UI/API port on 127.0.0.1")
     p.add_argument("--interval", default=DEFAULT_INTERVAL, help="scrape and rule evaluation interval")
     args = p.parse_args(argv)
-    config, topo = running_stack(args.name)
-    prom = Prometheus(config.run_dir, stack_config(config, topo, interval=args.interval), args.port)
+    stack = running_stack(args.name)
+    prom = Prometheus(stack.config.run_dir, stack_config(stack, args.interval), args.port)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with prom:
         print(f"Prometheus {prom.url} scraping stack {args.name!r} (config and data in {prom.dir}); Ctrl-C stops it",

@@ -120,10 +120,10 @@ def main(argv=None) -> int:
         ports = free_ports(10)
         config = StackConfig(name="picture", run_root=Path(tmp), groups=3, speedup=args.speedup,
                              seed=args.seed, kv_scale=DEMO_SCALE, sim_ports=ports[6:9], http_port=ports[0],
-                             llm_port=ports[1], admin_port=ports[2], picker_grpc_port=ports[3],
+                             llm_port=ports[1], picker_grpc_port=ports[3],
                              picker_health_port=ports[4], picker_metrics_port=ports[5])
         with Stack(config) as stack:
-            prom_config = observe.stack_config(config, stack.topology, interval="1s")
+            prom_config = observe.stack_config(stack, interval="1s")
             with observe.Prometheus(config.run_dir, prom_config, ports[9]) as prom:
                 prom.wait_scraped()
                 start = time.time()

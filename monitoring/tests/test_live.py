@@ -27,7 +27,6 @@ from monitoring import dashboards, rules
 SAMPLES = REPO.parent / "shared" / "metrics-samples"
 RATE_WINDOW = "30s"            # $__rate_interval for the dashboards' queries (scrapes every 1 s)
 LOAD_SECONDS = 12.0            # before and after one simulator is stopped
-ENVOY_JOB = 'job="envoy"'
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,10 +66,6 @@ def selectors(expr: str) -> list[tuple[str, str]]:
 
     promql_parser.walk(promql_parser.parse(expr), visit)
     return found
-
-
-def needs_envoy(expr: str) -> bool:
-    return ENVOY_JOB in expr
 
 
 def sheddable_profile(path: Path) -> Path:
@@ -114,13 +109,13 @@ def live(tmp_path_factory):
     ports = free_ports(10)
     config = StackConfig(
         name="observe", run_root=run_root, groups=3, speedup=100.0, seed=3, sim_ports=ports[6:9],
-        http_port=ports[0], llm_port=ports[1], admin_port=ports[2], picker_grpc_port=ports[3],
+        http_port=ports[0], llm_port=ports[1], picker_grpc_port=ports[3],
         picker_health_port=ports[4], picker_metrics_port=ports[5],
         profile=str(sheddable_profile(run_root / "shed-early.yaml")),
         sim_args=["--max-num-seqs", "2"], picker_args=["--scrape-interval", "0.2"])
     tally: dict = {}
     with Stack(config) as stack:
-        prom_config = observe.stack_config(config, stack.topology, interval="1s")
+        prom_config = observe.stack_config(stack, interval="1s")
         with observe.Prometheus(config.run_dir, prom_config, port=ports[9]) as prom:
             prom.wait_scraped()
             asyncio.run(load(config, LOAD_SECONDS, tally))
@@ -144,16 +139,12 @@ def test_load_reached_both_listeners_and_was_shed(live):
 
 @pytest.mark.parametrize("name,expr", dashboard_queries(), ids=lambda v: v if " " not in v else None)
 def test_dashboard_query_returns_series(live, name, expr):
-    if needs_envoy(expr):
-        pytest.skip("Envoy's stats come from the real data plane, not on this branch yet")
     prom, during_load, _, _ = live
     assert prom.query(expr, during_load), f"{name}: no series for {expr}"
 
 
 @pytest.mark.parametrize("name,expr", alert_expressions(), ids=lambda v: v if " " not in v else None)
 def test_alert_expression_evaluates_on_present_series(live, name, expr):
-    if needs_envoy(expr):
-        pytest.skip("Envoy's stats come from the real data plane, not on this branch yet")
     prom, _, at, _ = live
     prom.query(expr, at)   # raises on a PromQL error
     for metric, selector in selectors(expr):
@@ -163,7 +154,7 @@ def test_alert_expression_evaluates_on_present_series(live, name, expr):
 def test_every_metric_named_is_exported(live):
     exported = live[0].metric_names()
     named = {metric for _, expr in dashboard_queries() + alert_expressions()
-             if not needs_envoy(expr) for metric, _ in selectors(expr)}
+             for metric, _ in selectors(expr)}
     assert named and named - exported == set()
 
 

@@ -29,15 +29,23 @@ def test_a_running_stack_becomes_targets_named_like_the_pods(tmp_path):
     (tmp_path / "x").mkdir()
     state = {"name": "x", "config": dataclasses.asdict(config), "procs": []}
     (tmp_path / "x/state.json").write_text(json.dumps(state, default=str))
-    found, topo = observe.running_stack("x", tmp_path)
-    assert found.run_dir == tmp_path / "x"
-    targets = observe.stack_targets(found, topo)
+    admin = tmp_path / "x/envoy-gateway/runtime/envoy/admin-address.txt"   # where func-e records it
+    admin.parent.mkdir(parents=True)
+    admin.write_text("127.0.0.1:19555")
+    stack = observe.running_stack("x", tmp_path)
+    assert stack.config.run_dir == tmp_path / "x"
+    targets = observe.stack_targets(stack)
     assert targets["vllm-leaders"] == [observe.Target("127.0.0.1:18101", "qwq-dist-v1-0"),
                                        observe.Target("127.0.0.1:18102", "qwq-dist-v1-1")]
-    jobs = {j["job_name"]: j for j in observe.prometheus_config(targets)["scrape_configs"]}
-    assert set(jobs) == {"podMonitor/llm/vllm-leaders/0", "podMonitor/llm/picker/0"}
+    assert targets["envoy-proxy"] == [observe.Target("127.0.0.1:19555", "envoy-inference-gateway-0",
+                                                     "envoy-gateway-system")]
+    assert observe.cluster_listener_ports(stack) == {8080: 18080, 8081: 18081}
+    jobs = {j["job_name"]: j for j in observe.stack_config(stack)["scrape_configs"]}
+    assert set(jobs) == {"podMonitor/llm/vllm-leaders/0", "podMonitor/llm/picker/0", "podMonitor/llm/envoy-proxy/0"}
     assert jobs["podMonitor/llm/picker/0"]["static_configs"][0]["targets"] == ["127.0.0.1:19090"]
     assert jobs["podMonitor/llm/picker/0"]["honor_labels"] is True
+    renames = jobs["podMonitor/llm/envoy-proxy/0"]["metric_relabel_configs"][:2]
+    assert [(r["regex"], r["replacement"]) for r in renames] == [("http-18080", "http-8080"), ("http-18081", "http-8081")]
 
 
 def test_no_running_stack_is_a_clear_error(tmp_path):
