@@ -148,10 +148,11 @@ def routing() -> Dashboard:
                   "(picker_requests_total): 200 routed, 429 shed, 503 no ready endpoint.", "reqps",
                   [Query(f"sum by (code) (rate(picker_requests_total{{{PICKER}}}[{RATE}]))",
                          "{{code}}")], 8),
-            Panel("In flight per endpoint", "Requests the picker sent to each endpoint and not "
-                  "yet finished (picker_endpoint_inflight): where its decisions went.", "short",
-                  [Query(f"sum by (endpoint) (picker_endpoint_inflight{{{PICKER}}})",
-                         "{{endpoint}}")], 8),
+            Panel("Requests served per group", "Requests each group finished per second "
+                  "(vllm:request_success_total). While only 8081 carries load, this is where the "
+                  "picker's decisions went; with 8080 alone, where least request sent them.", "reqps",
+                  [Query(f"sum by (pod) (rate(vllm:request_success_total{{{VLLM}}}[{RATE}]))",
+                         "{{pod}}")], 8),
             Panel("Shed requests/s", "Sheddable requests refused with 429 because the pool was "
                   "saturated (picker_shed_requests_total).", "reqps",
                   [Query(f"sum by (model) (rate(picker_shed_requests_total{{{PICKER}}}[{RATE}]))",
