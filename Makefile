@@ -10,6 +10,8 @@ KUBECONFORM_VERSION := v0.7.0
 KUBECONFORM := $(TOOLS)/kubeconform
 # CRDs for offline validation: the shared test data when it is there, else the cache `make crds` fills.
 CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/crds)
+# CRDs that ship in pinned Go modules (the Prometheus Operator's, for components/monitoring).
+EXTRA_CRDS_DIR := .cache/crds-extra
 RUN_DIR     ?= runs/local
 GROUPS      ?= 3
 SPEEDUP     ?= 20
@@ -19,7 +21,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test demo up down loadtest compare sweep bench bench-picker bench-picker-scale
+.PHONY: help setup tools lock crds validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -30,7 +32,7 @@ $(VENV)/.stamp: requirements.txt picker/pyproject.toml
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e picker
 	touch $@
 
-setup: $(VENV)/.stamp tools ## build the virtualenv and the pinned tools into the working tree
+setup: $(VENV)/.stamp tools promtool ## build the virtualenv and the pinned tools into the working tree
 
 $(KUBECONFORM):
 	mkdir -p $(TOOLS)
@@ -68,22 +70,36 @@ apiserver-tools: $(KUBE_APISERVER)
 redis-server:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
+# Prometheus and promtool from Debian (bookworm: 2.42.0+ds-5+deb12u1), installed when missing.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+.PHONY: promtool
+promtool:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
 	.cache/lock-venv/bin/pip install --quiet -r requirements.in
 	{ sed -n '1,2p' requirements.txt; .cache/lock-venv/bin/pip freeze; } > requirements.txt.new && mv requirements.txt.new requirements.txt
 
-crds: $(VENV)/.stamp ## download the pinned upstream CRDs into .cache/crds (for CRDS_DIR when ../shared/crds is absent)
+crds: $(VENV)/.stamp $(EXTRA_CRDS_DIR) ## download the pinned upstream CRDs into .cache/crds (for CRDS_DIR when ../shared/crds is absent)
 	$(PY) -m validation.crds --dest .cache/crds
 
-validate: setup ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; policy suite
+$(EXTRA_CRDS_DIR): validation/crds.py | $(VENV)/.stamp
+	$(PY) -m validation.crds --go-modules --dest $(EXTRA_CRDS_DIR)
+	touch $@
+
+validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; alert rules, dashboards; policy suite
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
-	$(PY) -m validation --crds-dir $(CRDS_DIR) --kubeconform $(KUBECONFORM)
+	$(PY) -m validation --crds-dir $(CRDS_DIR) --extra-crds-dir $(EXTRA_CRDS_DIR) --kubeconform $(KUBECONFORM)
+	$(PY) -m monitoring.rules check
+	$(PY) -m monitoring.dashboards --check
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
 test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
+	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~2 min)
@@ -91,6 +107,10 @@ test-apiserver: setup ## server-side dry-run of every target + the picker's disc
 
 up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)
+
+OBSERVE_PORT ?= 9095
+observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
+	$(PY) -m local.observe --name $(notdir $(RUN_DIR)) --port $(OBSERVE_PORT)
 
 down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi

@@ -36,6 +36,8 @@ def parse_args(argv):
     p.add_argument("--root", type=Path, default=root, help="repository root (default: current directory)")
     p.add_argument("--crds-dir", type=Path, default=None, help="pinned CRD copies (default: $CRDS_DIR, "
                    "../shared/crds, .cache/crds)")
+    p.add_argument("--extra-crds-dir", type=Path, action="append", default=None,
+                   help="another CRD folder, repeatable (default: .cache/crds-extra when it exists)")
     p.add_argument("--kubeconform", type=Path, default=None, help="kubeconform binary (default .tools/bin/kubeconform)")
     p.add_argument("--cache-dir", type=Path, default=None, help="schema cache (default .cache/validation)")
     p.add_argument("--kubernetes-version", default=DEFAULT_K8S_VERSION)
@@ -47,6 +49,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.root = args.root.resolve()
     args.crds_dir = (args.crds_dir or default_crds_dir(args.root)).resolve()
+    extra = args.extra_crds_dir or [p for p in [args.root / ".cache" / "crds-extra"] if p.is_dir()]
+    args.extra_crds_dir = tuple(p.resolve() for p in extra)
     args.kubeconform = args.kubeconform or args.root / ".tools" / "bin" / "kubeconform"
     args.egctl = args.egctl or args.root / ".tools" / "bin" / "egctl"
     args.cache_dir = args.cache_dir or args.root / ".cache" / "validation"
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
         wf = None if args.skip_workflows else side.submit(workflows.check, args.root)
         results = render_all(args)
         builtin = BuiltinSchemas(args.kubernetes_version)
-        crds = CRDStore(args.crds_dir, args.cache_dir)
+        crds = CRDStore(args.crds_dir, args.cache_dir, args.extra_crds_dir)
         problems = [Problem(str(args.crds_dir), msg, source="crds") for msg in crds.problems]
         for r in results.values():
             problems.extend(r.problems)

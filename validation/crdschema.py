@@ -148,7 +148,8 @@ def apply_defaults(value, schema: dict):
 class CRDStore:
     """Index of the CRD directory: (group, version, kind) -> converted schema (cached on disk)."""
 
-    def __init__(self, crds_dir: Path, cache_dir: Path):
+    def __init__(self, crds_dir: Path, cache_dir: Path, extra_dirs: tuple[Path, ...] = ()):
+        """extra_dirs: further CRD folders (those `make crds` fetches from Go modules)."""
         self.crds_dir = crds_dir
         self.cache_dir = cache_dir / "crd-schemas"
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -158,8 +159,12 @@ class CRDStore:
         self._validators: dict[Path, CRValidator] = {}
         if not crds_dir.is_dir():
             raise SystemExit(f"CRD directory {crds_dir} does not exist (run `make crds` or set CRDS_DIR)")
-        for path in sorted(crds_dir.rglob("*.y*ml")):
-            self._add_file(path)
+        for extra in extra_dirs:
+            if not extra.is_dir():
+                raise SystemExit(f"CRD directory {extra} does not exist (run `make crds`)")
+        for folder in (crds_dir, *extra_dirs):
+            for path in sorted(folder.rglob("*.y*ml")):
+                self._add_file(path)
 
     def _add_file(self, path: Path) -> None:
         data = path.read_bytes()
