@@ -46,9 +46,10 @@ SYSTEM_PROMPTS = [f"tenant {t} system prompt: " + "policy clause %d. " % t * 180
 def vllm_page(waiting: int, running: int, kv: float, model: str = "qwq") -> str:
     """A vLLM-like /metrics page: load gauges plus the histograms a real server exposes."""
     lab = f'engine="0",model_name="{model}"'
-    lines = [f"vllm:num_requests_waiting{{{lab}}} {waiting}",
-             f"vllm:num_requests_running{{{lab}}} {running}",
-             f"vllm:kv_cache_usage_perc{{{lab}}} {kv}",
+    lines = ["# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{lab}}} {waiting}",
+             "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{lab}}} {running}",
+             "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{lab}}} {kv}",
+             "# TYPE vllm:cache_config_info gauge",
              f'vllm:cache_config_info{{block_size="16",engine="0",model_name="{model}",'
              f'num_gpu_blocks="4500",enable_prefix_caching="True"}} 1.0']
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
@@ -61,6 +62,7 @@ def vllm_page(waiting: int, running: int, kv: float, model: str = "qwq") -> str:
         lines.append(f"vllm:{name}_count{{{lab}}} 1000.0")
     for name in ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total"):
+        lines.append(f"# TYPE vllm:{name.removesuffix('_total')} counter")
         lines.append(f"vllm:{name}{{{lab}}} {random.randint(0, 10**6)}.0")
     return "\n".join(lines) + "\n"
 
