@@ -98,7 +98,7 @@ validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; 
 
 test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
-	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/e2e
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
 

@@ -18,9 +18,10 @@ LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
 def validation(runs: int = 3) -> dict:
     """`python -m validation` (every overlay, Argo CD app path, loadtest/k8s), warm: one run fills
     the caches, then `runs` timed runs."""
-    crds = REPO.parent / "shared" / "crds"
-    crds_dir = crds if (crds / "README.md").exists() else REPO / ".cache" / "crds"
-    cmd = [PY, "-m", "validation", "--crds-dir", str(crds_dir), "--kubeconform", str(REPO / ".tools/bin/kubeconform")]
+    from validation.cli import default_crds_dir
+
+    cmd = [PY, "-m", "validation", "--crds-dir", str(default_crds_dir(REPO)),
+           "--kubeconform", str(REPO / ".tools/bin/kubeconform")]
     log = RESULTS / "validation.log"
     load_start = load_average()
     cold = run(cmd, log=log)

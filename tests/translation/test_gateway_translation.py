@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.policy.conftest import OVERLAYS, ROOT, find, rendered
+from tests.policy.conftest import OVERLAYS, ROOT, find, rendered  # noqa: F401  (shared render cache)
 from validation import gateway
 
 EGCTL = ROOT / ".tools" / "bin" / "egctl"
