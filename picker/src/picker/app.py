@@ -12,6 +12,7 @@ import uvloop
 
 from prometheus_client import start_http_server
 
+from picker.config import server_limits
 from picker.core import Router, RouterSettings
 from picker.discovery.objects import Objective, Rewrite, load_objects
 from picker.observability.metrics import PickerMetrics
@@ -75,7 +76,7 @@ class App:
         a = self.args
         self.servers = await start_servers(self.router, a.grpc_port, a.health_port,
                                            a.secure_serving, a.cert_path, a.request_body_mode,
-                                           a.bind)
+                                           a.bind, limits=server_limits(a))
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""
         self.metrics_server, _ = start_http_server(a.metrics_port, addr=host or "::",
                                                    registry=self.metrics.registry)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from picker.discovery.objects import Objective, Rewrite
-from picker.errors import PickerError
+from picker.errors import PickerError, clip
 from picker.openai import parse_body, rewrite_model
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.prefix import PrefixIndex, block_hashes
@@ -28,6 +28,7 @@ __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 REQUEST_ID_HEADER = "x-request-id"
+UNKNOWN_LABEL = "unknown"  # metric label of every model name neither configured nor served
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class Decision:
     priority: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    client_request_id: str = ""  # the request's x-request-id (clipped), for logs only
 
 
 class Router:
@@ -70,6 +72,8 @@ class Router:
         self.rng = rng or random.Random()
         self.settings = settings or RouterSettings()
         self.metrics = metrics  # observability.metrics.PickerMetrics or None
+        if metrics is not None:
+            metrics.model_label = self.metric_label
         self.endpoints: dict[str, EndpointState] = {}
         self.inflight: dict[str, InflightEntry] = {}
         self.prefix = PrefixIndex(profile.lru_capacity_per_server)
@@ -77,6 +81,7 @@ class Router:
         self._ids = itertools.count(1)
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
+        self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
         self.set_objects(objectives, rewrites)
 
     # ---- discovery -------------------------------------------------------------------------
@@ -86,6 +91,8 @@ class Router:
             if addr not in wanted:
                 del self.endpoints[addr]
                 self.prefix.remove_endpoint(addr)
+                if self.metrics is not None:
+                    self.metrics.forget_endpoint(addr)
         for addr in wanted:
             if addr not in self.endpoints:
                 self.endpoints[addr] = EndpointState(addr)
@@ -93,6 +100,9 @@ class Router:
     def set_objects(self, objectives: Iterable[Objective], rewrites: Iterable[Rewrite]) -> None:
         self.objectives = {o.name: o for o in objectives}
         self.rewrites = order_rewrites(list(rewrites))
+        self.configured_models = frozenset(
+            name for rw in self.rewrites for rule in rw.rules
+            for name in (*rule.models, *(target for target, _ in rule.targets)))
 
     # ---- load signals ----------------------------------------------------------------------
     def on_scrape_ok(self, address: str, metrics_text: str | bytes, now: float | None = None) -> None:
@@ -114,6 +124,21 @@ class Router:
             if self.metrics is not None:
                 self.metrics.scrape_errors.labels(address).inc()
 
+    def on_models(self, address: str, names: Iterable[str]) -> None:
+        """Models and LoRA adapters an endpoint lists in /v1/models (loaded, busy or idle)."""
+        state = self.endpoints.get(address)
+        if state is not None:
+            state.listed_models = frozenset(names)
+
+    def metric_label(self, model: str) -> str:
+        """A model name as a metric label: only configured or served names, else `unknown`,
+        so that clients cannot create series."""
+        if not model or model in self.configured_models:
+            return model
+        if any(e.serves(model) for e in self.endpoints.values()):
+            return model
+        return UNKNOWN_LABEL
+
     @property
     def ready(self) -> bool:
         return any(e.ready for e in self.endpoints.values())
@@ -125,8 +150,9 @@ class Router:
             decision = self._decide(info)
         except PickerError as err:
             if self.metrics is not None:
-                self.metrics.record_error(err, time.perf_counter() - started, err.model,
-                                          err.target_model)
+                self.metrics.record_error(err, time.perf_counter() - started,
+                                          self.metric_label(err.model),
+                                          self.metric_label(err.target_model))
             raise
         if self.metrics is not None:
             self.metrics.record_decision(decision, time.perf_counter() - started)
@@ -168,10 +194,9 @@ class Router:
                               "no_endpoint_in_subset")
         return ready
 
-    def _request_id(self, headers: dict[str, str]) -> str:
-        rid = headers.get(REQUEST_ID_HEADER)
-        if rid and rid not in self.inflight:
-            return rid
+    def _request_id(self) -> str:
+        """In-flight entries are keyed by ids only the picker makes: a client's x-request-id can
+        neither replace nor collide with another request's entry."""
         return f"picker-{next(self._ids)}"
 
     def _objective(self, headers: dict[str, str]) -> tuple[str | None, int]:
@@ -190,24 +215,26 @@ class Router:
         if not ready:
             raise PickerError(503, "no ready endpoint in the pool", "no_ready_endpoint")
         objective, priority = self._objective(info.headers)
-        request_id = self._request_id(info.headers)
+        request_id = self._request_id()
+        client_id = clip(info.headers.get(REQUEST_ID_HEADER, ""))
         if parsed is None:  # bodiless (e.g. GET /v1/models): any ready endpoint
             chosen = self.rng.choice(ready)
             self.inflight[request_id] = add_inflight(chosen, 0, now)
-            return Decision(chosen.address, request_id, "", "", b"", objective, priority)
+            return Decision(chosen.address, request_id, "", "", b"", objective, priority,
+                            client_request_id=client_id)
         model = parsed.model
         target = choose_target(find_rule(self.rewrites, model), model, self.rng) \
             if self.rewrites else model
         candidates = [e for e in ready if e.serves(target)]
         if not candidates:
-            raise PickerError(404, f"no endpoint serves model {target!r}"
-                              + (f" (rewritten from {model!r})" if target != model else ""),
+            raise PickerError(404, f"no endpoint serves model {clip(target)!r}"
+                              + (f" (rewritten from {clip(model)!r})" if target != model else ""),
                               "model_not_found", model, target)
         self._mark_stale(candidates, now)
         profile = self.profile
         if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
             if self.metrics is not None:
-                self.metrics.shed.labels(model).inc()
+                self.metrics.shed.labels(self.metric_label(model)).inc()
             raise PickerError(429, "the pool is saturated and this request's objective is "
                                    "sheddable (negative priority)", "pool_saturated", model, target)
         ctx = SchedulingContext(target, parsed.prompt_tokens, parsed.max_tokens, priority, now,
@@ -230,6 +257,6 @@ class Router:
         self.inflight[request_id] = add_inflight(chosen, uncached, now)
         out_body = body if target == model else rewrite_model(parsed, target)
         if target != model and self.metrics is not None:
-            self.metrics.rewrites.labels(model, target).inc()
+            self.metrics.rewrites.labels(self.metric_label(model), target).inc()
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
-                        parsed.prompt_tokens, cached)
+                        parsed.prompt_tokens, cached, client_id)

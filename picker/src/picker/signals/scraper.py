@@ -14,16 +14,20 @@ import aiohttp
 
 from picker.core import Router
 from picker.signals.metrics import MetricsParseError
+from picker.signals.models import ModelsParseError, parse_models
 
 log = logging.getLogger("picker.scraper")
 DEFAULT_INTERVAL = 0.1
+# /v1/models (loaded LoRA adapters) changes only when adapters are loaded or unloaded.
+MODELS_INTERVAL = 10.0
 
 
 class Scraper:
     def __init__(self, router: Router, interval: float = DEFAULT_INTERVAL,
-                 timeout: float | None = None):
+                 timeout: float | None = None, models_interval: float = MODELS_INTERVAL):
         self.router = router
         self.interval = interval
+        self.models_interval = models_interval
         self.timeout = timeout if timeout is not None else max(0.5, 5 * interval)
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -66,11 +70,30 @@ class Scraper:
                 log.warning("scrape failed", extra={"endpoint": addr, "error": repr(exc)[:200]})
             return False
 
+    async def list_models(self, addr: str) -> bool:
+        """Read the endpoint's /v1/models into the Router (its idle LoRA adapters)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(f"http://{addr}/v1/models") as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                names = parse_models(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ModelsParseError) as exc:
+            log.debug("listing models failed", extra={"endpoint": addr, "error": repr(exc)[:200]})
+            return False
+        self.router.on_models(addr, names)
+        return True
+
     async def _loop(self, addr: str) -> None:
         loop = asyncio.get_running_loop()
+        models_due = loop.time()
         while True:
             started = loop.time()
-            await self.scrape_once(addr)
+            ok = await self.scrape_once(addr)
+            if ok and started >= models_due:
+                # retried at the next scrape until it succeeds, then every models_interval
+                if await self.list_models(addr):
+                    models_due = started + self.models_interval
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
 
     async def close(self) -> None:
