@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from validation.policy import (PodTemplate, describe, name_of, ns_of, of_kind, picker_container,
-                               pod_templates, vllm_container)
+from kubernetes.utils import parse_quantity
+
+from validation.policy import (PodTemplate, argv, describe, flag_values, name_of, ns_of, of_kind,
+                               picker_container, pod_templates)
 
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
@@ -309,4 +311,24 @@ def vllm_pods_hardened(objs):
     return problems
 
 
-ISOLATION_CHECKS = [vllm_api_isolated, ray_ports_isolated, picker_isolated, vllm_pods_hardened]
+def picker_body_limit_matches_gateway(objs):
+    """The picker's --max-body-bytes equals the request size the gateway lets through (the
+    ClientTrafficPolicy's connection.bufferLimit): smaller, the picker refuses requests the
+    gateway accepted; larger, the replica budgets for bodies it never sees."""
+    deployment, container = picker_container(objs)
+    if deployment is None:
+        return []
+    values = flag_values(argv(container), "--max-body-bytes")
+    picker_limit = int(values[0]) if values else 8 * 1024 * 1024  # the picker's default
+    problems = []
+    for ctp in of_kind(objs, "ClientTrafficPolicy"):
+        limit = (((ctp.get("spec") or {}).get("connection") or {}).get("bufferLimit"))
+        if limit is not None and int(parse_quantity(limit)) != picker_limit:
+            problems.append(f"{describe(ctp)}: spec.connection.bufferLimit {limit} "
+                            f"({int(parse_quantity(limit))} bytes) != the picker's --max-body-bytes "
+                            f"{picker_limit} in {describe(deployment)}")
+    return problems
+
+
+ISOLATION_CHECKS = [vllm_api_isolated, ray_ports_isolated, picker_isolated, vllm_pods_hardened,
+                    picker_body_limit_matches_gateway]

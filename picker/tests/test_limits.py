@@ -33,7 +33,7 @@ async def start(limits: ServerLimits):
 @pytest.fixture
 async def small_budget():
     router, servers, ch, stub, metrics = await start(
-        ServerLimits(max_streams=6, max_buffered_bytes=3 * MIB, max_body_bytes=2 * MIB))
+        ServerLimits(max_streams=6, max_buffered_bytes=2 * MIB, max_body_bytes=2 * MIB))
     yield router, servers, stub, metrics
     await ch.close()
     await servers.stop(0)
@@ -68,11 +68,15 @@ async def test_body_budget_refuses_with_reason_then_recovers(small_budget, mode)
     router, servers, stub, metrics = small_budget
     held = await Held(stub, MIB + MIB // 2).start()
     prompt = body(prompt="y" * (MIB + MIB // 2))  # 1.5 MiB each: within the per-request limit
-    send = c.send_buffered if mode == "buffered" else c.send_full_duplex
+    if mode == "buffered":
+        send = c.send_buffered
+    else:  # one body message: no write can come after the refusal
+        async def send(stub, headers, prompt):
+            return await c.send_full_duplex(stub, headers, prompt, chunk=len(prompt))
     call, answers = await send(stub, c.post_headers(), prompt)
     status, err = error_of(answers[-1])
     assert (status, err["code"]) == (503, "body_buffer_full")
-    assert "request buffer" in err["message"] and str(3 * MIB) in err["message"]
+    assert "request buffer" in err["message"] and str(2 * MIB) in err["message"]
     assert metrics.registry.get_sample_value("picker_refused_requests_total",
                                              {"code": "body_buffer_full"}) == 1
     # the held request completes (its body is no longer buffered) and room is back
@@ -88,7 +92,7 @@ async def test_refused_and_finished_streams_release_their_bytes(small_budget):
     router, servers, stub, _ = small_budget
     budget = servers.budget
     held = await Held(stub, MIB).start()
-    await wait_until(lambda: budget.buffered == held.sent)
+    await wait_until(lambda: budget.buffered == held.sent - 64 * 1024)  # the first 64 KiB: its own
     held.call.cancel()  # the stream goes away before its body ended
     await wait_until(lambda: budget.buffered == 0 and budget.streams == 0)
     call, answers = await c.send_buffered(stub, c.post_headers(), body(prompt="z" * (2 * MIB + 9)))
@@ -184,3 +188,15 @@ async def wait_until(pred, timeout=5.0):
     while not pred():
         assert loop.time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+async def test_ordinary_prompts_pass_while_the_shared_buffer_is_full(small_budget):
+    router, servers, stub, _ = small_budget
+    held = [await Held(stub, 2 * MIB - 100).start()]
+    await wait_until(lambda: servers.budget.buffered > MIB + MIB // 2)
+    call, answers = await c.send_buffered(stub, c.post_headers(), body(prompt="y" * (MIB // 2)))
+    assert error_of(answers[-1])[1]["code"] == "body_buffer_full"
+    call, answers = await c.send_buffered(stub, c.post_headers(), body(prompt="short " * 5000))
+    assert answers[-1].request_body.response.header_mutation.set_headers  # 30 kB: routed
+    for h in held:
+        h.call.cancel()

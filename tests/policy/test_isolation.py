@@ -175,3 +175,18 @@ def test_weakened_vllm_security_context_is_caught(breakage, message):
     problems = isolation.vllm_pods_hardened(objs)
     assert len(problems) == 1 and message in problems[0], problems
     assert "leaderTemplate.spec.containers[0]" in problems[0]
+
+
+# ------------------------------------------------------------------ request size limits
+
+@pytest.mark.parametrize("where", ["gateway", "picker"])
+def test_body_limits_that_disagree_are_caught(where):
+    objs = rendered(OVERLAY)
+    if where == "gateway":
+        find(objs, "ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"] = "4Mi"
+    else:
+        args = find(objs, "Deployment", "inference-gateway-ext-proc")["spec"]["template"]["spec"]["containers"][0]["args"]
+        args[args.index("--max-body-bytes") + 1] = "1048576"
+    problems = isolation.picker_body_limit_matches_gateway(objs)
+    assert len(problems) == 1 and "spec.connection.bufferLimit" in problems[0]
+    assert "--max-body-bytes" in problems[0]

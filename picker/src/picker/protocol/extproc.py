@@ -66,7 +66,8 @@ class RequestStream:
         self.headers: dict[str, str] | None = None  # set by the (one) request_headers message
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []  # request body messages (joined once, at the end)
-        self.body_bytes = 0            # all reserved in the budget until routed or ended
+        self.body_bytes = 0
+        self.reserved = 0              # of those, held in the shared budget (above the small part)
         self.decision: Decision | None = None
         self.routed = False      # the request phase is answered
         self.finished = False    # an immediate response ended the stream
@@ -115,11 +116,14 @@ class RequestStream:
     def _request_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if self.routed:
             return []
-        refused = self.budget.reserve(len(b.body))
-        if refused is not None:
-            if self.router.metrics is not None:
-                self.router.metrics.refusals.labels(refused.code).inc()
-            return self._error(refused)
+        need = self.body_bytes + len(b.body) - self.budget.limits.small_body_bytes - self.reserved
+        if need > 0:
+            refused = self.budget.reserve(need)
+            if refused is not None:
+                if self.router.metrics is not None:
+                    self.router.metrics.refusals.labels(refused.code).inc()
+                return self._error(refused)
+            self.reserved += need
         self.chunks.append(b.body)
         self.body_bytes += len(b.body)
         if self.body_bytes > self.max_body_bytes:
@@ -134,8 +138,8 @@ class RequestStream:
 
     def _drop_body(self) -> None:
         self.chunks = []
-        self.budget.release(self.body_bytes)
-        self.body_bytes = 0
+        self.budget.release(self.reserved)
+        self.body_bytes = self.reserved = 0
 
     def _route(self, bodiless: bool = False) -> list[ep.ProcessingResponse]:
         self.routed = True

@@ -1,8 +1,11 @@
 """What one picker replica holds at most, and the gRPC server options that match it.
 
 Two budgets shared by every ext_proc stream: concurrent streams (one per HTTP request, open
-until its response ends) and request body bytes buffered until the body is complete. A request
-over either gets a 503 with a reason instead of growing memory; the gRPC core's own limits are
+until its response ends) and request body bytes buffered until the body is complete. The first
+SMALL_BODY_BYTES of each body are the stream's own (bounded by the stream limit), so a few
+clients sending huge bodies cannot starve ordinary prompts; only the bytes above them draw on
+the shared budget. A request over either budget gets a 503 with a reason instead of growing
+memory; the gRPC core's own limits are
 set explicitly above them, so requests reach the picker's refusal instead of being cancelled by
 the core (its default 1,000 pending calls) or rejected without a reason.
 """
@@ -15,6 +18,7 @@ from picker.errors import PickerError
 DEFAULT_MAX_STREAMS = 2048
 DEFAULT_MAX_BUFFERED_BYTES = 128 * 1024 * 1024
 MESSAGE_HEADROOM = 1024 * 1024  # protobuf framing and headers above the body limit
+SMALL_BODY_BYTES = 64 * 1024    # ~16k tokens of prompt; 2048 streams x 64 KiB = 128 MiB at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,7 @@ class ServerLimits:
     max_streams: int = DEFAULT_MAX_STREAMS                # ext_proc streams handled at once
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES  # request body bytes held, all streams
     max_body_bytes: int = 8 * 1024 * 1024                 # one request's body
+    small_body_bytes: int = SMALL_BODY_BYTES              # per stream, outside the shared budget
     grpc_max_concurrent_streams: int | None = None        # per HTTP/2 connection; None: 2x streams
     grpc_max_pending_requests: int | None = None          # accepted, not yet handled; None: 2x
     grpc_max_concurrent_rpcs: int | None = None           # hard ceiling; None: 2x streams
