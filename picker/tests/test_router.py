@@ -184,15 +184,19 @@ def test_request_faults_are_reported_before_pool_state():
 
 
 def test_client_request_ids_cannot_orphan_or_collide():
-    """Forged ids (the picker's own form, or another request's) never touch other entries."""
+    """Forged ids (another request's, or the picker's own form ahead of its counter) never
+    replace or share another request's in-flight entry."""
     r = make_router(n=1)
     state = r.endpoints["10.0.0.1:8000"]
     d1 = r.decide(req(body()))
-    forged = r.decide(req(body(), {"x-request-id": d1.request_id}))
-    guess = r.decide(req(body(), {"x-request-id": f"picker-{int(d1.request_id[7:]) + 2}"}))
-    assert len({d1.request_id, forged.request_id, guess.request_id}) == 3
-    assert len(r.inflight) == 3 and state.inflight == 3
-    for d in (forged, guess, d1):
+    n = int(d1.request_id.rsplit("-", 1)[1])
+    copied = r.decide(req(body(), {"x-request-id": d1.request_id}))
+    ahead = r.decide(req(body(), {"x-request-id": f"picker-{n + 2}"}))
+    later = [r.decide(req(body())) for _ in range(3)]  # the counter passes the forged value
+    decisions = [d1, copied, ahead, *later]
+    assert len({d.request_id for d in decisions}) == 6
+    assert len(r.inflight) == 6 and state.inflight == 6
+    for d in decisions:
         r.on_request_done(d.request_id)
     assert not r.inflight and state.inflight == 0
 
