@@ -157,8 +157,9 @@ class RequestStream:
                                            "internal_error"))
         self.decision = d
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("decision", extra={"request_id": d.request_id,
-                                         "client_request_id": d.client_request_id,
+            # request_id: the one Envoy and the client know (x-request-id), for correlation
+            log.debug("decision", extra={"request_id": d.client_request_id or d.request_id,
+                                         "inflight_id": d.request_id,
                                          "model": clip(d.model),
                                          "target_model": d.target_model, "endpoint": d.endpoint,
                                          "objective": d.objective, "priority": d.priority,
