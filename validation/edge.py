@@ -6,7 +6,10 @@ object and the field; an empty list means the check holds.
 """
 from __future__ import annotations
 
-from validation.policy import describe, name_of, of_kind
+import base64
+import datetime
+
+from validation.policy import describe, name_of, ns_of, of_kind
 
 GATEWAY = "inference-gateway"
 ENDPOINT_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-subset",
@@ -144,6 +147,56 @@ def listeners_use_tls(objs):
             problems.append(f"{describe(gw)}: spec.listeners[{i}] ({l.get('name')}) must be HTTPS with "
                             f"tls.certificateRefs (components/gateway-tls)")
     return problems
+
+
+def referenced_secrets(objs) -> list[tuple[str, str, str]]:
+    """(namespace, name, type) of every Secret the gateway objects reference: API keys of a
+    SecurityPolicy, listener certificates of a Gateway. They are created out of band."""
+    out = []
+    for p in of_kind(objs, "SecurityPolicy"):
+        for ref in ((p.get("spec") or {}).get("apiKeyAuth") or {}).get("credentialRefs") or []:
+            if ref.get("kind", "Secret") == "Secret":
+                out.append((ref.get("namespace") or ns_of(p), ref["name"], "Opaque"))
+    for gw in of_kind(objs, "Gateway"):
+        for listener in (gw.get("spec") or {}).get("listeners") or []:
+            for ref in (listener.get("tls") or {}).get("certificateRefs") or []:
+                if ref.get("kind", "Secret") == "Secret":
+                    out.append((ref.get("namespace") or ns_of(gw), ref["name"], "kubernetes.io/tls"))
+    return list(dict.fromkeys(out))
+
+
+def placeholder_secrets(objs) -> list[dict]:
+    """Throw-away stand-ins for the referenced Secrets the render does not hold, for offline
+    translation (`egctl x translate` marks a policy or listener invalid when its Secret is
+    missing, as Envoy Gateway would in a cluster where nobody created it yet)."""
+    present = {(ns_of(s), name_of(s)) for s in of_kind(objs, "Secret")}
+    out = []
+    for namespace, name, kind in referenced_secrets(objs):
+        if (namespace, name) in present:
+            continue
+        data = _self_signed() if kind == "kubernetes.io/tls" else {"placeholder-client": "placeholder-key"}
+        out.append({"apiVersion": "v1", "kind": "Secret", "type": kind,
+                    "metadata": {"name": name, "namespace": namespace},
+                    "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
+    return out
+
+
+def _self_signed() -> dict[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "placeholder")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    return {"tls.crt": cert.public_bytes(serialization.Encoding.PEM).decode(),
+            "tls.key": key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()).decode()}
 
 
 EDGE_CHECKS = [listeners_authenticate, listeners_strip_endpoint_headers, listeners_limit_connections,

@@ -88,3 +88,14 @@ def test_plain_http_listener_is_caught():
     del gw["spec"]["listeners"][1]["tls"]
     problems = edge.listeners_use_tls(objs)
     assert len(problems) == 1 and "spec.listeners[1] (llm-gw)" in problems[0]
+
+
+def test_placeholder_secrets_for_offline_translation():
+    objs = rendered(OVERLAY)
+    secrets = {(s["metadata"]["name"], s["type"]): s for s in edge.placeholder_secrets(objs)}
+    assert set(secrets) == {("inference-gateway-api-keys", "Opaque"),
+                            ("inference-gateway-tls", "kubernetes.io/tls")}
+    assert all(s["metadata"]["namespace"] == "llm" for s in secrets.values())
+    assert set(secrets[("inference-gateway-tls", "kubernetes.io/tls")]["data"]) == {"tls.crt", "tls.key"}
+    present = objs + list(secrets.values())
+    assert edge.placeholder_secrets(present) == []
