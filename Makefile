@@ -36,7 +36,19 @@ $(KUBECONFORM):
 	mkdir -p $(TOOLS)
 	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/yannh/kubeconform/cmd/kubeconform@$(KUBECONFORM_VERSION)
 
-tools: $(KUBECONFORM) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, the picker benchmark's load client
+# Envoy Gateway and egctl (its offline translator), pinned in one place: local/dataplane.py.
+# A cold build takes several minutes; Go's module and build caches live outside the repo.
+EG_VERSION  := $(shell sed -n 's/^EG_VERSION = "\(.*\)"/\1/p' local/dataplane.py)
+ENVOY_GATEWAY := $(TOOLS)/envoy-gateway
+EGCTL       := $(TOOLS)/egctl
+
+$(ENVOY_GATEWAY) $(EGCTL) &: local/dataplane.py
+	mkdir -p $(TOOLS)
+	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/envoyproxy/gateway/cmd/envoy-gateway@$(EG_VERSION) \
+		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
+	touch $(ENVOY_GATEWAY) $(EGCTL)
+
+tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
@@ -55,29 +67,32 @@ test: setup ## make validate, then every test suite: unit, protocol, lab smoke, 
 	$(MAKE) --no-print-directory validate
 	$(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/e2e
 
-up: setup ## start the local stack in the background (simulators, picker, gateway on 8080/8081); `make down` stops it
+up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)
 
 down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
 DEMO_ARGS ?=
-demo: setup ## start the stack, compare 8080 vs 8081 on the article workload scaled / 6 (speedup 5, ~4 min), print the table, stop it
+demo: setup ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it
 	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
+# LT_PORTS: listeners `http` and `llm-gw`; the local stack runs them at the cluster ports + 10000
+# (local/dataplane.py LISTENER_PORT_OFFSET); against a cluster use LT_PORTS="8080 8081".
 LT_HOST      ?= 127.0.0.1
+LT_PORTS     ?= $(if $(filter 127.0.0.1 localhost,$(LT_HOST)),18080 18081,8080 8081)
 WORKLOAD     ?= demo
 SEED         ?= 0
 USERS        ?= 18
 COMPARE_ARGS ?=
 
-loadtest: setup ## locust web UI on http://127.0.0.1:8089 driving ports 8080+8081 of LT_HOST (`make up` first, or LT_HOST=<gateway IP>)
-	$(VENV)/bin/locust -f loadtest/locustfile.py --host http://$(LT_HOST) --ports "8080 8081" \
+loadtest: setup ## locust web UI on http://127.0.0.1:8089 driving both listeners of LT_HOST (`make up` first, or LT_HOST=<gateway IP>)
+	$(VENV)/bin/locust -f loadtest/locustfile.py --host http://$(LT_HOST) --ports "$(LT_PORTS)" \
 		--workload $(WORKLOAD) --seed $(SEED) -u $(USERS) -r $(USERS) --web-host 127.0.0.1
 
-compare: setup ## headless: same workload on 8080 then 8081 -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
-	$(PY) -m loadtest compare --host $(LT_HOST) --ports 8080 8081 --workload $(WORKLOAD) --seed $(SEED) \
+compare: setup ## headless: same workload on both listeners (LT_PORTS) -> results/compare-<time>/ (report.md, JSONs, PNGs); COMPARE_ARGS=...
+	$(PY) -m loadtest compare --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/compare-$$(date +%Y%m%d-%H%M%S) $(COMPARE_ARGS)
 
 bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from local import dataplane
+from local.dataplane import gateway_objects
 from local.sim.profiles import DEFAULT_PROFILE, get_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,22 +54,20 @@ class StackConfig:
     groups: int = 3
     speedup: float = 20.0
     seed: int = 0
-    body_mode: str = "buffered"  # request body mode: buffered | full-duplex
-    response_body_mode: str | None = None  # gateway default: skip with buffered, full-duplex with full-duplex
-    fail_mode: str = "close"
+    # Request body mode of the EnvoyExtensionPolicy (None: as base/gateway has it). "buffered" adds
+    # components/buffered-body to the render, as a cluster user would.
+    body_mode: str | None = None
     canary: bool = False
-    picker_tls: bool = True  # base/gateway: Backend tls.insecureSkipVerify, picker --secure-serving
     host: str = "127.0.0.1"
     sim_base_port: int = 8101
     sim_ports: list[int] | None = None  # explicit ports; else sim_base_port, +1, ...
-    http_port: int = 8080
-    llm_port: int = 8081
-    admin_port: int = 9901
+    # Listener ports; None: the cluster port + dataplane.LISTENER_PORT_OFFSET (18080, 18081).
+    http_port: int | None = None
+    llm_port: int | None = None
     picker_grpc_port: int = 9002
     picker_health_port: int = 9003
     picker_metrics_port: int = 9090
     profile: str = "default"
-    message_timeout: float | None = None  # None: the EnvoyExtensionPolicy's messageTimeout
     # The picker's scrape interval and staleness in MODEL seconds (None: the picker's own defaults,
     # which are meant for real time). The launcher divides them by the speedup, so the picker sees
     # the simulated engines as often, in model time, as it would see real ones (see picker_timing).
@@ -75,13 +76,20 @@ class StackConfig:
     kv_scale: int = 1  # simulators get the profile's KV capacity / kv_scale (the demo uses DEMO_SCALE)
     sim_args: list[str] = field(default_factory=list)
     picker_args: list[str] = field(default_factory=list)
-    gateway_args: list[str] = field(default_factory=list)
     run_root: Path = REPO / "runs"
-    startup_timeout: float = 60.0
+    startup_timeout: float = 90.0
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name
+
+    @property
+    def overlay(self) -> str:
+        return "overlays/a10-canary" if self.canary else "overlays/a10"
+
+    @property
+    def components(self) -> list[str]:
+        return ["components/buffered-body"] if self.body_mode == "buffered" else []
 
 
 @dataclass
@@ -100,15 +108,17 @@ class Topology:
     """What the manifests say the local stack should look like."""
 
     sims: list[SimGroup]
-    http_route: list[tuple[str, int, list[str]]]
-    llm_route: list[tuple[str, int, list[str]]]
-    objects: list[dict]
-    message_timeout: float
+    services: dict[str, list[str]]             # Service name -> addresses of the leaders it selects
+    http_route: list[tuple[str, int, list[str]]]  # (Service, weight, addresses) on listener `http`
+    llm_route: list[tuple[str, int, list[str]]]   # the same on `llm-gw`
+    objects: list[dict]                        # InferenceObjectives and InferenceModelRewrites
+    gateway: list[dict]                        # the Gateway API and Envoy Gateway objects, as rendered
+    body_mode: str                             # the picker's --request-body-mode, from the policy
 
 
 # -- manifests ---------------------------------------------------------------------------------
 
-def kustomize(path: str) -> list[dict]:
+def kustomize(path: str | Path) -> list[dict]:
     if shutil.which("kubectl") is None:
         raise StackError("kubectl is needed to render the manifests (`kubectl kustomize`); install it")
     proc = subprocess.run(["kubectl", "kustomize", str(REPO / path)], capture_output=True, text=True)
@@ -117,14 +127,19 @@ def kustomize(path: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def _duration(text: str | None, default: float) -> float:
-    if not text:
-        return default
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
-    for unit in ("ms", "s", "m", "h"):
-        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
-            return float(text[: -len(unit)]) * units[unit]
-    raise StackError(f"cannot read duration {text!r}")
+def render(config: StackConfig) -> list[dict]:
+    """The overlay a cluster would deploy, with the config's components, rendered by kustomize."""
+    if not config.components:
+        return kustomize(config.overlay)
+    with tempfile.TemporaryDirectory(prefix="local-render-") as tmp:
+        # kustomize takes directories anywhere, but only by relative path
+        def rel(path: str) -> str:
+            return os.path.relpath(REPO / path, tmp)
+
+        kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                         "resources": [rel(config.overlay)], "components": [rel(c) for c in config.components]}
+        Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        return kustomize(tmp)
 
 
 def _route_refs(docs: list[dict], section: str) -> list[tuple[str, int]]:
@@ -169,26 +184,31 @@ def _service_selectors(docs: list[dict]) -> dict[str, dict]:
     return {d["metadata"]["name"]: d["spec"].get("selector") or {} for d in docs if d.get("kind") == "Service"}
 
 
+BODY_MODES = {"Buffered": "buffered", "FullDuplexStreamed": "full-duplex"}
+
+
+def _body_mode(docs: list[dict]) -> str:
+    policy = next((d for d in docs if d.get("kind") == "EnvoyExtensionPolicy"), None)
+    if policy is None:
+        raise StackError("the rendered manifests have no EnvoyExtensionPolicy (the picker's ext_proc)")
+    mode = ((policy["spec"]["extProc"][0].get("processingMode") or {}).get("request") or {}).get("body")
+    if mode not in BODY_MODES:
+        raise StackError(f"EnvoyExtensionPolicy {policy['metadata']['name']}: request body mode {mode!r}; "
+                         f"the picker supports {sorted(BODY_MODES)}")
+    return BODY_MODES[mode]
+
+
 def topology(config: StackConfig) -> Topology:
+    """Every LeaderWorkerSet of the overlay becomes simulated groups (the stable one `groups` of
+    them, every other one a single group); each Service gets the groups its selector matches, as
+    Kubernetes endpoints would."""
     ports = list(config.sim_ports or [])
     needed = config.groups + (1 if config.canary else 0)
     if not ports:
         ports = [config.sim_base_port + i for i in range(needed)]
     if len(ports) < needed:
         raise StackError(f"{needed} simulator ports needed, {len(ports)} given")
-    gateway_docs = kustomize("base/gateway")
-    policy = next((d for d in gateway_docs if d.get("kind") == "EnvoyExtensionPolicy"), None)
-    message_timeout = config.message_timeout or _duration(
-        policy["spec"]["extProc"][0].get("messageTimeout") if policy else None, 10.0)
-    if not config.canary:
-        docs = kustomize("base/inference")
-        sims = [SimGroup(STABLE_SERVICE, ports[i], [MODEL]) for i in range(config.groups)]
-        route = [(STABLE_SERVICE, 1, [s.address for s in sims])]
-        return Topology(sims, route, route, _objects(docs), message_timeout)
-    # Canary: every LeaderWorkerSet of the overlay becomes simulated groups (the stable one
-    # `groups` of them, every other one a single group); each HTTPRoute backendRef Service gets
-    # the groups its selector matches, as Kubernetes endpoints would.
-    docs = kustomize("overlays/a10-canary")
+    docs = render(config)
     sims: list[SimGroup] = []
     labels_of: dict[str, dict] = {}
     free = iter(ports)
@@ -197,24 +217,26 @@ def topology(config: StackConfig) -> Topology:
         count = config.groups if name == STABLE_SERVICE else 1
         sims += [SimGroup(name, next(free), served) for _ in range(count)]
     if not any(s.lws == STABLE_SERVICE for s in sims) or len(sims) != needed:
-        raise StackError(f"overlays/a10-canary: expected LeaderWorkerSet {STABLE_SERVICE!r} and one canary, "
-                         f"found {sorted(labels_of)}")
-    selectors = _service_selectors(docs)
+        raise StackError(f"{config.overlay}: expected LeaderWorkerSet {STABLE_SERVICE!r}"
+                         f"{' and one canary' if config.canary else ''}, found {sorted(labels_of)}")
+    services = {name: [s.address for s in sims if selector and selector.items() <= labels_of[s.lws].items()]
+                for name, selector in _service_selectors(docs).items()}
 
     def route(section: str) -> list[tuple[str, int, list[str]]]:
         groups = []
         for service, weight in _route_refs(docs, section):
-            if service not in selectors:
-                raise StackError(f"overlays/a10-canary: HTTPRoute ({section}) backendRef Service {service!r} not found")
-            selector = selectors[service]
-            addresses = [s.address for s in sims
-                         if selector and selector.items() <= labels_of[s.lws].items()]
-            if not addresses:
-                raise StackError(f"overlays/a10-canary: Service {service!r} selects no leader ({selector})")
-            groups.append((service, weight, addresses))
+            if not services.get(service):
+                raise StackError(f"{config.overlay}: HTTPRoute ({section}) backendRef Service {service!r} "
+                                 "selects no leader")
+            groups.append((service, weight, services[service]))
         return groups
 
-    return Topology(sims, route("http"), route("llm-gw"), _objects(docs), message_timeout)
+    body_mode = _body_mode(docs)
+    if config.body_mode and config.body_mode != body_mode:
+        raise StackError(f"body mode {config.body_mode!r} asked, but the rendered EnvoyExtensionPolicy says "
+                         f"{body_mode!r}")
+    return Topology(sims, {k: v for k, v in services.items() if v}, route("http"), route("llm-gw"),
+                    _objects(docs), gateway_objects(docs), body_mode)
 
 
 def _objects(docs: list[dict]) -> list[dict]:
@@ -356,7 +378,7 @@ class Proc:
     name: str
     cmd: list[str]
     log: str
-    health: str  # "http:<url>" or "grpc:<address>"
+    health: str  # "http:<url>" or "grpc:<address>"; several separated by spaces must all pass
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
@@ -364,8 +386,11 @@ class Proc:
         return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid}
 
     def healthy(self) -> bool:
-        kind, _, target = self.health.partition(":")
-        return http_ok(target) if kind == "http" else grpc_serving(target)
+        for check in self.health.split():
+            kind, _, target = check.partition(":")
+            if not (http_ok(target) if kind == "http" else grpc_serving(target)):
+                return False
+        return True
 
 
 class Stack:
@@ -395,10 +420,27 @@ class Stack:
 
     # -- start -----------------------------------------------------------------------------
 
+    def listener_ports(self) -> dict[str, int]:
+        """Listener name -> local port: the config's, else the cluster port + the local offset."""
+        c, ports = self.config, {}
+        for gw in (d for d in self.topology.gateway if d["kind"] == "Gateway"):
+            for listener in gw["spec"]["listeners"]:
+                explicit = {"http": c.http_port, "llm-gw": c.llm_port}.get(listener["name"])
+                ports[listener["name"]] = explicit or dataplane.local_listener_port(listener["port"])
+        return ports
+
+    @property
+    def http_port(self) -> int:
+        return self.listener_ports()["http"]
+
+    @property
+    def llm_port(self) -> int:
+        return self.listener_ports()["llm-gw"]
+
     def plan(self) -> list[Proc]:
         c = self.config
         run = c.run_dir
-        self.topology = topo = topology(c)
+        self.topology = topo = self.topology or topology(c)
         objects = run / "objects.yaml"
         run.mkdir(parents=True, exist_ok=True)
         objects.write_text(yaml.safe_dump_all(topo.objects, sort_keys=False))
@@ -414,30 +456,52 @@ class Stack:
         endpoints = ",".join(s.address for s in topo.sims)
         picker = [py, "-m", "picker", "--grpc-port", str(c.picker_grpc_port),
                   "--health-port", str(c.picker_health_port), "--metrics-port", str(c.picker_metrics_port),
-                  "--secure-serving" if c.picker_tls else "--no-secure-serving",
+                  "--secure-serving" if self.picker_tls else "--no-secure-serving",
                   "--discovery", "static", "--endpoints", endpoints, "--objects", str(objects),
-                  "--profile", c.profile, "--request-body-mode", c.body_mode, "--bind", c.host,
+                  "--profile", c.profile, "--request-body-mode", topo.body_mode, "--bind", c.host,
                   *picker_timing_args(c), *c.picker_args]
         procs.append(Proc("picker", picker, str(run / "picker.log"),
                           f"grpc:{c.host}:{c.picker_health_port}"))
-        gateway = [py, "-m", "local.gateway", "--host", c.host, "--http-port", str(c.http_port),
-                   "--llm-port", str(c.llm_port), "--admin-port", str(c.admin_port),
-                   "--picker", f"{c.host}:{c.picker_grpc_port}", "--body-mode", c.body_mode,
-                   "--fail-mode", c.fail_mode, "--message-timeout", str(topo.message_timeout),
-                   "--seed", str(c.seed)]
-        if c.picker_tls:
-            gateway.append("--picker-tls")
-        if c.response_body_mode:
-            gateway += ["--response-body-mode", c.response_body_mode]
-        for name, weight, addresses in topo.http_route:
-            gateway += ["--group", f"{name}:{weight}={','.join(addresses)}"]
-        if len(topo.llm_route) > 1:
-            for name, weight, addresses in topo.llm_route:
-                gateway += ["--llm-group", f"{name}:{weight}={','.join(addresses)}"]
-        gateway += c.gateway_args
-        procs.append(Proc("gateway", gateway, str(run / "gateway.log"),
-                          f"http:http://{c.host}:{c.admin_port}/health"))
+        procs.append(self._plan_envoy_gateway())
         return procs
+
+    @property
+    def picker_tls(self) -> bool:
+        """TLS to the picker exactly when the gateway's Backend for it says so (base/gateway: yes)."""
+        return any(d["kind"] == "Backend" and dataplane.is_picker_backend(d) and "tls" in d["spec"]
+                   for d in self.topology.gateway)
+
+    @property
+    def layout(self) -> dataplane.Layout:
+        return dataplane.Layout(self.config.run_dir)
+
+    def _plan_envoy_gateway(self) -> Proc:
+        """Envoy Gateway (standalone) with the rendered gateway objects, localized; it starts Envoy."""
+        c, layout = self.config, self.layout
+        binary = dataplane.envoy_gateway_binary()
+        dataplane.prepare(layout)
+        certgen = subprocess.run([str(binary), "certgen", "--local", "--config-home", str(layout.config_home)],
+                                 capture_output=True, text=True)
+        if certgen.returncode != 0:
+            raise StackError(f"envoy-gateway certgen failed: {certgen.stderr.strip()[-2000:]}")
+        resources = dataplane.localize(
+            self.topology.gateway,
+            {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
+             for name, addresses in self.topology.services.items()},
+            (c.host, c.picker_grpc_port), self.listener_ports())
+        dataplane.write_atomically(layout.resources / "gateway.yaml", dataplane.dump(resources))
+        # Healthy = both listeners route: /v1/models on `http` reaches a simulator through Envoy,
+        # on `llm-gw` it also crosses the picker.
+        health = " ".join(f"http:http://{c.host}:{port}/v1/models" for port in self.listener_ports().values())
+        return Proc("envoy-gateway", [str(binary), "server", "--config-path", str(layout.config)],
+                    str(c.run_dir / "envoy-gateway.log"), health)
+
+    def envoy_admin(self) -> str:
+        """Envoy's admin address (http://ip:port); the Host provider lets Envoy choose the port."""
+        address = dataplane.admin_address(self.layout)
+        if not address:
+            raise StackError(f"Envoy's admin address is not known yet (no admin-address.txt under {self.layout.root})")
+        return f"http://{address}"
 
     def start(self) -> "Stack":
         c = self.config
@@ -446,21 +510,32 @@ class Stack:
             if live:
                 raise StackError(f"stack {c.name!r} is already running (pids {[p['pid'] for p in live]}); "
                                  f"stop it with `python -m local.stack down --name {c.name}`")
-        planned = self.plan()
-        ports = [s.port for s in self.topology.sims] + [c.http_port, c.llm_port, c.admin_port,
+        self.check_no_other_data_plane()
+        self.topology = topology(c)
+        ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(),
                                                        c.picker_grpc_port, c.picker_health_port,
                                                        c.picker_metrics_port]
         busy = [p for p in ports if not port_free(c.host, p)]
         if busy:
             raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
         try:
-            for p in planned:  # all at once: the picker retries scrapes until the simulators answer
+            for p in self.plan():  # all at once: the picker retries scrapes until the simulators answer
                 self._spawn(p)
             self._wait_healthy(self.procs)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def check_no_other_data_plane(self) -> None:
+        """Standalone Envoy Gateway binds fixed ports and Envoy its hot-restart socket: one data plane
+        per machine (network namespace). Fail before anything starts, naming the cause."""
+        busy = dataplane.busy_ports()
+        if busy or dataplane.envoy_running():
+            what = f"ports {busy} are in use" if busy else "an Envoy already runs (its hot-restart socket exists)"
+            raise StackError(f"another Envoy Gateway or Envoy runs on this machine: {what}. Only one local "
+                             "stack can run at a time: stop the other one (`make down`, or "
+                             "`python -m local.stack down --name <name>`)")
 
     def _spawn(self, p: Proc) -> None:
         with open(p.log, "ab") as log:
@@ -615,17 +690,22 @@ def describe(stack: Stack) -> str:
     c = stack.config
     lines = [f"local stack {c.name!r} is up (logs and state in {c.run_dir}):"]
     for s in stack.topology.sims:
-        lines.append(f"  simulator  {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
-    lines.append(f"  picker     ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if c.picker_tls else 'plaintext'}), "
-                 f"health {c.picker_health_port}, metrics http://{c.host}:{c.picker_metrics_port}/metrics")
+        lines.append(f"  simulator      {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
+    lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
+                 f"{stack.topology.body_mode}), health {c.picker_health_port}, "
+                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics")
     timing = picker_timing(c)
     if timing is not None:
-        lines.append(f"             scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "
+        lines.append(f"                 scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "
                      f"{timing.model_scrape_interval:g} s model time (speedup {c.speedup:g}), "
                      f"staleness {timing.model_staleness:g} s model time")
-    lines.append(f"  gateway    http://{c.host}:{c.http_port} (least request), "
-                 f"http://{c.host}:{c.llm_port} (picker, {c.body_mode}, fail-{c.fail_mode}), "
-                 f"stats http://{c.host}:{c.admin_port}/gateway/stats")
+    lines.append(f"  envoy-gateway  {dataplane.EG_VERSION} standalone, Envoy {dataplane.ENVOY_VERSION}: "
+                 f"http://{c.host}:{stack.http_port} (listener http, least request), "
+                 f"http://{c.host}:{stack.llm_port} (listener llm-gw, picker)")
+    try:
+        lines.append(f"                 Envoy admin and stats {stack.envoy_admin()}/stats")
+    except StackError:
+        pass
     return "\n".join(lines)
 
 
@@ -649,25 +729,41 @@ def kv_scale_args(config: StackConfig) -> list[str]:
 
 
 def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str]) -> int:
-    if not _loadtest_compare_available():
-        print("make demo: the load-test comparison (python -m loadtest compare) is not built yet; "
-              "the stack itself runs with `make up`.")
-        return 1
     out = out or REPO / "results" / time.strftime("demo-%Y%m%d-%H%M%S")
     with Stack(config) as stack:
         print(describe(stack), flush=True)
         before, t0 = stack.cpu_seconds(), time.monotonic()
         cmd = [sys.executable, "-m", "loadtest", "compare", "--host", config.host,
-               "--ports", str(config.http_port), str(config.llm_port), "--workload", workload,
+               "--ports", str(stack.http_port), str(stack.llm_port), "--workload", workload,
                "--seed", str(config.seed), "--out", str(out), "--repetitions", "2",  # A B, B A
                "--metrics-endpoints", *(s.address for s in stack.topology.sims), *compare_args]
-        print("$ " + " ".join(cmd[1:]), flush=True)
+        print("$ python " + " ".join(cmd[1:]), flush=True)
         client_before = _children_cpu()
+        envoy_before = dataplane.listener_stats(stack.envoy_admin(), stack.listener_ports())
         rc = subprocess.call(cmd, cwd=REPO, env=python_env())
+        envoy = dataplane.stats_delta(envoy_before, dataplane.listener_stats(stack.envoy_admin(),
+                                                                             stack.listener_ports()))
         after, wall = stack.cpu_seconds(), time.monotonic() - t0
         after["loadtest"] = _children_cpu() - client_before  # the load generator, for comparison
+    table = envoy_table(envoy, stack.listener_ports())
+    print(table)
     print(cpu_table(before, after, wall))
+    report = out / "report.md"
+    if report.exists():
+        with report.open("a") as f:
+            f.write(f"\n## Envoy's own listener statistics\n\n{table}\n\n## CPU per process\n\n"
+                    f"```\n{cpu_table(before, after, wall)}\n```\n")
     return rc
+
+
+def envoy_table(delta: dict[str, dict[str, int]], ports: dict[str, int]) -> str:
+    """Markdown table of what Envoy counted on each listener during the comparison."""
+    stats = dataplane.LISTENER_STATS
+    rows = ["| listener | " + " | ".join(s.replace("downstream_", "") for s in stats) + " |",
+            "|---|" + "---|" * len(stats)]
+    for name, values in delta.items():
+        rows.append(f"| {name} ({ports[name]}) | " + " | ".join(str(values[s]) for s in stats) + " |")
+    return "\n".join(rows)
 
 
 def _children_cpu() -> float:
@@ -689,10 +785,6 @@ def cpu_table(before: dict[str, float], after: dict[str, float], wall: float) ->
     return "\n".join(rows)
 
 
-def _loadtest_compare_available() -> bool:
-    return (REPO / "loadtest" / "__main__.py").exists()
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m local.stack", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -709,23 +801,23 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--staleness", type=float, dest="picker_staleness",
                            help="picker staleness in MODEL seconds (default: the picker's, 1.0)")
             s.add_argument("--seed", type=int, default=0)
-            s.add_argument("--body-mode", choices=["buffered", "full-duplex"], default="buffered")
-            s.add_argument("--response-body-mode", choices=["skip", "none", "streamed", "full-duplex"])
-            s.add_argument("--fail-mode", choices=["close", "open"], default="close")
+            s.add_argument("--body-mode", choices=["buffered", "full-duplex"],
+                           help="request body mode of the EnvoyExtensionPolicy (default: base/gateway's, "
+                                "full-duplex; buffered renders with components/buffered-body)")
             s.add_argument("--canary", action="store_true", help="overlays/a10-canary: extra canary group + weights")
-            s.add_argument("--plaintext-picker", action="store_true", help="picker --no-secure-serving")
             s.add_argument("--profile", default="default", help="picker scheduling profile")
             s.add_argument("--sim-base-port", type=int, default=8101)
             s.add_argument("--sim-ports", type=int, nargs="+")
-            s.add_argument("--http-port", type=int, default=8080)
-            s.add_argument("--llm-port", type=int, default=8081)
-            s.add_argument("--admin-port", type=int, default=9901)
+            s.add_argument("--http-port", type=int, help="listener http (default: 8080 + "
+                           f"{dataplane.LISTENER_PORT_OFFSET} = 18080)")
+            s.add_argument("--llm-port", type=int, help="listener llm-gw (default: 8081 + "
+                           f"{dataplane.LISTENER_PORT_OFFSET} = 18081)")
             s.add_argument("--picker-grpc-port", type=int, default=9002)
             s.add_argument("--picker-health-port", type=int, default=9003)
             s.add_argument("--picker-metrics-port", type=int, default=9090)
             s.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
-            s.add_argument("--startup-timeout", type=float, default=60.0)
+            s.add_argument("--startup-timeout", type=float, default=90.0)
             s.add_argument("--kv-scale", type=int, default=DEMO_SCALE if name == "demo" else 1,
                            help="simulators get the profile's KV capacity / this (default: 1 for up, "
                                 f"{DEMO_SCALE} for demo, whose workload is the article's / {DEMO_SCALE})")
@@ -740,9 +832,8 @@ def parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         name=args.name, groups=args.groups, speedup=args.speedup, seed=args.seed, body_mode=args.body_mode,
-        response_body_mode=args.response_body_mode, fail_mode=args.fail_mode, canary=args.canary,
-        picker_tls=not args.plaintext_picker, profile=args.profile, sim_base_port=args.sim_base_port,
-        sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port, admin_port=args.admin_port,
+        canary=args.canary, profile=args.profile, sim_base_port=args.sim_base_port,
+        sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
         picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],
         picker_args=[a for x in args.picker_arg for a in x.split()], startup_timeout=args.startup_timeout,
@@ -781,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.stop()
         print(f"stop it with: python -m local.stack down --name {config.name}   (or make down)")
         return 0
-    except StackError as e:
+    except (StackError, dataplane.DataPlaneError) as e:
         print(f"local.stack: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from validation import cel_rules, kubeconform, workflows
+from validation import cel_rules, gateway, kubeconform, workflows
 from validation.builtin import OBJECT_META, BuiltinSchemas
 from validation.crdschema import CRDStore
 from validation.problems import Problem, describe, format_path
@@ -38,13 +38,16 @@ def parse_args(argv):
     p.add_argument("--kubeconform", type=Path, default=None, help="kubeconform binary (default .tools/bin/kubeconform)")
     p.add_argument("--cache-dir", type=Path, default=None, help="schema cache (default .cache/validation)")
     p.add_argument("--kubernetes-version", default=DEFAULT_K8S_VERSION)
+    p.add_argument("--egctl", type=Path, default=None, help="Envoy Gateway's egctl (default .tools/bin/egctl)")
     p.add_argument("--skip-kubeconform", action="store_true")
+    p.add_argument("--skip-gateway", action="store_true", help="skip Envoy Gateway's translation")
     p.add_argument("--skip-workflows", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true", help="list rendered targets and CEL statistics")
     args = p.parse_args(argv)
     args.root = args.root.resolve()
     args.crds_dir = (args.crds_dir or default_crds_dir(args.root)).resolve()
     args.kubeconform = args.kubeconform or args.root / ".tools" / "bin" / "kubeconform"
+    args.egctl = args.egctl or args.root / ".tools" / "bin" / "egctl"
     args.cache_dir = args.cache_dir or args.root / ".cache" / "validation"
     return args
 
@@ -145,7 +148,7 @@ def run_kubeconform(args, results, builtin, crds) -> list[Problem]:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=1) as side:
+    with ThreadPoolExecutor(max_workers=1) as side, ThreadPoolExecutor(max_workers=1) as side_gateway:
         wf = None if args.skip_workflows else side.submit(workflows.check, args.root)
         results = render_all(args)
         builtin = BuiltinSchemas(args.kubernetes_version)
@@ -154,8 +157,12 @@ def main(argv=None) -> int:
         for r in results.values():
             problems.extend(r.problems)
             problems.extend(validate_objects(r, builtin, crds))
+        if not args.skip_gateway:
+            gw = side_gateway.submit(gateway.check_all, args.egctl, list(results.values()))
         if not args.skip_kubeconform:
             problems.extend(run_kubeconform(args, results, builtin, crds))
+        if not args.skip_gateway:
+            problems.extend(gw.result())
         if wf is not None:
             problems.extend(wf.result())
     for problem in problems:

@@ -1,4 +1,6 @@
-"""Fixtures for the end-to-end tests: the whole local stack on free loopback ports."""
+"""Fixtures for the end-to-end tests: the whole local stack (simulators, picker, Envoy Gateway
+standalone + the real Envoy) on free loopback ports. Envoy Gateway itself binds fixed ports, so
+the stacks of these tests run one at a time."""
 
 from __future__ import annotations
 
@@ -34,11 +36,11 @@ def free_ports(n: int) -> list[int]:
 def start_stack(run_root: Path, name: str, groups: int = 3, canary: bool = False,
                 scrape_interval: float = SCRAPE_INTERVAL, **overrides) -> Stack:
     """The picker logs each decision (debug) so tests can compare its choice with the gateway's."""
-    ports = free_ports(6 + groups + (1 if canary else 0))
+    ports = free_ports(5 + groups + (1 if canary else 0))
     config = StackConfig(
         name=name, run_root=run_root, groups=groups, canary=canary, speedup=SPEEDUP, seed=7,
-        sim_ports=ports[6:], http_port=ports[0], llm_port=ports[1], admin_port=ports[2],
-        picker_grpc_port=ports[3], picker_health_port=ports[4], picker_metrics_port=ports[5],
+        sim_ports=ports[5:], http_port=ports[0], llm_port=ports[1],
+        picker_grpc_port=ports[2], picker_health_port=ports[3], picker_metrics_port=ports[4],
         picker_args=["--log-level", "debug", "--scrape-interval", str(scrape_interval)], **overrides)
     return Stack(config).start()
 
@@ -54,14 +56,33 @@ def json_lines(path: str) -> list[dict]:
     return out
 
 
-def picker_decisions(stack: Stack) -> dict[str, str]:
-    """request id -> endpoint, from the picker's own decision log."""
-    return {r["request_id"]: r["endpoint"] for r in json_lines(stack.proc("picker").log)
-            if r.get("msg") == "decision"}
+def picker_decisions(stack: Stack) -> list[str]:
+    """The endpoint of every decision so far, in order, from the picker's own decision log."""
+    return [r["endpoint"] for r in json_lines(stack.proc("picker").log) if r.get("msg") == "decision"]
 
 
-def gateway_log(stack: Stack) -> list[dict]:
-    return [r for r in json_lines(stack.proc("gateway").log) if "listener" in r]
+async def envoy_upstream_requests(session: aiohttp.ClientSession, stack: Stack) -> dict[str, int]:
+    """ip:port -> requests Envoy sent to that upstream host, summed over the vLLM clusters, from
+    Envoy's own admin API (/clusters). Envoy counts a request there when it picks the host."""
+    async with session.get(f"{stack.envoy_admin()}/clusters?format=json") as r:
+        data = await r.json()
+    sims = {s.address for s in stack.topology.sims}
+    out: dict[str, int] = {}
+    for cluster in data.get("cluster_statuses", []):
+        for host in cluster.get("host_statuses", []):
+            sock = host["address"]["socket_address"]
+            address = f"{sock['address']}:{sock['port_value']}"
+            if address in sims:
+                stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
+                out[address] = out.get(address, 0) + stats.get("rq_total", 0)
+    return out
+
+
+async def envoy_stats(session: aiohttp.ClientSession, stack: Stack, prefix: str = "") -> dict[str, int]:
+    """Envoy's counters and gauges (admin /stats), optionally only those starting with prefix."""
+    async with session.get(f"{stack.envoy_admin()}/stats?format=json") as r:
+        data = await r.json()
+    return {s["name"]: s["value"] for s in data["stats"] if "value" in s and s["name"].startswith(prefix)}
 
 
 async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from tests.e2e.conftest import completion, start_stack
+from tests.e2e.conftest import completion, start_stack, successes
 
 pytestmark = pytest.mark.e2e
 
@@ -33,25 +33,30 @@ def canary(stack):
     return sims[0]
 
 
-async def send_all(session, port: int) -> list[tuple[int, str, str]]:
-    """N small requests, 20 at a time: (status, served-by, model in the response)."""
+async def send_all(session, stack, port: int) -> tuple[list[tuple[int, str]], dict[str, float]]:
+    """N small requests, 20 at a time: [(status, model in the response)] and, per simulator, how
+    many requests it completed meanwhile (its own counter)."""
     sem = asyncio.Semaphore(20)
+    before = {s.address: await successes(session, s.address) for s in stack.topology.sims}
 
     async def one(i):
         async with sem:
             async with session.post(f"http://127.0.0.1:{port}/v1/completions",
                                     json=completion(prompt=f"canary check {i}", max_tokens=1)) as r:
                 data = await r.json()
-                return r.status, r.headers.get("x-gateway-served-by"), data.get("model")
-    return await asyncio.gather(*(one(i) for i in range(N)))
+                return r.status, data.get("model")
+    results = await asyncio.gather(*(one(i) for i in range(N)))
+    served = {a: await successes(session, a) - n for a, n in before.items()}
+    return results, served
 
 
 async def test_8080_splits_by_backend_weights(stack, session):
     weights = {name: w for name, w, _ in stack.topology.http_route}
     assert weights == {"qwq-dist-v1": 90, "qwq-dist-v2": 10}
-    results = await send_all(session, stack.config.http_port)
-    assert all(status == 200 for status, _, _ in results)
-    share = sum(served == canary(stack).address for _, served, _ in results) / N
+    results, served = await send_all(session, stack, stack.http_port)
+    assert all(status == 200 for status, _ in results)
+    assert sum(served.values()) == N
+    share = served[canary(stack).address] / N
     assert abs(share - SHARE) <= TOLERANCE, share
 
 
@@ -61,9 +66,10 @@ async def test_8081_splits_by_model_rewrite_weights(stack, session):
     # Envoy draws a weighted backendRef's Service before applying the endpoint override, so
     # this only works with one 8081 backendRef selecting every leader (overlays/a10-canary).
     assert len(stack.topology.llm_route) == 1
-    results = await send_all(session, stack.config.llm_port)
-    statuses = [status for status, _, _ in results]
+    results, served = await send_all(session, stack, stack.llm_port)
+    statuses = [status for status, _ in results]
     assert statuses.count(200) == N, {s: statuses.count(s) for s in set(statuses)}
-    rewritten = [served for _, served, model in results if model == "qwq-canary"]
-    assert abs(len(rewritten) / N - SHARE) <= TOLERANCE, len(rewritten) / N
-    assert set(rewritten) == {canary(stack).address}
+    rewritten = sum(model == "qwq-canary" for _, model in results)
+    assert abs(rewritten / N - SHARE) <= TOLERANCE, rewritten / N
+    # only the canary group serves `qwq-canary`; it may also serve some plain `qwq` requests
+    assert served[canary(stack).address] >= rewritten

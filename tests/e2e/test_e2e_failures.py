@@ -1,5 +1,6 @@
-"""Failures on a live stack, in both request-body modes: a simulator killed mid-run, every
-simulator down (503 from the picker), the picker stopped (FailClose: 503 on 8081, 8080 serves)."""
+"""Failures on a live stack with the real Envoy, in both request-body modes: a simulator killed
+mid-run, every simulator down (503 from the picker), the picker stopped (FailClose: 503 on 8081,
+8080 serves)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ def stack(request, tmp_path_factory):
 
 
 def llm(stack, path="/v1/completions"):
-    return f"http://127.0.0.1:{stack.config.llm_port}{path}"
+    return f"http://127.0.0.1:{stack.llm_port}{path}"
 
 
 def http(stack, path="/v1/completions"):
-    return f"http://127.0.0.1:{stack.config.http_port}{path}"
+    return f"http://127.0.0.1:{stack.http_port}{path}"
 
 
 def decision_times(stack, endpoint: str) -> list[float]:
@@ -45,7 +46,7 @@ def decision_times(stack, endpoint: str) -> list[float]:
 
 async def test_killed_simulator_is_dropped_within_two_scrape_intervals(stack, session):
     victim = stack.topology.sims[0]
-    results: list[tuple[float, bool, str | None]] = []
+    results: list[tuple[float, bool]] = []
     stop = asyncio.Event()
 
     async def worker(w: int) -> None:
@@ -57,24 +58,24 @@ async def test_killed_simulator_is_dropped_within_two_scrape_intervals(stack, se
                 async with session.post(llm(stack), json=body, headers={"x-request-id": f"kill-{uuid.uuid4()}"}) as r:
                     events = await read_sse(r)
                     ok = r.status == 200 and events[-1:] == ["[DONE]"]
-                    results.append((sent, ok, r.headers.get("x-gateway-served-by")))
+                    results.append((sent, ok))
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                results.append((sent, False, None))
+                results.append((sent, False))
 
     workers = [asyncio.ensure_future(worker(w)) for w in range(6)]
-    await wait_for(lambda: sum(1 for _, ok, s in results if ok and s == victim.address) >= 3, timeout=20)
+    await wait_for(lambda: len(decision_times(stack, victim.address)) >= 3 and sum(ok for _, ok in results) >= 6,
+                   timeout=20)
     killed_at = time.time()
     stack.kill_process(f"sim-{victim.port}")
     bound = killed_at + 2 * SCRAPE
-    await wait_for(lambda: sum(1 for sent, *_ in results if sent > bound) >= 30, timeout=30)
+    await wait_for(lambda: sum(1 for sent, _ in results if sent > bound) >= 30, timeout=30)
     stop.set()
     await asyncio.gather(*workers)
 
     last_pick = max(decision_times(stack, victim.address))
     assert last_pick <= bound, f"picker still chose the dead endpoint {last_pick - killed_at:.2f}s after the kill"
-    late = [(ok, served) for sent, ok, served in results if sent > bound]
-    assert late and all(ok for ok, _ in late), f"{sum(not ok for ok, _ in late)} of {len(late)} late requests failed"
-    assert victim.address not in {served for _, served in late}
+    late = [ok for sent, ok in results if sent > bound]
+    assert late and all(late), f"{late.count(False)} of {len(late)} late requests failed"
     stack.restart_process(f"sim-{victim.port}")
 
 
@@ -103,8 +104,8 @@ async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
     stack.stop_process("picker")
     for _ in range(3):
         async with session.post(llm(stack), json=completion()) as r:
-            assert r.status == 503
-            assert "ext_proc" in await r.text()
+            assert r.status == 503  # the policy's statusOnError; Envoy sends it with no body
+            assert await r.text() == ""
     for i in range(12):
         async with session.post(http(stack), json=completion(stream=i % 2 == 1)) as r:
             assert r.status == 200

