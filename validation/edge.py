@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 
 from validation.policy import describe, name_of, ns_of, of_kind
 
@@ -174,13 +175,14 @@ def placeholder_secrets(objs) -> list[dict]:
     for namespace, name, kind in referenced_secrets(objs):
         if (namespace, name) in present:
             continue
-        data = _self_signed() if kind == "kubernetes.io/tls" else {"placeholder-client": "placeholder-key"}
+        data = dict(_self_signed()) if kind == "kubernetes.io/tls" else {"placeholder-client": "placeholder-key"}
         out.append({"apiVersion": "v1", "kind": "Secret", "type": kind,
                     "metadata": {"name": name, "namespace": namespace},
                     "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
     return out
 
 
+@functools.cache  # one per process: identical translator inputs stay identical
 def _self_signed() -> dict[str, str]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
