@@ -1,5 +1,5 @@
-"""The cluster overlays' edge (components/edge-security, components/gateway-tls): each check holds
-on both cluster overlays and fails on a fixture broken the way it guards."""
+"""The edge of overlays/a10-secure (components/edge-security, components/gateway-tls): each check holds
+on it and fails on a fixture broken the way it guards."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ import pytest
 from validation import edge
 from tests.policy.conftest import find, rendered
 
-CLUSTER_OVERLAYS = ["overlays/a10", "overlays/a10-canary"]
-OVERLAY = "overlays/a10"
+CLUSTER_OVERLAYS = ["overlays/a10-secure"]
+OVERLAY = "overlays/a10-secure"
 
 
 @pytest.mark.parametrize("overlay", CLUSTER_OVERLAYS)
