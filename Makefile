@@ -19,7 +19,7 @@ KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test test-unit demo up down loadtest compare bench bench-picker clean
+.PHONY: help setup tools lock crds validate test demo up down loadtest compare bench bench-picker
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -95,10 +95,7 @@ compare: setup ## headless: same workload on both listeners (LT_PORTS) -> result
 	$(PY) -m loadtest compare --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/compare-$$(date +%Y%m%d-%H%M%S) $(COMPARE_ARGS)
 
-bench-gateway: setup ## benchmark the local gateway's streaming path (SSE events/s, CPU per 1k events)
-	$(PY) -m local.gateway.bench
-
-bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck, gateway; 15-25 min) -> BENCHMARKS.md
+bench: setup ## every benchmark (validation, picker, lab, HTTP vs lab crosscheck, make demo; 20-30 min) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU

@@ -1,7 +1,7 @@
 """`python -m bench [NAME ...]`: run benchmarks, then write BENCHMARKS.md.
 
     python -m bench                 # all of them (what `make bench` runs), then the report
-    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | gateway)
+    python -m bench validation      # one benchmark (validation | picker | lab | crosscheck | phases | demo)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -12,14 +12,15 @@ import sys
 import time
 import traceback
 
-from bench import crosscheck, report, suites
+from bench import crosscheck, phases, report, suites
 
 BENCHMARKS = {
     "validation": lambda a: suites.validation(),
     "picker": lambda a: suites.picker(),
     "lab": lambda a: [suites.lab("article", a.seeds), suites.lab("shared-prefix", a.seeds)],
     "crosscheck": lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
-    "gateway": lambda a: suites.gateway(),
+    "phases": lambda a: phases.main(a.seeds),
+    "demo": lambda a: suites.demo(),
 }
 
 

@@ -3,8 +3,8 @@
     python -m bench crosscheck [--seed 0] [--seeds 0 1 2 3 4] [--speedup 2.5]
 
 HTTP: `python -m local.stack demo` (3 simulators with the KV capacity / DEMO_SCALE, the picker with
-its scrape interval and staleness divided by the speedup, the local gateway; `loadtest compare`
-of 8080 = least request and 8081 = picker, the demo workload = the article's / DEMO_SCALE, two
+its scrape interval and staleness divided by the speedup, Envoy Gateway + Envoy; `loadtest compare`
+of listener http = least request and llm-gw = picker, the demo workload = the article's / DEMO_SCALE, two
 repetitions in alternating order). Lab: the same prompts (same workload seed), the same engines
 and concurrency, policies `least-request` and the picker's default profile scraping every
 `model_scrape_interval` model seconds (what the HTTP stack's picker effectively has), over several
@@ -30,7 +30,6 @@ DEFAULT_SPEEDUP = 2.5
 KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput", "duration")
 TOLERANCE = 0.25
 HTTP_REPETITIONS = 2  # `local.stack demo` runs each port twice
-MATCHED = "least-request (the gateway's draws)"
 TPOT_STARVED = 0.10  # HTTP mean TPOT this much above the lab's: the stack lacked CPU (see verdict)
 
 
@@ -38,7 +37,9 @@ def http_side(seed: int, speedup: float, out: Path) -> tuple[dict, float]:
     cmd = [PY, "-m", "local.stack", "demo", "--name", "bench-crosscheck", "--seed", str(seed),
            "--speedup", f"{speedup:g}", "--out", str(out)]
     wall = run(cmd, log=out.parent / f"{out.name}.log")
-    ports = {"least-request": "8080", "picker": "8081"}
+    from local.dataplane import local_listener_port
+
+    ports = {"least-request": local_listener_port(8080), "picker": local_listener_port(8081)}
     return {policy: to_model_time(json.loads((out / f"{port}.json").read_text()), speedup)
             for policy, port in ports.items()}, wall
 
@@ -57,7 +58,7 @@ def to_model_time(result: dict, speedup: float) -> dict:
 def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_staleness: float,
              speedup: float) -> dict:
     from lab.picker_policy import PickerPolicy
-    from lab.policies import LeastRequest, make_policy
+    from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
     from loadtest.workloads import build_workload, profile_settings
     from local.sim.profiles import get_profile
@@ -75,16 +76,6 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
             lambda: PickerPolicy("default", scrape_interval=unscaled, staleness=10 * unscaled),
     }
     out = {}
-    # The stack starts the gateway with --seed `seed`, so every HTTP run draws the same random
-    # numbers: 8080's repetition k uses picks (k-1)*num_prompts.. of random.Random(seed). The
-    # lab replays exactly those draws (the HTTP figure is one sample of the policy randomness,
-    # and least request's mean TTFT varies by ~9 % (1 sd) between draw streams).
-    n = len(requests)
-    matched = [run_lab(requests, LeastRequest(draw_seed=seed, skip_picks=k * n),
-                       LabConfig(concurrency=concurrency, seed=seed, profile=profile)).summary
-               for k in range(HTTP_REPETITIONS)]
-    out[MATCHED] = {k: statistics.mean(r[k] for r in matched) for k in KEYS}
-    out[MATCHED]["per_repetition_mean_ttft_ms"] = [r["mean_ttft_ms"] for r in matched]
     for name, make in policies.items():
         runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, profile=profile)).summary
                 for s in lab_seeds]
@@ -97,15 +88,11 @@ def verdict(http: dict, lab: dict) -> dict:
     order_http = sorted(("least-request", "picker"), key=lambda p: http[p]["mean_ttft_ms"])
     order_lab = sorted(("least-request", "picker"), key=lambda p: lab[p]["mean_ttft_ms"])
     diffs = {p: lab[p]["mean_ttft_ms"] / http[p]["mean_ttft_ms"] - 1 for p in ("least-request", "picker")}
-    matched = {}
-    if MATCHED in lab:  # the lab on the HTTP runs' own random draws: like for like, for reference
-        matched = {"least_request_same_draws_vs_http":
-                   lab[MATCHED]["mean_ttft_ms"] / http["least-request"]["mean_ttft_ms"] - 1}
     # TPOT hardly depends on routing (lab: within a few %), so HTTP TPOT above the lab's measures how
     # much the stack's own CPU starvation stretched model time (late engine steps), not routing.
     tpot = {p: http[p]["mean_tpot_ms"] / lab[p]["mean_tpot_ms"] - 1 for p in ("least-request", "picker")}
     return {"order_http": order_http, "order_lab": order_lab, "same_order": order_http == order_lab,
-            "lab_vs_http_mean_ttft": diffs, **matched, "within_tolerance": all(abs(d) <= TOLERANCE for d in diffs.values()),
+            "lab_vs_http_mean_ttft": diffs, "within_tolerance": all(abs(d) <= TOLERANCE for d in diffs.values()),
             "tolerance": TOLERANCE, "http_tpot_over_lab": tpot,
             "cpu_starved": any(x > TPOT_STARVED for x in tpot.values())}
 
@@ -142,7 +129,7 @@ def report(d: dict) -> str:
              f"{' '.join(map(str, d['lab_seeds']))}.", "",
              "| run | mean TTFT ms | median TTFT ms | P99 TTFT ms | mean TPOT ms | output tok/s | duration s |",
              "|---|---|---|---|---|---|---|"]
-    rows = [("HTTP 8080 least request", d["http"]["least-request"]), ("HTTP 8081 picker", d["http"]["picker"])]
+    rows = [("HTTP http (least request)", d["http"]["least-request"]), ("HTTP llm-gw (picker)", d["http"]["picker"])]
     rows += [(f"lab {name}", r) for name, r in d["lab"].items()]
     for name, r in rows:
         lines.append(f"| {name} | {r['mean_ttft_ms']:,.0f} | {r['median_ttft_ms']:,.0f} | {r['p99_ttft_ms']:,.0f} | "
@@ -154,14 +141,9 @@ def report(d: dict) -> str:
               f"({' < '.join(v['order_http'])} over HTTP, {' < '.join(v['order_lab'])} in the lab); lab vs HTTP mean "
               f"TTFT: " + ", ".join(f"{p} {x:+.1%}" for p, x in v["lab_vs_http_mean_ttft"].items())
               + f" ({'within' if v['within_tolerance'] else 'NOT within'} ±{v['tolerance']:.0%})."]
-    if "least_request_same_draws_vs_http" in v:
-        lr, m = d["lab"]["least-request"], d["lab"][MATCHED]
-        lines += ["", f"The stack starts the gateway with `--seed {d['seed']}`, so every HTTP run of 8080 makes the same "
-                      f"random draws: an HTTP figure is one sample of the policy's randomness. The lab on those same "
-                      f"draws (row `{MATCHED}`, per repetition "
-                  + ", ".join(f"{x:,.0f}" for x in m["per_repetition_mean_ttft_ms"])
-                  + f" ms): {v['least_request_same_draws_vs_http']:+.1%} vs HTTP; over policy seeds the lab's least "
-                    f"request varies by ± {lr['std_mean_ttft_ms']:,.0f} ms (sd)."]
+    lines += ["", f"Over policy seeds the lab's least request varies by ± "
+                  f"{d['lab']['least-request']['std_mean_ttft_ms']:,.0f} ms (sd) in mean TTFT; an HTTP run is one sample "
+                  "of Envoy's random draws."]
     if "http_tpot_over_lab" in v:
         lines += ["", "HTTP mean TPOT vs the lab's (routing hardly changes TPOT, so this is how much late engine "
                       "steps stretched model time on the HTTP stack): "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bench import crosscheck
+from bench import crosscheck, phases
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
 
@@ -38,7 +38,7 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(15-25 minutes); each benchmark runs alone with `python -m bench <name>` "
-        "(`validation`, `picker`, `lab`, `crosscheck`, `gateway`), then `python -m bench report`.", "",
+        "(`validation`, `picker`, `lab`, `crosscheck`, `phases`, `demo`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
@@ -193,7 +193,7 @@ def crosscheck_section(d: dict | None) -> list[str]:
     if not d:
         return out + ["(not run)", ""]
     out += [f"Command: `{d['command']}`: the HTTP part is `python -m local.stack demo` (what `make demo` runs: "
-            "3 simulator processes, the picker, the local gateway, `loadtest compare` of 8080 vs 8081); the lab "
+            "3 simulator processes, the picker, Envoy Gateway + Envoy, `loadtest compare` of both listeners); the lab "
             "part runs the same prompts through the same engine model in virtual time. HTTP took "
             f"{d['http_wall_s']:.0f} s wall, the lab {d['lab_wall_s']:.0f} s. HTTP results: "
             f"`{d['http_results_dir'].replace(str(REPO) + '/', '')}/report.md`.", "",
@@ -201,31 +201,55 @@ def crosscheck_section(d: dict | None) -> list[str]:
     return out
 
 
-def gateway_section(d: dict | None) -> list[str]:
-    out = ["## Local gateway streaming", ""]
+def phases_section(d: dict | None) -> list[str]:
+    out = ["## What the picker is sent: request phase only or the response phase too", ""]
     if not d:
         return out + ["(not run)", ""]
-    r = d["result"]
-    out += [f"Command: `make bench-gateway` (`python -m local.gateway.bench`): a fake upstream that writes SSE "
-            f"events as fast as it can, {r['requests']} streams of {r['events_per_stream']} events, {r['streams']} "
-            "at a time, through each listener; CPU of the gateway and the picker per 1,000 events. The "
-            "article has no figures for this (Envoy is not the bottleneck there).", "",
-            "| listener | events/s | gateway CPU s / 1k events | picker CPU s / 1k events |", "|---|---|---|---|"]
-    for x in r["listeners"]:
-        out.append(f"| {x['listener']} | {_f(x['events_per_s'])} | {x['gateway_cpu_s_per_1k_events']:.3f} | "
-                   f"{x['picker_cpu_s_per_1k_events']:.3f} |")
+    return out + phases.report(d) + [""]
+
+
+def demo_section(d: dict | None) -> list[str]:
+    out = ["## `make demo` on the real data plane", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    dp = d["dataplane"]
+    out += [f"Command: `{d['command']}`, {d['wall_s']:.0f} s wall (Go tools already built): 3 simulator processes, "
+            "the picker, Envoy Gateway v1.9.0 (standalone) and Envoy 1.39.0, `loadtest compare` of listener `http` "
+            f"(least request) vs `llm-gw` (picker) on the `{dp['workload']}` workload, speedup {dp['speedup']:g} "
+            "(times are wall-clock ms at that speedup). Results: "
+            f"`{d['results_dir']}/report.md`.", "",
+            "| listener | mean TTFT ms | median TTFT ms | P99 TTFT ms | mean TPOT ms | output tok/s | completed | failed |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, r in d["results"].items():
+        out.append(f"| {name} ({dp['listeners'][name]}) | {r['mean_ttft_ms']:,.0f} | {r['median_ttft_ms']:,.0f} | "
+                   f"{r['p99_ttft_ms']:,.0f} | {r['mean_tpot_ms']:.1f} | {r['output_throughput']:.1f} | "
+                   f"{r['completed']} | {r['failed']} |")
+    lr, pk = d["results"].get("http"), d["results"].get("llm-gw")
+    if lr and pk:
+        out += ["", f"llm-gw vs http: mean TTFT {_pct(pk['mean_ttft_ms'], lr['mean_ttft_ms'])}, P99 TTFT "
+                    f"{_pct(pk['p99_ttft_ms'], lr['p99_ttft_ms'])}, output throughput "
+                    f"{_pct(pk['output_throughput'], lr['output_throughput'])}."]
+    out += ["", f"CPU of every process during the comparison ({dp['wall_s']:.0f} s, {dp['cores']} cores):", "",
+            "| process | CPU s | cores |", "|---|---|---|"]
+    for name, cpu in dp["cpu_s"].items():
+        out.append(f"| {name} | {cpu:.1f} | {cpu / dp['wall_s']:.2f} |")
+    out += ["", "Envoy's own counters per listener during the comparison:", "",
+            "| listener | " + " | ".join(s.replace("downstream_", "") for s in next(iter(dp["envoy_listener_stats"].values()))) + " |",
+            "|---|" + "---|" * len(next(iter(dp["envoy_listener_stats"].values())))]
+    for name, stats in dp["envoy_listener_stats"].items():
+        out.append(f"| {name} | " + " | ".join(str(v) for v in stats.values()) + " |")
     return out + [""]
 
 
 def write() -> str:
-    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "gateway"]
+    names = ["validation", "picker", "lab-article", "lab-shared-prefix", "crosscheck", "phases", "demo"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
     lines = header(machine(), loads)
     lines += validation_section(data["validation"]) + picker_section(data["picker"])
     lines += lab_section(data["lab-article"], data["lab-shared-prefix"])
-    lines += crosscheck_section(data["crosscheck"]) + gateway_section(data["gateway"])
+    lines += crosscheck_section(data["crosscheck"]) + phases_section(data["phases"]) + demo_section(data["demo"])
     text = "\n".join(lines).rstrip() + "\n"
     (REPO / "BENCHMARKS.md").write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")

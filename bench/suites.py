@@ -61,14 +61,18 @@ def lab(workload: str, seeds: list[int] | None = None) -> dict:
     return data
 
 
-def gateway() -> dict:
-    """`python -m local.gateway.bench` (what `make bench-gateway` runs), with --json."""
-    path = RESULTS / "gateway-raw.json"
+def demo() -> dict:
+    """`make demo` as a user runs it: the stack on the real data plane, both listeners compared,
+    with the CPU of every process and Envoy's own listener counters (local/stack.py demo)."""
+    out = RESULTS / "demo"
     load_start = load_average()
-    wall = run([PY, "-m", "local.gateway.bench", "--json", str(path)], log=RESULTS / "gateway.log")
-    data = {"command": "python -m local.gateway.bench (make bench-gateway)", "wall_s": wall,
-            "load_average_start": load_start, "result": json.loads(path.read_text()), **stamp()}
-    save("gateway", data)
+    cmd = [PY, "-m", "local.stack", "demo", "--name", "bench-demo", "--out", str(out)]
+    wall = run(cmd, log=RESULTS / "demo.log")
+    ports = json.loads((out / "dataplane.json").read_text())
+    results = {name: json.loads((out / f"{port}.json").read_text()) for name, port in ports["listeners"].items()}
+    data = {"command": "make demo (" + shown(cmd) + ")", "wall_s": wall, "load_average_start": load_start,
+            "dataplane": ports, "results": results, "results_dir": str(out.relative_to(REPO)), **stamp()}
+    save("demo", data)
     return data
 
 

@@ -6,7 +6,11 @@ Everything production would do, in virtual time:
   interval; the page is `local.sim.metrics.render_gauges` of the engine's state at the scrape
   instant and goes through `Router.on_scrape_ok` (the picker's own parser, staleness rules);
 - each request is decided by `Router.decide(RequestInfo(path, headers, body))` with the same JSON
-  body a load-test client sends, and reported with `Router.on_request_done`.
+  body a load-test client sends, and reported with `Router.on_request_done` when the picker
+  would learn of its end: with the deployed EnvoyExtensionPolicy (request phase only) Envoy closes
+  the ext_proc stream as soon as the picker has answered, so by default the lab reports the end
+  right after the decision (`phases="request"`); `phases="response"` reports it when the response
+  completes, as a policy that also sends the response phase would.
 
 Scrapes are replayed lazily: before each Router call the adapter performs, per endpoint, the
 latest scrape tick not yet performed, with the engine state recorded at that tick. Only the
@@ -28,17 +32,21 @@ from picker.scheduling.profile import load_profile
 from local.sim.metrics import cache_config_labels, render_gauges
 from lab.policies import LabRequest, Policy, Rejected
 
-try:
-    from picker.signals.scraper import DEFAULT_INTERVAL
-except ImportError:  # pragma: no cover - older picker layouts
-    DEFAULT_INTERVAL = 0.05
+from picker.signals.scraper import DEFAULT_INTERVAL
+
+PHASES = ("request", "response")
 
 
 class PickerPolicy(Policy):
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
-                 staleness: float | None = None):
+                 staleness: float | None = None, phases: str = "request"):
+        if phases not in PHASES:
+            raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
+        self.phases = phases
         self.profile_name = profile
         self.name = "picker" if profile == "default" else f"picker:{profile}"
+        if phases != "request":
+            self.name += f"+{phases}"
         self.profile = load_profile(profile)
         self.scrape_interval = scrape_interval or DEFAULT_INTERVAL
         self.settings = RouterSettings() if staleness is None else RouterSettings(staleness=staleness)
@@ -91,9 +99,11 @@ class PickerPolicy(Policy):
         except PickerError as err:
             raise Rejected(getattr(err, "status", 500), str(err)) from err
         request.router_id = decision.request_id
+        if self.phases == "request":  # Envoy closes the stream once the request phase is answered
+            self.router.on_request_done(decision.request_id)
         return self.by_address[decision.endpoint]
 
     def on_done(self, request, endpoint):
         self._catch_up()
-        if request.router_id is not None:
+        if self.phases == "response" and request.router_id is not None:
             self.router.on_request_done(request.router_id)

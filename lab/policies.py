@@ -103,21 +103,8 @@ class LeastRequest(Policy):
 
     name = "least-request"
 
-    def __init__(self, choice_count: int = 2, draw_seed: Optional[int] = None, skip_picks: int = 0):
-        """`draw_seed`: draw from `random.Random(draw_seed)` (advanced by `skip_picks` picks)
-        instead of the lab's rng: the same draws as `python -m local.gateway --seed draw_seed`
-        makes for its 8080 route (local.gateway.balancer), so a lab run can replay the exact
-        random stream of an HTTP run (the stack's gateway seed is fixed, hence so are its draws)."""
+    def __init__(self, choice_count: int = 2):
         self.choice_count = choice_count
-        self.draw_seed = draw_seed
-        self.skip_picks = skip_picks
-
-    def start(self, endpoints, clock, rng):
-        super().start(endpoints, clock, rng)
-        if self.draw_seed is not None:
-            self.rng = random.Random(self.draw_seed)
-            for _ in range(self.skip_picks * self.choice_count):
-                self.rng.randrange(len(endpoints))
 
     def pick(self, request):
         eps, rng = self.endpoints, self.rng

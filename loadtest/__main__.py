@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--request-timeout", type=float, default=900.0)
     c.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     c.add_argument("--out", default=None, help="results folder (default results/compare-<time>)")
+    c.add_argument("--before-each-run", metavar="CMD",
+                   help="shell command run before every run, e.g. one that restarts the servers and the router "
+                        "so no run starts with another run's caches (`python -m local.stack reset` locally)")
 
     r = sub.add_parser("report", help="rewrite report.md and the plots of a results folder")
     r.add_argument("folder")

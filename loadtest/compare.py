@@ -10,6 +10,7 @@ from __future__ import annotations
 import locust  # noqa: F401  (first: gevent monkey-patching before sockets are created)
 
 import json
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -91,8 +92,10 @@ def wait_idle(recorder: LoadRecorder, timeout: float, progress: Progress) -> Non
 def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             concurrency: int | None, repetitions: int = 1,
             metrics_endpoints: list[str] | None = None, scrape_interval: float = 1.0,
-            idle_timeout: float = 60.0, run_timeout: float = 3600.0) -> str:
-    """Run every port `repetitions` times (order alternates), write the folder, return Markdown."""
+            idle_timeout: float = 60.0, run_timeout: float = 3600.0, before_each_run: str | None = None) -> str:
+    """Run every port `repetitions` times (order alternates), write the folder, return Markdown.
+    `before_each_run`: a shell command run before every run (e.g. one that restarts the servers and
+    the router, so that no run inherits the caches and prefix state of the one before)."""
     settings = options.settings()
     if concurrency is None:
         concurrency = settings.get("concurrency") or int(settings["num_prompts"])
@@ -104,13 +107,16 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             "workload_settings": settings, "concurrency": concurrency,
             "request_rate": options.request_rate, "repetitions": repetitions,
             "metrics_endpoints": endpoints, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "runs": []}
+            "before_each_run": before_each_run, "runs": []}
     by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
     unfinished = {p: 0 for p in ports}
     scrape_errors: dict[str, str] = {}
     for rep in range(1, repetitions + 1):
         order = ports if rep % 2 == 1 else list(reversed(ports))
         for port in order:
+            if before_each_run:
+                progress.show(f"before port {port} rep {rep}: {before_each_run}", final=True)
+                subprocess.run(before_each_run, shell=True, check=True)
             recorder = LoadRecorder(endpoints, interval=scrape_interval, sleep=gevent.sleep)
             wait_idle(recorder, idle_timeout, progress)
             label = f"port {port} rep {rep}/{repetitions}"
@@ -155,7 +161,8 @@ def main(args) -> int:
     compare(host=args.host, ports=args.ports, out=out, options=options,
             concurrency=args.concurrency, repetitions=args.repetitions,
             metrics_endpoints=endpoints, scrape_interval=args.scrape_interval,
-            idle_timeout=args.idle_timeout, run_timeout=args.run_timeout)
+            idle_timeout=args.idle_timeout, run_timeout=args.run_timeout,
+            before_each_run=args.before_each_run)
     results = {str(p): json.loads((out / f"{p}.json").read_text()) for p in args.ports}
     print(comparison_table(results))
     print(f"results: {out}/ (report.md, {', '.join(str(p) + '.json' for p in args.ports)}, "

@@ -1,1 +1,1 @@
-"""Local stand-ins for the cluster: the vLLM simulator (`local.sim`), the local gateway, the launcher."""
+"""The cluster on one machine: the vLLM simulator (`local.sim`), the real data plane (`local.dataplane`: Envoy Gateway standalone + Envoy), the launcher (`local.stack`)."""

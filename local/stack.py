@@ -3,6 +3,7 @@
     python -m local.stack up     [options]   start, wait until healthy, leave it running
     python -m local.stack down   [--name N]  stop a stack started by `up`
     python -m local.stack status [--name N]  what runs and whether it is healthy
+    python -m local.stack reset  [--name N]  restart its simulators and picker (cold caches)
     python -m local.stack demo   [options]   up, compare both ports with loadtest, down
 
 Every process runs in its own process group (session); its output goes to runs/<name>/<proc>.log
@@ -20,7 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -34,6 +35,8 @@ from pathlib import Path
 import yaml
 
 from local import dataplane
+from validation import manifests
+from validation.render import kustomize as render_target
 from local.dataplane import gateway_objects
 from local.sim.profiles import DEFAULT_PROFILE, get_profile
 
@@ -119,12 +122,11 @@ class Topology:
 # -- manifests ---------------------------------------------------------------------------------
 
 def kustomize(path: str | Path) -> list[dict]:
-    if shutil.which("kubectl") is None:
-        raise StackError("kubectl is needed to render the manifests (`kubectl kustomize`); install it")
-    proc = subprocess.run(["kubectl", "kustomize", str(REPO / path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise StackError(f"kubectl kustomize {path} failed: {proc.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    """The objects of a kustomization, rendered as `make validate` renders them."""
+    result = render_target(REPO, str(path))
+    if result.problems:
+        raise StackError("; ".join(str(p) for p in result.problems))
+    return result.objects
 
 
 def render(config: StackConfig) -> list[dict]:
@@ -143,45 +145,24 @@ def render(config: StackConfig) -> list[dict]:
 
 
 def _route_refs(docs: list[dict], section: str) -> list[tuple[str, int]]:
-    for d in docs:
-        if d.get("kind") != "HTTPRoute":
-            continue
-        if any(p.get("sectionName") == section for p in d["spec"].get("parentRefs", [])):
-            refs = [r for rule in d["spec"].get("rules", []) for r in rule.get("backendRefs", [])]
-            return [(r["name"], int(r.get("weight", 1))) for r in refs]
-    raise StackError(f"no HTTPRoute attached to listener {section!r} in the rendered manifests")
+    routes = manifests.routes_on_listener(docs, section)
+    if not routes:
+        raise StackError(f"no HTTPRoute attached to listener {section!r} in the rendered manifests")
+    return [(r["name"], int(r.get("weight", 1))) for r in manifests.backend_refs(routes[0])]
 
 
 def _leader_sets(docs: list[dict]) -> list[tuple[str, dict, list[str]]]:
     """(LWS name, leader pod labels, served model names) for every LeaderWorkerSet."""
+    served = manifests.served_model_names(docs)
     out = []
-    for d in docs:
-        if d.get("kind") != "LeaderWorkerSet":
+    for t in manifests.pod_templates(docs):
+        if t.role != "leader":
             continue
-        template = d["spec"]["leaderWorkerTemplate"]
-        pod = template.get("leaderTemplate") or template["workerTemplate"]
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        out.append((d["metadata"]["name"], labels, _served_names(d, pod)))
+        name = manifests.name_of(t.owner)
+        if not served.get(name):
+            raise StackError(f"LeaderWorkerSet {name!r}: no --served-model-name in its leader container")
+        out.append((name, t.labels, served[name]))
     return out
-
-
-def _served_names(lws: dict, pod: dict) -> list[str]:
-    for c in pod["spec"]["containers"]:
-        words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
-        words = [x for w in words for x in w.split()]  # args may be one shell string
-        if "--served-model-name" in words:
-            i = words.index("--served-model-name") + 1
-            names = []
-            while i < len(words) and not words[i].startswith("-"):
-                names.append(words[i].strip("'\";"))
-                i += 1
-            if names:
-                return names
-    raise StackError(f"LeaderWorkerSet {lws['metadata']['name']!r}: no --served-model-name in its leader container")
-
-
-def _service_selectors(docs: list[dict]) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d["spec"].get("selector") or {} for d in docs if d.get("kind") == "Service"}
 
 
 BODY_MODES = {"Buffered": "buffered", "FullDuplexStreamed": "full-duplex"}
@@ -219,8 +200,9 @@ def topology(config: StackConfig) -> Topology:
     if not any(s.lws == STABLE_SERVICE for s in sims) or len(sims) != needed:
         raise StackError(f"{config.overlay}: expected LeaderWorkerSet {STABLE_SERVICE!r}"
                          f"{' and one canary' if config.canary else ''}, found {sorted(labels_of)}")
-    services = {name: [s.address for s in sims if selector and selector.items() <= labels_of[s.lws].items()]
-                for name, selector in _service_selectors(docs).items()}
+    services = {manifests.name_of(svc): [s.address for s in sims if manifests.matches(
+                    (svc.get("spec") or {}).get("selector") or {}, labels_of[s.lws])]
+                for svc in manifests.of_kind(docs, "Service")}
 
     def route(section: str) -> list[tuple[str, int, list[str]]]:
         groups = []
@@ -594,6 +576,10 @@ class Stack:
 
     def stop(self) -> None:
         live = [p.pid for p in self.procs if p.pid is not None]
+        if self.state_file.exists():  # `reset` from another process may have restarted some
+            recorded = json.loads(self.state_file.read_text())["procs"]
+            live += [p["pid"] for p in recorded if p["pid"] and p["pid"] not in live and _alive(p["pid"])
+                     and _is_ours(p["pid"], p["cmd"])]
         stop_groups(live)
         for p in self.procs:
             if p.popen is not None:
@@ -661,6 +647,38 @@ def down(name: str, run_root: Path = REPO / "runs") -> int:
     return 0
 
 
+COLD_START = ("sim-", "picker")  # the processes that hold state between runs (caches, prefix index)
+
+
+def reset(name: str, run_root: Path = REPO / "runs", timeout: float = 60.0) -> int:
+    """Restart the simulators and the picker of a running stack, so the next run starts cold:
+    empty KV and prefix caches, no prefix index, no in-flight counts. Envoy keeps running."""
+    state_file, state = _read_state(name, run_root)
+    if state is None:
+        print(f"no running stack {name!r} ({state_file} not found)", file=sys.stderr)
+        return 1
+    fresh = []
+    for p in state["procs"]:
+        if not p["name"].startswith(COLD_START):
+            continue
+        if p["pid"] and _alive(p["pid"]) and _is_ours(p["pid"], p["cmd"]):
+            stop_group(p["pid"])
+        with open(p["log"], "ab") as log:
+            popen = subprocess.Popen(p["cmd"], cwd=REPO, env=python_env(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        p["pid"] = popen.pid
+        fresh.append(Proc(p["name"], p["cmd"], p["log"], p["health"], popen.pid, popen))
+    state_file.write_text(json.dumps(state, indent=2))
+    deadline = time.monotonic() + timeout
+    while not all(p.healthy() for p in fresh):
+        if time.monotonic() > deadline:
+            print(f"not healthy {timeout:.0f}s after the restart: "
+                  f"{', '.join(p.name for p in fresh if not p.healthy())}", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    return 0
+
+
 def _is_ours(pid: int, cmd: list[str]) -> bool:
     """The pid still runs the command we started (pids get reused)."""
     try:
@@ -714,7 +732,7 @@ def describe(stack: Stack) -> str:
 # concurrency. Queueing for KV blocks, which is what routing changes, then happens as in the
 # article, in 1/DEMO_SCALE of the time (measured in the lab: least request vs picker within a few
 # points of the full-size gap). DEMO_SPEEDUP keeps the SSE chunk rate ~1,200/s, low enough that
-# the stack's CPU use does not distort latencies on 2 cores (see GATEWAY.md, "make demo").
+# the stack's CPU use does not distort latencies on 2 cores (see DATAPLANE.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
 DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
@@ -728,7 +746,7 @@ def kv_scale_args(config: StackConfig) -> list[str]:
     return ["--num-gpu-blocks", str(get_profile(profile).num_gpu_blocks // config.kv_scale)]
 
 
-def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str]) -> int:
+def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str], warm: bool = False) -> int:
     out = out or REPO / "results" / time.strftime("demo-%Y%m%d-%H%M%S")
     with Stack(config) as stack:
         print(describe(stack), flush=True)
@@ -737,6 +755,9 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
                "--ports", str(stack.http_port), str(stack.llm_port), "--workload", workload,
                "--seed", str(config.seed), "--out", str(out), "--repetitions", "2",  # A B, B A
                "--metrics-endpoints", *(s.address for s in stack.topology.sims), *compare_args]
+        if not warm:  # every run cold: its own caches and prefix index, whatever ran before
+            cmd += ["--before-each-run", f"{shlex.quote(sys.executable)} -m local.stack reset --name {config.name} "
+                                         f"--run-root {shlex.quote(str(config.run_root))}"]
         print("$ python " + " ".join(cmd[1:]), flush=True)
         client_before = _children_cpu()
         envoy_before = dataplane.listener_stats(stack.envoy_admin(), stack.listener_ports())
@@ -748,11 +769,21 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
     table = envoy_table(envoy, stack.listener_ports())
     print(table)
     print(cpu_table(before, after, wall))
+    if out.is_dir():
+        cpu = {name: after[name] - before.get(name, 0.0) for name in after}
+        (out / "dataplane.json").write_text(json.dumps(
+            {"wall_s": wall, "cores": os.cpu_count(), "cpu_s": cpu, "listeners": stack.listener_ports(),
+             "envoy_listener_stats": envoy, "speedup": config.speedup, "workload": workload,
+             "state_between_runs": "warm" if warm else "cold"}, indent=2))
     report = out / "report.md"
     if report.exists():
         with report.open("a") as f:
             f.write(f"\n## Envoy's own listener statistics\n\n{table}\n\n## CPU per process\n\n"
-                    f"```\n{cpu_table(before, after, wall)}\n```\n")
+                    f"```\n{cpu_table(before, after, wall)}\n```\n\n"
+                    + ("Runs started **warm**: simulators and picker kept their state between runs.\n" if warm else
+                       "Runs started **cold**: the simulators and the picker were restarted before every run "
+                       "(`python -m local.stack reset`), so no run starts with another's KV/prefix caches or "
+                       "prefix index.\n"))
     return rc
 
 
@@ -788,9 +819,10 @@ def cpu_table(before: dict[str, float], after: dict[str, float], wall: float) ->
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m local.stack", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("up", "down", "status", "demo"):
+    for name in ("up", "down", "status", "reset", "demo"):
         s = sub.add_parser(name)
-        s.add_argument("--name", default="local", help="run folder runs/<name>")
+        s.add_argument("--name", default="local", help="run folder <run-root>/<name>")
+        s.add_argument("--run-root", type=Path, default=REPO / "runs", help="where run folders live (default runs/)")
         if name in ("up", "demo"):
             s.add_argument("--groups", type=int, default=3, help="simulated vLLM groups (stable)")
             s.add_argument("--speedup", type=float, default=DEMO_SPEEDUP if name == "demo" else 20.0,
@@ -826,6 +858,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "demo":
             s.add_argument("--workload", default="demo")
             s.add_argument("--out", type=Path)
+            s.add_argument("--warm", action="store_true",
+                           help="keep the simulators' caches and the picker's state between runs (default: "
+                                "restart both before every run, so no run depends on the one before)")
     return p
 
 
@@ -838,7 +873,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],
         picker_args=[a for x in args.picker_arg for a in x.split()], startup_timeout=args.startup_timeout,
         picker_scrape_interval=args.picker_scrape_interval, picker_staleness=args.picker_staleness,
-        kv_scale=args.kv_scale)
+        kv_scale=args.kv_scale, run_root=args.run_root)
 
 
 def _interrupt(signum, frame):
@@ -850,16 +885,18 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command != "demo":
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "down":
-        return down(args.name)
+        return down(args.name, args.run_root)
     if args.command == "status":
-        return status(args.name)
+        return status(args.name, args.run_root)
+    if args.command == "reset":
+        return reset(args.name, args.run_root)
     config = config_from(args)
     # Ctrl-C and SIGTERM both unwind through Stack.start/stop, which stop every process group.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)  # also when started in the background (SIGINT ignored)
     try:
         if args.command == "demo":
-            return demo(config, args.out, args.workload, rest)
+            return demo(config, args.out, args.workload, rest, warm=args.warm)
         stack = Stack(config).start()
         print(describe(stack), flush=True)
         if args.foreground:

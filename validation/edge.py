@@ -10,7 +10,8 @@ import base64
 import datetime
 import functools
 
-from validation.policy import describe, name_of, ns_of, of_kind
+from validation.manifests import name_of, ns_of, of_kind
+from validation.problems import describe
 
 GATEWAY = "inference-gateway"
 ENDPOINT_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-subset",

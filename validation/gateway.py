@@ -44,10 +44,19 @@ def has_gateway(objs: list[dict]) -> bool:
     return any(o.get("kind") == "Gateway" for o in gateway_objects(objs))
 
 
+CLUSTER_SCOPED = ("GatewayClass",)
+
+
 def translator_input(objs: list[dict]) -> list[dict]:
-    """Gateway objects plus the core objects they may reference (Services, Secrets, ConfigMaps)."""
+    """Gateway objects plus the core objects they may reference (Services, Secrets, ConfigMaps),
+    in the namespace `kubectl apply` would put them in (default) when the render names none."""
     core = [o for o in objs if group_of(o) == "" and o.get("kind") in ("Service", "Secret", "ConfigMap")]
-    return gateway_objects(objs) + core
+    out = []
+    for o in gateway_objects(objs) + core:
+        if o.get("kind") not in CLUSTER_SCOPED and not (o.get("metadata") or {}).get("namespace"):
+            o = {**o, "metadata": {**(o.get("metadata") or {}), "namespace": "default"}}
+        out.append(o)
+    return out
 
 
 class TranslateError(RuntimeError):
@@ -145,11 +154,13 @@ def status_problems(target: str, translated: list[dict], ours: set[tuple[str, st
     return problems
 
 
-def object_keys(objs: list[dict], default_namespace: str = "") -> set[tuple[str, str, str]]:
+def object_keys(objs: list[dict]) -> set[tuple[str, str, str]]:
     keys = set()
-    for o in gateway_objects(objs):
+    for o in translator_input(objs):
+        if group_of(o) not in GATEWAY_GROUPS:
+            continue
         meta = o.get("metadata") or {}
-        namespace = "" if o.get("kind") == "GatewayClass" else meta.get("namespace", default_namespace)
+        namespace = "" if o.get("kind") in CLUSTER_SCOPED else meta["namespace"]
         keys.add((o.get("kind"), namespace, meta.get("name")))
     return keys
 
@@ -173,9 +184,7 @@ def check_target(egctl: Path, target: str, objs: list[dict]) -> list[Problem]:
         translated, xds = translate(egctl, objs)
     except TranslateError as err:
         return [Problem(target, str(err), source=_SOURCE)]
-    namespace = next((o["metadata"].get("namespace") for o in gateway_objects(objs)
-                      if o.get("kind") == "Gateway"), "") or ""
-    problems = status_problems(target, translated, object_keys(objs, namespace))
+    problems = status_problems(target, translated, object_keys(objs))
     from validation.gateway_xds import xds_problems
 
     problems += xds_problems(target, objs, xds)
@@ -184,18 +193,17 @@ def check_target(egctl: Path, target: str, objs: list[dict]) -> list[Problem]:
 
 def check_all(egctl: Path, rendered) -> list[Problem]:
     """check_target for every render target holding a Gateway; identical inputs translated once."""
-    if not egctl.is_file():
-        return [Problem(str(egctl), "egctl is missing: `make tools` builds Envoy Gateway's translator",
-                        source=_SOURCE)]
     from concurrent.futures import ThreadPoolExecutor
 
-    todo, seen = [], {}
+    seen: dict[str, list] = {}
     for r in rendered:
         if r.objects and has_gateway(r.objects):
             key = yaml.safe_dump_all(translator_input(r.objects), sort_keys=True)
             seen.setdefault(key, []).append(r)
-    for group in seen.values():
-        todo.append(group)
+    todo = list(seen.values())
+    if todo and not egctl.is_file():
+        return [Problem(str(egctl), "egctl is missing: `make tools` builds Envoy Gateway's translator",
+                        source=_SOURCE)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda g: (g, check_target(egctl, g[0].target, g[0].objects)), todo))
     problems = []

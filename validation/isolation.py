@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
-from validation.policy import (PodTemplate, argv, describe, flag_values, name_of, ns_of, of_kind,
-                               picker_container, pod_templates)
+from validation.manifests import (PodTemplate, argv, flag_values, name_of, ns_of, of_kind,
+                                  picker_container, pod_templates)
+from validation.problems import describe
 
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"

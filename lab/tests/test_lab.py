@@ -168,16 +168,3 @@ def test_an_idle_engine_steps_on_the_first_request_and_later_ones_join_the_next_
         + A10_QWQ32B.stage_context_token_s * first.prompt_tokens)
     assert first.ttft == pytest.approx(alone)
     assert second.ttft > first.ttft + A10_QWQ32B.pipeline_stages * A10_QWQ32B.stage_base_s
-
-
-def test_least_request_can_replay_the_local_gateways_draws():
-    from local.gateway.balancer import Route
-
-    route = Route.build([("pool", 1, ["e0", "e1", "e2"])], seed=5)
-    eps = [LabEndpoint(i, f"e{i}", Engine(A10_QWQ32B)) for i in range(3)]
-    policy = LeastRequest(draw_seed=5, skip_picks=40)
-    policy.start(eps, lambda: 0.0, random.Random(0))
-    for _ in range(40):
-        route.pick()
-    # equal in-flight counts: each pick is the first draw, so the sequences must agree
-    assert [route.pick().address for _ in range(50)] == [policy.pick(None).address for _ in range(50)]

@@ -14,12 +14,22 @@ from local import stack as st
 from local.stack import Stack, StackConfig, StackError, topology
 
 
-def test_plain_topology_uses_base_manifests():
+def test_plain_topology_follows_the_a10_overlay():
     topo = topology(StackConfig(groups=2, sim_ports=[1001, 1002]))
-    assert [s.address for s in topo.sims] == ["127.0.0.1:1001", "127.0.0.1:1002"]
-    assert topo.http_route == topo.llm_route == [("qwq-dist-v1", 1, ["127.0.0.1:1001", "127.0.0.1:1002"])]
+    addresses = ["127.0.0.1:1001", "127.0.0.1:1002"]
+    assert [s.address for s in topo.sims] == addresses
+    assert topo.http_route == [("qwq-dist-v1", 100, addresses)]
+    assert topo.llm_route == [("qwq-leaders", 1, addresses)]
     assert {o["kind"] for o in topo.objects} == {"InferenceObjective", "InferenceModelRewrite"}
-    assert topo.message_timeout == 10.0  # base/gateway EnvoyExtensionPolicy messageTimeout: 10s
+    assert topo.body_mode == "full-duplex"  # base/gateway's EnvoyExtensionPolicy
+    assert {o["kind"] for o in topo.gateway} >= {"Gateway", "HTTPRoute", "EnvoyExtensionPolicy", "Backend"}
+
+
+def test_buffered_body_mode_renders_the_component():
+    topo = topology(StackConfig(groups=1, sim_ports=[1], body_mode="buffered"))
+    assert topo.body_mode == "buffered"
+    policy = next(o for o in topo.gateway if o["kind"] == "EnvoyExtensionPolicy")
+    assert policy["spec"]["extProc"][0]["processingMode"]["request"]["body"] == "Buffered"
 
 
 def test_canary_topology_follows_the_overlay():
@@ -34,15 +44,13 @@ def test_canary_topology_follows_the_overlay():
     assert targets == {"qwq": 90, "qwq-canary": 10}
 
 
-def test_helpers():
-    assert st._duration("10s", 1) == 10 and st._duration("250ms", 1) == 0.25 and st._duration(None, 7) == 7
-    with pytest.raises(StackError):
-        st._duration("soon", 1)
+def test_too_few_simulator_ports_are_refused():
     with pytest.raises(StackError):
         topology(StackConfig(groups=3, sim_ports=[1, 2]))
 
 
-def test_a_busy_port_is_refused_before_anything_starts(tmp_path):
+def test_a_busy_port_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)  # tested below
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -55,13 +63,14 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path):
 
 def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypatch):
     """The simulators here get a bogus option and exit; everything started must be gone."""
+    monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)  # tested below
     ports = []
     for _ in range(8):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     config = StackConfig(name="broken", run_root=tmp_path, groups=2, sim_ports=ports[:2], http_port=ports[2],
-                         llm_port=ports[3], admin_port=ports[4], picker_grpc_port=ports[5],
+                         llm_port=ports[3], picker_grpc_port=ports[5],
                          picker_health_port=ports[6], picker_metrics_port=ports[7],
                          sim_args=["--no-such-option"], startup_timeout=30)
     stack = Stack(config)
@@ -127,3 +136,21 @@ def test_demo_defaults_scale_the_article_workload():
     for key in ("prefix_len", "input_len", "output_len"):
         assert demo[key] == article[key] // st.DEMO_SCALE
     assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]
+
+
+def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path):
+    """Envoy Gateway binds fixed ports: with one of them taken, nothing starts and the error says why."""
+    from local import dataplane
+
+    port = dataplane.ENVOY_GATEWAY_PORTS[1]
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            s.listen()
+        except OSError:
+            pass  # already taken (another stack runs): the launcher must refuse all the same
+        stack = Stack(StackConfig(name="second", run_root=tmp_path, groups=1, sim_ports=[1]))
+        with pytest.raises(StackError, match="Only one local stack can run at a time"):
+            stack.start()
+    assert stack.procs == [] and not (tmp_path / "second").exists()

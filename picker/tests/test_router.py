@@ -246,3 +246,16 @@ def test_lora_affinity_prefers_a_free_slot_for_an_idle_adapter(tmp_path):
         r.on_models(addr, ["qwq", "sql-lora"])
     picks = {r.decide(req(body(model="sql-lora"))).endpoint for _ in range(20)}
     assert picks == {"10.0.0.2:8000"}
+
+
+def test_a_request_that_ends_before_the_next_scrape_still_counts_until_that_scrape():
+    """With the request phase only, Envoy closes the stream right after the picker answers: the
+    request must keep counting in since_scrape (the metrics do not show it yet), or a burst
+    between two scrapes would pile onto one endpoint."""
+    r = make_router(n=1)
+    d = r.decide(req(body(prompt="y" * 400)))
+    state = r.endpoints["10.0.0.1:8000"]
+    r.on_request_done(d.request_id)
+    assert state.inflight == 0 and state.since_scrape == 1 and state.since_scrape_tokens == 100
+    r.on_scrape_ok("10.0.0.1:8000", metrics_text(running=1))
+    assert state.since_scrape == 0 and state.since_scrape_tokens == 0

@@ -117,3 +117,27 @@ async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
         async with session.post(llm(stack), json=completion()) as r:
             return r.status == 200
     await wait_for(served, timeout=10)
+
+
+async def test_reset_starts_the_next_run_cold(stack, session):
+    """`python -m local.stack reset` restarts the simulators and the picker (empty caches and
+    counters, no prefix index) while Envoy keeps serving; 8081 routes again right after."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import successes
+
+    for i in range(3):
+        async with session.post(llm(stack), json=completion(prompt=f"warm-up {i}")) as r:
+            assert r.status == 200
+    sims = [s.address for s in stack.topology.sims]
+    assert sum([await successes(session, a) for a in sims]) >= 3
+    rc = subprocess.call([sys.executable, "-m", "local.stack", "reset", "--name", stack.config.name,
+                          "--run-root", str(stack.config.run_root)])
+    assert rc == 0
+    assert sum([await successes(session, a) for a in sims]) == 0  # new simulator processes
+
+    async def served():
+        async with session.post(llm(stack), json=completion()) as r:
+            return r.status == 200
+    await wait_for(served, timeout=15)

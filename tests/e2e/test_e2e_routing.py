@@ -156,3 +156,31 @@ async def test_sheddable_request_is_refused_with_429_when_the_pool_is_saturated(
         rows = await scrape(session, metrics)
         return any(n == "picker_pool_saturation" and v < 1.0 for n, _, v in rows)
     await wait_for(drained, timeout=30)
+
+
+def test_a_second_stack_fails_fast_and_leaves_the_first_serving(stack, tmp_path):
+    from local.stack import Stack, StackConfig, StackError
+
+    second = Stack(StackConfig(name="second", run_root=tmp_path, groups=1))
+    with pytest.raises(StackError, match="another Envoy Gateway or Envoy runs"):
+        second.start()
+    assert second.procs == []
+    import urllib.request
+    with urllib.request.urlopen(url(stack, "http", "/v1/models"), timeout=10) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("listener", ["http", "llm-gw"])
+async def test_a_body_over_the_limits_gets_413(stack, session, listener):
+    """Buffered: Envoy's own buffer (ClientTrafficPolicy bufferLimit 2Mi) answers 413 on 8081;
+    full-duplex: the body streams to the picker, whose --max-body-bytes (8 MiB) answers 413 with
+    its JSON error. 8080 does not buffer and passes the body on to vLLM, which refuses it (400)."""
+    body = completion(prompt="word " * (9 * 1024 * 1024 // 5))
+    async with session.post(url(stack, listener, "/v1/completions"), json=body) as r:
+        text = await r.text()
+        if listener == "http":
+            assert r.status == 400, text
+        else:
+            assert r.status == 413, text
+            if stack.topology.body_mode == "full-duplex":
+                assert "error" in (await r.json())

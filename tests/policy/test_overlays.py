@@ -147,7 +147,7 @@ def test_service_ref_to_tls_picker_is_caught():
 @pytest.mark.parametrize("mutate,expect", [
     (lambda e: e.update(failOpen=True), "failOpen: must be false"),
     (lambda e: e["processingMode"]["request"].update(body="Streamed"), "not a mode the picker supports"),
-    (lambda e: e["processingMode"]["request"].update(body="FullDuplexStreamed"), "--request-body-mode buffered"),
+    (lambda e: e["processingMode"]["request"].update(body="Buffered"), "--request-body-mode full-duplex"),
     (lambda e: e["metadata"].update(writableNamespaces=[]), "must include envoy.lb"),
 ])
 def test_extension_policy_settings_are_checked(mutate, expect):

@@ -51,12 +51,13 @@ def add_inflight(state: EndpointState, tokens: int, now: float) -> InflightEntry
 
 
 def end_inflight(entry: InflightEntry) -> None:
+    """A request ended. It stays in since_scrape until the next scrape: the deployed Envoy config
+    sends the picker only the request phase, so Envoy closes the stream as soon as the picker has
+    answered, long before the server's metrics show the request; dropping it from since_scrape
+    then would let a burst between two scrapes pile onto one endpoint."""
     state = entry.state
     state.inflight = max(0, state.inflight - 1)
     state.inflight_tokens = max(0, state.inflight_tokens - entry.tokens)
-    if entry.epoch == state.epoch:
-        state.since_scrape = max(0, state.since_scrape - 1)
-        state.since_scrape_tokens = max(0, state.since_scrape_tokens - entry.tokens)
 
 
 def record_scrape(state: EndpointState, metrics: ModelServerMetrics, now: float) -> None:

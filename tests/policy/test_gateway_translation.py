@@ -1,0 +1,124 @@
+"""Envoy Gateway's translator (egctl x translate, the pinned version) over the rendered gateway
+objects: the shipped overlays pass, and each broken fixture fails with a message naming the
+target, the object and the field."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.policy.conftest import OVERLAYS, ROOT, find, rendered
+from validation import gateway
+
+EGCTL = ROOT / ".tools" / "bin" / "egctl"
+pytestmark = pytest.mark.skipif(not EGCTL.is_file(), reason="egctl not built (make tools)")
+
+
+def check(objs, target="fixture") -> list[str]:
+    return [str(p) for p in gateway.check_target(EGCTL, target, objs)]
+
+
+@pytest.mark.parametrize("target", [*OVERLAYS, "base/gateway"])
+def test_the_shipped_gateway_objects_translate_cleanly(target):
+    assert check(rendered(target), target) == []
+
+
+def test_a_policy_on_a_missing_route_applies_to_nothing():
+    objs = rendered("overlays/a10")
+    find(objs, "BackendTrafficPolicy", "reasoning-inference")["spec"]["targetRefs"][0]["name"] = "reasoning-inferense"
+    found = check(objs)
+    assert any("BackendTrafficPolicy llm/reasoning-inference: spec.targetRefs" in p and "applies to nothing" in p
+               for p in found), found
+    # and the generated config shows it: no Envoy route carries that policy's settings
+    assert any("no Envoy route for HTTPRoute reasoning-inferense" in p for p in found), found
+
+
+def test_a_route_on_a_listener_that_does_not_exist_is_reported():
+    objs = rendered("overlays/a10")
+    find(objs, "HTTPRoute", "reasoning-inference")["spec"]["parentRefs"][0]["sectionName"] = "llm"
+    found = check(objs)
+    assert any("HTTPRoute llm/reasoning-inference: status.parents[0]" in p and "Accepted=False" in p
+               for p in found), found
+
+
+def test_a_client_policy_on_a_missing_gateway_is_reported():
+    objs = rendered("overlays/a10")
+    find(objs, "ClientTrafficPolicy")["spec"]["targetRefs"][0]["name"] = "other-gateway"
+    found = check(objs)
+    assert any("ClientTrafficPolicy llm/inference-gateway-client: spec.targetRefs" in p for p in found), found
+
+
+def test_fail_open_with_streamed_bodies_is_rejected_by_envoy_gateway():
+    objs = rendered("overlays/a10")
+    find(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] = True
+    found = check(objs)
+    assert any("reasoning-inference-picker" in p and "spec.extProc[0]" in p and "FailOpen must be false" in p
+               for p in found), found
+
+
+def test_an_ext_proc_to_a_missing_backend_is_reported():
+    objs = rendered("overlays/a10")
+    find(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["backendRefs"][0]["name"] = "no-such-picker"
+    found = check(objs)
+    assert any("EnvoyExtensionPolicy llm/reasoning-inference-picker" in p for p in found), found
+
+
+def test_endpoint_override_without_the_picker_in_front_is_reported():
+    """Without the EnvoyExtensionPolicy, the header that names the backend comes from the client."""
+    objs = [o for o in rendered("overlays/a10") if o.get("kind") != "EnvoyExtensionPolicy"]
+    found = check(objs)
+    assert any("HTTPRoute llm/reasoning-inference: spec.rules" in p and "runs no ext_proc filter" in p
+               for p in found), found
+
+
+def test_the_baseline_listener_must_balance_by_least_request():
+    objs = rendered("overlays/a10")
+    find(objs, "BackendTrafficPolicy", "reasoning-backend")["spec"]["loadBalancer"] = {"type": "RoundRobin"}
+    found = check(objs)
+    assert any("HTTPRoute llm/reasoning-backend" in p and "not least request" in p for p in found), found
+
+
+def test_the_override_falls_back_to_least_request():
+    objs = rendered("overlays/a10")
+    find(objs, "BackendTrafficPolicy", "reasoning-inference")["spec"]["loadBalancer"]["type"] = "Random"
+    found = check(objs)
+    assert any("BackendTrafficPolicy llm/reasoning-inference: spec.loadBalancer.type" in p for p in found), found
+
+
+def test_xds_rules_read_the_generated_config():
+    """The xDS rules compare against values Envoy Gateway generated: a dump without the ext_proc
+    filter or with another body mode is caught."""
+    from validation.gateway_xds import xds_problems
+
+    objs = rendered("overlays/a10")
+    _, xds = gateway.translate(EGCTL, objs)
+    assert xds_problems("fixture", objs, xds) == []
+    for cfg in xds["configs"]:
+        for entry in cfg.get("dynamicListeners", []):
+            for chain in [entry["activeState"]["listener"].get("defaultFilterChain") or {},
+                          *entry["activeState"]["listener"].get("filterChains", [])]:
+                for f in chain.get("filters", []):
+                    for h in f.get("typedConfig", {}).get("httpFilters", []):
+                        if h["name"].startswith("envoy.filters.http.ext_proc/"):
+                            h["typedConfig"]["processingMode"]["requestBodyMode"] = "BUFFERED"
+    found = [str(p) for p in xds_problems("fixture", objs, xds)]
+    assert any("spec.extProc[0].processingMode.request.body" in p and "BUFFERED" in p for p in found), found
+
+
+def test_validate_cli_reports_envoy_gateway_findings(tmp_path, capsys):
+    """`python -m validation` runs the translation: a broken copy of base/gateway fails it."""
+    import shutil
+
+    from validation.cli import main
+
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "base" / "gateway", root / "base" / "gateway")
+    policy = root / "base" / "gateway" / "backend-traffic-policies.yaml"
+    policy.write_text(policy.read_text().replace("name: reasoning-inference\n  loadBalancer",
+                                                 "name: no-such-route\n  loadBalancer"))
+    assert "no-such-route" in policy.read_text()
+    code = main(["--root", str(root), "base/gateway", "--skip-workflows", "--skip-kubeconform",
+                 "--egctl", str(EGCTL), "--cache-dir", str(ROOT / ".cache" / "validation")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "[envoy-gateway] base/gateway: BackendTrafficPolicy default/reasoning-inference: spec.targetRefs" in out, out
