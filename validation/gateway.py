@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from validation.edge import placeholder_secrets
 from validation.problems import Problem, describe
 
 GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
@@ -65,7 +66,8 @@ class TranslateError(RuntimeError):
 def translate(egctl: Path, objs: list[dict]) -> tuple[list[dict], dict]:
     """(objects with statuses, xDS config dumps per Gateway) from one `egctl x translate` run."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(yaml.safe_dump_all(translator_input(objs), sort_keys=False))
+        # + stand-ins for the Secrets the objects reference but the repo never holds (edge.py)
+        f.write(yaml.safe_dump_all(translator_input(objs) + placeholder_secrets(objs), sort_keys=False))
         path = f.name
     try:
         cmd = [str(egctl), "x", "translate", "--from", "gateway-api", "--to", "gateway-api,xds", "--type", "all",

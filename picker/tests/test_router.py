@@ -125,12 +125,11 @@ def test_request_done_and_reap():
     clock = FakeClock()
     r = make_router(n=1, clock=clock, settings=RouterSettings(inflight_timeout=60))
     d1 = r.decide(req(body(), {"x-request-id": "abc"}))
-    assert d1.request_id == "abc"
-    d2 = r.decide(req(body(), {"x-request-id": "abc"}))  # duplicate id gets a fresh one
-    assert d2.request_id != "abc"
+    d2 = r.decide(req(body(), {"x-request-id": "abc"}))
+    assert d1.request_id != d2.request_id and d1.client_request_id == "abc"
     state = r.endpoints["10.0.0.1:8000"]
     assert state.inflight == 2
-    r.on_request_done("abc", {"prompt_tokens": 3})
+    r.on_request_done(d1.request_id, {"prompt_tokens": 3})
     assert state.inflight == 1
     clock.t += 61
     assert r.reap() == 1 and state.inflight == 0 and not r.inflight
@@ -171,7 +170,8 @@ def test_metrics_count_outcomes():
         r.decide(req(body(model="nope")))
     reg = m.registry
     assert reg.get_sample_value("picker_requests_total", {"model": "qwq", "target_model": "qwq", "code": "200"}) == 1
-    assert reg.get_sample_value("picker_requests_total", {"model": "nope", "target_model": "nope", "code": "404"}) == 1
+    # a name neither configured nor served is counted, but under one label value
+    assert reg.get_sample_value("picker_requests_total", {"model": "unknown", "target_model": "unknown", "code": "404"}) == 1
     assert reg.get_sample_value("picker_endpoint_inflight", {"endpoint": "10.0.0.1:8000"}) is not None
     assert reg.get_sample_value("picker_decision_duration_seconds_count") == 2
 
@@ -181,6 +181,71 @@ def test_request_faults_are_reported_before_pool_state():
     assert status_of(empty, req(b"{bad")) == (400, "invalid_json")
     assert status_of(empty, req(body(prompt="x" * 100))) == (413, "body_too_large")
     assert status_of(empty, req(body(prompt="x"))) == (503, "no_ready_endpoint")
+
+
+def test_client_request_ids_cannot_orphan_or_collide():
+    """Forged ids (another request's, or the picker's own form ahead of its counter) never
+    replace or share another request's in-flight entry."""
+    r = make_router(n=1)
+    state = r.endpoints["10.0.0.1:8000"]
+    d1 = r.decide(req(body()))
+    n = int(d1.request_id.rsplit("-", 1)[1])
+    copied = r.decide(req(body(), {"x-request-id": d1.request_id}))
+    ahead = r.decide(req(body(), {"x-request-id": f"picker-{n + 2}"}))
+    later = [r.decide(req(body())) for _ in range(3)]  # the counter passes the forged value
+    decisions = [d1, copied, ahead, *later]
+    assert len({d.request_id for d in decisions}) == 6
+    assert len(r.inflight) == 6 and state.inflight == 6
+    for d in decisions:
+        r.on_request_done(d.request_id)
+    assert not r.inflight and state.inflight == 0
+
+
+def test_metric_labels_only_from_known_models():
+    m = PickerMetrics()
+    r = make_router(metrics=m, rewrites=[Rewrite("any", (RewriteRule((), (("qwq", 1.0),)),)),
+                                         Rewrite("alias", (RewriteRule(("qwq-alias",), (("qwq", 1.0),)),))])
+    for i in range(50):
+        r.decide(req(body(model=f"client-made-{i}")))  # the catch-all rule routes them all
+    r.decide(req(body(model="qwq-alias")))
+    r.decide(req(body(model="qwq")))
+    labels = {s.labels["model"] for s in m.requests.collect()[0].samples}
+    assert labels == {"unknown", "qwq-alias", "qwq"}
+    rewrites = {s.labels["model"] for s in m.rewrites.collect()[0].samples}
+    assert rewrites == {"unknown", "qwq-alias"}
+
+
+def test_removed_endpoint_drops_its_scrape_error_series():
+    m = PickerMetrics()
+    r = make_router(n=2, metrics=m)
+    r.on_scrape_failed("10.0.0.1:8000")
+    r.on_scrape_failed("10.0.0.2:8000")
+    r.set_endpoints(["10.0.0.2:8000"])
+    endpoints = {s.labels["endpoint"] for s in m.scrape_errors.collect()[0].samples}
+    assert endpoints == {"10.0.0.2:8000"}
+
+
+def test_idle_adapter_listed_in_models_is_routable():
+    lora = {"max": 2, "running": ["other"]}
+    r = make_router(n=2, lora=lora)
+    with pytest.raises(PickerError) as err:
+        r.decide(req(body(model="sql-lora")))
+    assert err.value.status == 404
+    r.on_models("10.0.0.2:8000", ["qwq", "sql-lora"])
+    assert r.decide(req(body(model="sql-lora"))).endpoint == "10.0.0.2:8000"
+
+
+def test_lora_affinity_prefers_a_free_slot_for_an_idle_adapter(tmp_path):
+    """Both endpoints list the adapter; it runs on neither; only one has a free adapter slot."""
+    profile = tmp_path / "lora.yaml"
+    profile.write_text("name: lora\nfilters: []\nscorers: [{type: lora-affinity, weight: 1}]\n"
+                       "picker: {type: max-score}\n")
+    r = make_router(str(profile), n=2, lora={"max": 1, "running": ["busy"]})
+    r.on_scrape_ok("10.0.0.2:8000", metrics_text(lora={"max": 2, "running": ["busy"]}))
+    for addr in r.endpoints:
+        r.on_models(addr, ["qwq", "sql-lora"])
+    picks = {r.decide(req(body(model="sql-lora"))).endpoint for _ in range(20)}
+    assert picks == {"10.0.0.2:8000"}
 
 
 def test_a_request_that_ends_before_the_next_scrape_still_counts_until_that_scrape():

@@ -5,7 +5,9 @@ from aiohttp import web
 
 from picker.scraper import Scraper
 
-from helpers import make_router, metrics_text
+from picker.core import RequestInfo
+
+from helpers import body, make_router, metrics_text
 
 
 class FakeVllm:
@@ -13,14 +15,23 @@ class FakeVllm:
         self.text = metrics_text(waiting=2, running=1, kv=0.3)
         self.status = 200
         self.hits = 0
+        self.models = None  # /v1/models answer (a JSON document); None: no such route (404)
+        self.model_hits = 0
 
     async def metrics(self, request):
         self.hits += 1
         return web.Response(text=self.text, status=self.status)
 
+    async def list_models(self, request):
+        self.model_hits += 1
+        if self.models is None:
+            return web.Response(status=404)
+        return web.json_response(self.models)
+
     async def start(self):
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.list_models)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -81,6 +92,33 @@ async def test_failing_endpoint_is_out_until_it_answers_again():
         a.text = metrics_text(waiting=7)
         await until(lambda: router.endpoints[a.address].ready)
         assert router.endpoints[a.address].metrics.waiting == 7
+    finally:
+        await scraper.close()
+        await a.stop()
+
+
+async def test_idle_adapters_from_v1_models_become_routable():
+    """vLLM lists an adapter loaded with --lora-modules in /v1/models even when no request uses
+    it (its /metrics then names it nowhere); the scraper reads the list on a slower interval."""
+    a = await FakeVllm().start()
+    a.text = metrics_text(lora={"max": 2, "running": []})
+    router = make_router(scrape=False)
+    router.set_endpoints([a.address])
+    scraper = Scraper(router, interval=0.02, models_interval=0.2)
+    await scraper.start()
+    try:
+        await until(lambda: a.model_hits >= 2)  # 404: retried at the following scrapes
+        assert not router.endpoints[a.address].serves("sql-lora")
+        a.models = {"object": "list", "data": [
+            {"id": "qwq", "object": "model", "root": "/mnt/models", "parent": None},
+            {"id": "sql-lora", "object": "model", "root": "/adapters/sql", "parent": "qwq"}]}
+        await until(lambda: router.endpoints[a.address].serves("sql-lora"))
+        assert router.decide(RequestInfo("/v1/completions", {}, body(model="sql-lora"))).endpoint == a.address
+        hits, scrapes = a.model_hits, a.hits
+        await until(lambda: a.hits >= scrapes + 20)
+        assert a.model_hits - hits <= 3  # every models_interval, not every scrape
+        a.models = {"object": "list", "data": [{"id": "qwq"}]}  # adapter unloaded
+        await until(lambda: not router.endpoints[a.address].serves("sql-lora"))
     finally:
         await scraper.close()
         await a.stop()

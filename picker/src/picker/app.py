@@ -20,6 +20,7 @@ import uvloop
 from prometheus_client import CollectorRegistry, start_http_server
 
 from picker import defaults
+from picker.config import server_limits
 from picker.core import Router, RouterSettings
 from picker.discovery.objects import Objective, Rewrite, load_objects
 from picker.observability.metrics import PickerMetrics
@@ -104,7 +105,7 @@ class App:
         self.link.start()
         self.servers = await start_servers(self.router, a.grpc_port, a.health_port,
                                            a.secure_serving, a.cert_path, a.request_body_mode,
-                                           a.bind)
+                                           a.bind, limits=server_limits(a))
         if self.workers > 1:
             self.worker_procs = start_workers(a, self.servers.grpc_port, conns[1:])
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""

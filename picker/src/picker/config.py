@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from picker import defaults
+from picker.protocol.limits import ServerLimits
 
 
 def _endpoints(text: str) -> list[str]:
@@ -40,6 +41,18 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds after which metrics count as unknown-and-saturated")
     p.add_argument("--max-body-bytes", type=int, default=defaults.MAX_BODY_BYTES,
                    help="larger request bodies get 413")
+    p.add_argument("--max-streams", type=int, default=defaults.MAX_STREAMS,
+                   help="concurrent requests (ext_proc streams) one replica handles; more get 503")
+    p.add_argument("--max-buffered-bytes", type=int, default=defaults.MAX_BUFFERED_BYTES,
+                   help="request body bytes buffered across all requests; more get 503")
+    p.add_argument("--grpc-max-concurrent-streams", type=int,
+                   help="HTTP/2 streams per gRPC connection (default: 2 x --max-streams)")
+    p.add_argument("--grpc-max-pending-requests", type=int,
+                   help="calls the gRPC core queues before the server takes them (its own "
+                        "default is 1,000; default here: 2 x --max-streams)")
+    p.add_argument("--grpc-max-concurrent-rpcs", type=int,
+                   help="hard ceiling of calls in progress; beyond it gRPC rejects them without "
+                        "a reason (default: 2 x --max-streams)")
     p.add_argument("--inflight-timeout", type=float, default=defaults.INFLIGHT_TIMEOUT,
                    help="seconds after which an unfinished request stops counting as in flight")
     p.add_argument("--default-objective", help="InferenceObjective for requests without the header")
@@ -68,4 +81,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--workers must be at least 1")
     if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):
         p.error("--peer-store must be a redis://, rediss:// or unix:// URL")
+    try:
+        server_limits(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    if args.max_buffered_bytes < args.max_body_bytes:
+        raise ValueError("--max-buffered-bytes must hold at least one --max-body-bytes body")
+    for flag in ("grpc_max_concurrent_streams", "grpc_max_pending_requests",
+                 "grpc_max_concurrent_rpcs"):
+        value = getattr(args, flag)
+        if value is not None and value < args.max_streams:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least --max-streams, so that "
+                             f"requests over the limit get the picker's 503 with a reason")
+    return ServerLimits(max_streams=args.max_streams, max_buffered_bytes=args.max_buffered_bytes,
+                        max_body_bytes=args.max_body_bytes,
+                        grpc_max_concurrent_streams=args.grpc_max_concurrent_streams,
+                        grpc_max_pending_requests=args.grpc_max_pending_requests,
+                        grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from picker import defaults
 from picker.discovery.objects import Objective, Rewrite
-from picker.errors import PickerError
+from picker.errors import PickerError, clip
 from picker.openai import parse_body, rewrite_model
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.prefilter import LeastLoaded, prefilter
@@ -30,6 +30,7 @@ __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 REQUEST_ID_HEADER = "x-request-id"
+UNKNOWN_LABEL = "unknown"  # metric label of every model name neither configured nor served
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class Decision:
     priority: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    client_request_id: str = ""  # the request's x-request-id (clipped), for logs only
 
 
 class Router:
@@ -74,6 +76,8 @@ class Router:
         self.settings = settings or RouterSettings()
         self.metrics = metrics  # observability.metrics.PickerMetrics or None
         self.count_scrape_errors = True  # one worker per replica counts them (workers.py)
+        if metrics is not None:
+            metrics.model_label = self.metric_label
         self.endpoints: dict[str, EndpointState] = {}
         self.inflight: dict[str, InflightEntry] = {}
         self.prefix = PrefixIndex(profile.lru_capacity_per_server)
@@ -92,6 +96,7 @@ class Router:
         self.on_change: Callable[[], None] | None = None
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
+        self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
         self.set_objects(objectives, rewrites)
 
     # ---- discovery -------------------------------------------------------------------------
@@ -102,6 +107,8 @@ class Router:
                 del self.endpoints[addr]
                 self.prefix.remove_endpoint(addr)
                 self._least.forget(addr)
+                if self.metrics is not None:
+                    self.metrics.forget_endpoint(addr)
         for addr in wanted:
             if addr not in self.endpoints:
                 self.endpoints[addr] = EndpointState(addr)
@@ -110,6 +117,9 @@ class Router:
     def set_objects(self, objectives: Iterable[Objective], rewrites: Iterable[Rewrite]) -> None:
         self.objectives = {o.name: o for o in objectives}
         self.rewrites = order_rewrites(list(rewrites))
+        self.configured_models = frozenset(
+            name for rw in self.rewrites for rule in rw.rules
+            for name in (*rule.models, *(target for target, _ in rule.targets)))
 
     # ---- load signals ----------------------------------------------------------------------
     def on_scrape_ok(self, address: str, metrics_text: str | bytes, now: float | None = None) -> None:
@@ -191,6 +201,23 @@ class Router:
             if address in self.endpoints:
                 self.prefix.add(address, hashes, cap_blocks)
 
+    def on_models(self, address: str, names: Iterable[str]) -> None:
+        """Models and LoRA adapters an endpoint lists in /v1/models (loaded, busy or idle)."""
+        state = self.endpoints.get(address)
+        names = frozenset(names)
+        if state is not None and state.listed_models != names:
+            state.listed_models = names
+            self._changed()  # what the endpoint serves changed: rebuild the per-model index
+
+    def metric_label(self, model: str) -> str:
+        """A model name as a metric label: only configured or served names, else `unknown`,
+        so that clients cannot create series."""
+        if not model or model in self.configured_models:
+            return model
+        if any(e.serves(model) for e in self.endpoints.values()):
+            return model
+        return UNKNOWN_LABEL
+
     @property
     def ready(self) -> bool:
         return any(e.ready for e in self.endpoints.values())
@@ -202,8 +229,9 @@ class Router:
             decision = self._decide(info)
         except PickerError as err:
             if self.metrics is not None:
-                self.metrics.record_error(err, time.perf_counter() - started, err.model,
-                                          err.target_model)
+                self.metrics.record_error(err, time.perf_counter() - started,
+                                          self.metric_label(err.model),
+                                          self.metric_label(err.target_model))
             raise
         if self.metrics is not None:
             self.metrics.record_decision(decision, time.perf_counter() - started)
@@ -270,10 +298,9 @@ class Router:
                               "no_endpoint_in_subset")
         return ready
 
-    def _request_id(self, headers: dict[str, str]) -> str:
-        rid = headers.get(REQUEST_ID_HEADER)
-        if rid and rid not in self.inflight:
-            return rid
+    def _request_id(self) -> str:
+        """In-flight entries are keyed by ids only the picker makes: a client's x-request-id can
+        neither replace nor collide with another request's entry."""
         return f"picker-{next(self._ids)}"
 
     def _objective(self, headers: dict[str, str]) -> tuple[str | None, int]:
@@ -292,12 +319,14 @@ class Router:
         if not ready:
             raise PickerError(503, "no ready endpoint in the pool", "no_ready_endpoint")
         objective, priority = self._objective(info.headers)
-        request_id = self._request_id(info.headers)
+        request_id = self._request_id()
+        client_id = clip(info.headers.get(REQUEST_ID_HEADER, ""))
         if parsed is None:  # bodiless (e.g. GET /v1/models): any ready endpoint
             chosen = self.rng.choice(ready)
             self.inflight[request_id] = add_inflight(chosen, 0, now)
             self._touched(chosen.address)
-            return Decision(chosen.address, request_id, "", "", b"", objective, priority)
+            return Decision(chosen.address, request_id, "", "", b"", objective, priority,
+                            client_request_id=client_id)
         model = parsed.model
         target = choose_target(find_rule(self.rewrites, model), model, self.rng) \
             if self.rewrites else model
@@ -307,15 +336,15 @@ class Router:
             candidates = [e for e in ready if e.serves(target)]
             by_addr = None
         if not candidates:
-            raise PickerError(404, f"no endpoint serves model {target!r}"
-                              + (f" (rewritten from {model!r})" if target != model else ""),
+            raise PickerError(404, f"no endpoint serves model {clip(target)!r}"
+                              + (f" (rewritten from {clip(model)!r})" if target != model else ""),
                               "model_not_found", model, target)
         profile = self.profile
         if priority < 0:
             self._mark_stale(candidates, now)
         if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
             if self.metrics is not None:
-                self.metrics.shed.labels(model).inc()
+                self.metrics.shed.labels(self.metric_label(model)).inc()
             raise PickerError(429, "the pool is saturated and this request's objective is "
                                    "sheddable (negative priority)", "pool_saturated", model, target)
         ctx = SchedulingContext(target, parsed.prompt_tokens, parsed.max_tokens, priority, now,
@@ -343,9 +372,9 @@ class Router:
         self._touched(chosen.address)
         out_body = body if target == model else rewrite_model(parsed, target)
         if target != model and self.metrics is not None:
-            self.metrics.rewrites.labels(model, target).inc()
+            self.metrics.rewrites.labels(self.metric_label(model), target).inc()
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
-                        parsed.prompt_tokens, cached)
+                        parsed.prompt_tokens, cached, client_id)
 
     def _prefilter(self, candidates: list[EndpointState], by_addr: dict[str, EndpointState] | None,
                    ctx: SchedulingContext) -> list[EndpointState]:

@@ -23,11 +23,17 @@ SCRAPE_TIMEOUT_MIN = 0.5       # seconds; the timeout of one scrape is max(this,
 # not a dead endpoint); this many consecutive failures, or metrics older than the staleness
 # bound, do.
 SCRAPE_FAILURES_TO_UNREADY = 3
+# /v1/models (the LoRA adapters an endpoint has loaded, idle ones too) changes only when adapters
+# are loaded or unloaded.
+MODELS_INTERVAL = 10.0
 
 # Decisions.
 STALENESS = 1.0                # seconds; older metrics count as unknown-and-saturated
 INFLIGHT_TIMEOUT = 1800.0      # seconds; in-flight entries older than this are dropped
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# What one replica holds at once; beyond these a request gets 503 with the reason.
+MAX_STREAMS = 2048                      # ext_proc streams
+MAX_BUFFERED_BYTES = 128 * 1024 * 1024  # request body bytes, all streams together
 AVG_PROMPT_ALPHA = 0.05        # EWMA weight of the running mean prompt size
 
 # Candidate prefilter for large pools: above PREFILTER_ABOVE candidates, only the endpoints

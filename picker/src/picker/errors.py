@@ -3,6 +3,16 @@ from __future__ import annotations
 
 import json
 
+CLIP_CHARS = 128
+
+
+def clip(value: str, limit: int = CLIP_CHARS) -> str:
+    """A client-supplied string cut to a size fit for a message or a log line."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}...({len(value)} chars)"
+
+
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable_error"}
 

@@ -15,15 +15,17 @@ import aiohttp
 
 from picker import defaults
 from picker.signals.metrics import MetricsParseError
+from picker.signals.models import ModelsParseError, parse_models
 
 log = logging.getLogger("picker.scraper")
 
 
 class Scraper:
     def __init__(self, sink: Any, interval: float = defaults.SCRAPE_INTERVAL,
-                 timeout: float | None = None):
+                 timeout: float | None = None, models_interval: float = defaults.MODELS_INTERVAL):
         self.sink = sink
         self.interval = interval
+        self.models_interval = models_interval
         self.fixed_timeout = timeout
         self.timeout = timeout if timeout is not None else defaults.scrape_timeout_for(interval)
         self._tasks: dict[str, asyncio.Task] = {}
@@ -75,11 +77,32 @@ class Scraper:
                 log.warning("scrape failed", extra={"endpoint": addr, "error": repr(exc)[:200]})
             return False
 
+    async def list_models(self, addr: str) -> bool:
+        """Read the endpoint's /v1/models (its LoRA adapters, idle ones too) into the sink."""
+        assert self._session is not None
+        try:
+            async with self._session.get(f"http://{addr}/v1/models") as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                names = parse_models(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ModelsParseError) as exc:
+            log.debug("listing models failed", extra={"endpoint": addr, "error": repr(exc)[:200]})
+            return False
+        on_models = getattr(self.sink, "on_models", None)
+        if on_models is not None:
+            on_models(addr, names)
+        return True
+
     async def _loop(self, addr: str) -> None:
         loop = asyncio.get_running_loop()
+        models_due = loop.time()
         while True:
             started = loop.time()
-            await self.scrape_once(addr)
+            ok = await self.scrape_once(addr)
+            if ok and started >= models_due:
+                # retried at the next scrape until it succeeds, then every models_interval
+                if await self.list_models(addr):
+                    models_due = started + self.models_interval
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ processes need to share. The workers only apply the results to their Routers.
                                                                        endpoints only)
     signals --("objects", ...)--> workers 1..n-1
     signals --("scrapes", [(address, metrics | None, timed_out, at)])--> every worker
+    signals --("models", [(address, names listed in /v1/models)])--> every worker
     signals --("peers", {address: summed load of the others}, their prefix adds, partial)-->
               the other workers at once (partial: the changed endpoints), and every
               PEER_SYNC_INTERVAL each worker the whole table
@@ -69,6 +70,10 @@ class Collector:
     def __init__(self):
         self.endpoints: list[str] = []
         self.batch: list[tuple[str, Any, bool, float]] = []
+        self.models: list[tuple[str, tuple[str, ...]]] = []  # (address, names in /v1/models)
+
+    def on_models(self, address: str, names) -> None:
+        self.models.append((address, tuple(names)))
 
     def on_scrape_ok(self, address: str, text: str) -> None:
         try:
@@ -158,6 +163,10 @@ class SignalsHub:
             self.stopped.set()
 
     def _flush_scrapes(self) -> None:
+        if self.collector.models:
+            models, self.collector.models = self.collector.models, []
+            for s in self.senders:
+                s.send(("models", models))
         batch = self.collector.batch
         if not batch:
             return

@@ -105,6 +105,9 @@ class SignalsLink:
                     r.on_scrape_failed(address, at, timed_out=timed_out)
                 else:
                     r.on_metrics(address, metrics, at)
+        elif kind == "models":
+            for address, names in msg[1]:
+                r.on_models(address, names)
         elif kind == "peers":
             r.set_peer_loads(msg[1], partial=msg[3])
             r.add_peer_prefixes(msg[2])
@@ -170,8 +173,9 @@ def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -
         stop = asyncio.Event()
         link = SignalsLink(router, conn, peers=True, on_objects=apply, on_closed=stop.set)
         link.start()
+        from picker.config import server_limits
         servers = await start_servers(router, grpc_port, 0, args.secure_serving, args.cert_path,
-                                      args.request_body_mode, args.bind)
+                                      args.request_body_mode, args.bind, limits=server_limits(args))
         loop = asyncio.get_running_loop()
         import signal
         for sig in (signal.SIGTERM, signal.SIGINT):

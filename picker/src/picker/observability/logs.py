@@ -6,6 +6,7 @@ import logging
 import sys
 import time
 
+MAX_FIELD_CHARS = 512  # a longer string field (often client-supplied) is cut, its length kept
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {"message", "asctime"}
 
 
@@ -17,10 +18,17 @@ class JsonFormatter(logging.Formatter):
                "msg": record.getMessage()}
         for key, value in record.__dict__.items():
             if key not in _STD and not key.startswith("_"):
-                out[key] = value
+                out[key] = _clip(value)
+        out["msg"] = _clip(out["msg"])
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def _clip(value):
+    if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+        return f"{value[:MAX_FIELD_CHARS]}...({len(value)} chars)"
+    return value
 
 
 def setup_logging(level: str = "info") -> None:

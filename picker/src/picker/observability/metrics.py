@@ -1,11 +1,13 @@
 """Prometheus metrics on their own registry (so tests and the lab can make many routers).
 
 Per-endpoint gauges and pool saturation are read from the router when Prometheus scrapes, so
-the request path pays only for the counters and the latency histogram.
+the request path pays only for the counters and the latency histogram. Label values are bounded:
+model labels come from the Router's metric_label (configured or served names, else `unknown`),
+endpoint labels from the current endpoint set (a removed endpoint's series are dropped).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -33,15 +35,29 @@ class PickerMetrics:
                                      ["endpoint"], registry=r)
         self.usage_tokens = Counter("picker_usage_tokens", "Tokens reported in response usage",
                                     ["kind"], registry=r)
+        self.refusals = Counter("picker_refused_requests",
+                                "Requests refused because the replica's stream or body budget "
+                                "was full", ["code"], registry=r)
+        # model name -> label value; the Router installs its own (configured or served names)
+        self.model_label: Callable[[str], str] = lambda model: model
 
     def record_decision(self, d: "Decision", seconds: float) -> None:
         self.decision_latency.observe(seconds)
-        self.requests.labels(d.model, d.target_model, "200").inc()
+        # the target is served by the chosen endpoint; the client's name may be anything a
+        # catch-all rewrite rule accepted
+        model = d.model if d.model == d.target_model else self.model_label(d.model)
+        self.requests.labels(model, d.target_model, "200").inc()
 
     def record_error(self, err: "PickerError", seconds: float, model: str = "",
                      target: str = "") -> None:
         self.decision_latency.observe(seconds)
         self.requests.labels(model, target, str(err.status)).inc()
+
+    def forget_endpoint(self, address: str) -> None:
+        try:
+            self.scrape_errors.remove(address)
+        except KeyError:
+            pass
 
     def record_usage(self, usage: dict[str, Any]) -> None:
         for kind in ("prompt_tokens", "completion_tokens"):

@@ -6,7 +6,8 @@ answer until the body is complete (end_of_stream or trailers), then send the hea
 with the destination and the body echoed in <= 62,000-byte chunks. The body mode comes from
 Envoy's protocol_config on the first message, else from the configured default.
 Response phases pass through; the request counts as finished when the response ends or the
-stream closes.
+stream closes. Every stream and every buffered body byte counts against the replica's Budget
+(protocol/limits.py): over it, the request gets a 503 with the reason.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from picker.core import Decision, PickerError, RequestInfo, Router
+from picker.errors import clip
 from picker.protocol import messages as msg
+from picker.protocol.limits import Budget, ServerLimits
 from picker.protocol.usage import UsageTracker
 
 log = logging.getLogger("picker.extproc")
@@ -53,15 +56,18 @@ def _subset(req: ep.ProcessingRequest) -> list[str] | None:
 class RequestStream:
     """State of one ext_proc stream (one downstream HTTP request)."""
 
-    def __init__(self, router: Router, default_body_mode: int, max_body_bytes: int):
+    def __init__(self, router: Router, default_body_mode: int, max_body_bytes: int,
+                 budget: Budget):
         self.router = router
         self.body_mode = default_body_mode
         self.response_body_mode = NONE
         self.max_body_bytes = max_body_bytes
-        self.headers: dict[str, str] = {}
+        self.budget = budget
+        self.headers: dict[str, str] | None = None  # set by the (one) request_headers message
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []  # request body messages (joined once, at the end)
         self.body_bytes = 0
+        self.reserved = 0              # of those, held in the shared budget (above the small part)
         self.decision: Decision | None = None
         self.routed = False      # the request phase is answered
         self.finished = False    # an immediate response ended the stream
@@ -97,6 +103,9 @@ class RequestStream:
         return []
 
     def _request_headers(self, h: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
+        if self.headers is not None:  # one HTTP request per stream: never route (count) twice
+            return self._error(PickerError(400, "request_headers sent twice in one ext_proc "
+                                                "stream", "protocol_error"))
         self.headers = _headers(h)
         if h.end_of_stream:  # bodiless: the only chance to route
             return self._route(bodiless=True)
@@ -107,6 +116,14 @@ class RequestStream:
     def _request_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if self.routed:
             return []
+        need = self.body_bytes + len(b.body) - self.budget.limits.small_body_bytes - self.reserved
+        if need > 0:
+            refused = self.budget.reserve(need)
+            if refused is not None:
+                if self.router.metrics is not None:
+                    self.router.metrics.refusals.labels(refused.code).inc()
+                return self._error(refused)
+            self.reserved += need
         self.chunks.append(b.body)
         self.body_bytes += len(b.body)
         if self.body_bytes > self.max_body_bytes:
@@ -119,21 +136,31 @@ class RequestStream:
             return []
         return [msg.empty_body_response()]  # STREAMED/partial: one answer per message
 
+    def _drop_body(self) -> None:
+        self.chunks = []
+        self.budget.release(self.reserved)
+        self.body_bytes = self.reserved = 0
+
     def _route(self, bodiless: bool = False) -> list[ep.ProcessingResponse]:
         self.routed = True
+        headers = self.headers or {}
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        info = RequestInfo(self.headers.get(":path", ""), self.headers, body or None, self.subset)
+        self._drop_body()  # `body` lives on only in this call's answers
+        info = RequestInfo(headers.get(":path", ""), headers, body or None, self.subset)
         try:
             d = self.router.decide(info)
         except PickerError as err:
             return self._error(err)
         except Exception:  # a bug must not leave Envoy without an answer: 500, logged in full
-            log.exception("decision failed", extra={"path": info.path})
+            log.exception("decision failed", extra={"path": clip(info.path)})
             return self._error(PickerError(500, "internal error in the endpoint picker",
                                            "internal_error"))
         self.decision = d
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("decision", extra={"request_id": d.request_id, "model": d.model,
+            # request_id: the one Envoy and the client know (x-request-id), for correlation
+            log.debug("decision", extra={"request_id": d.client_request_id or d.request_id,
+                                         "inflight_id": d.request_id,
+                                         "model": clip(d.model),
                                          "target_model": d.target_model, "endpoint": d.endpoint,
                                          "objective": d.objective, "priority": d.priority,
                                          "prompt_tokens": d.prompt_tokens,
@@ -148,8 +175,10 @@ class RequestStream:
 
     def _error(self, err: PickerError) -> list[ep.ProcessingResponse]:
         self.routed = self.finished = True
+        self._drop_body()
         log.info("request refused", extra={"status": err.status, "code": err.code,
-                                           "reason": err.message, "path": self.headers.get(":path")})
+                                           "reason": clip(err.message, 512),
+                                           "path": clip((self.headers or {}).get(":path", ""))})
         return [msg.immediate_response(err.status, err.openai_body(), err.code, err.message)]
 
     def _response_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
@@ -164,6 +193,8 @@ class RequestStream:
 
     def finish(self) -> None:
         """End the in-flight count once: response complete or stream gone."""
+        if self.body_bytes:
+            self._drop_body()
         if self.done or self.decision is None:
             return
         self.done = True
@@ -173,14 +204,28 @@ class RequestStream:
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router, default_body_mode: str = "full-duplex",
-                 max_body_bytes: int | None = None):
+                 max_body_bytes: int | None = None, limits: ServerLimits | None = None):
         self.router = router
         self.default_body_mode = BODY_MODES[default_body_mode]
         self.max_body_bytes = max_body_bytes or router.settings.max_body_bytes
+        self.budget = Budget(limits or ServerLimits(max_body_bytes=self.max_body_bytes))
+
+    def _count_refusal(self, err: PickerError) -> None:
+        if self.router.metrics is not None:
+            self.router.metrics.refusals.labels(err.code).inc()
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context
                       ) -> AsyncIterator[ep.ProcessingResponse]:
-        stream = RequestStream(self.router, self.default_body_mode, self.max_body_bytes)
+        refused = self.budget.open_stream()
+        if refused is not None:  # answer the first message with the reason, hold nothing
+            self._count_refusal(refused)
+            async for _ in request_iterator:
+                yield msg.immediate_response(refused.status, refused.openai_body(), refused.code,
+                                             refused.message)
+                return
+            return
+        stream = RequestStream(self.router, self.default_body_mode, self.max_body_bytes,
+                               self.budget)
         try:
             async for req in request_iterator:
                 for resp in stream.handle(req):
@@ -188,4 +233,5 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 if stream.finished:
                     return
         finally:
+            self.budget.close_stream()
             stream.finish()

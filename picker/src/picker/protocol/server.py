@@ -9,6 +9,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from picker.core import Router
 from picker.protocol.extproc import ExtProcServicer
+from picker.protocol.limits import Budget, ServerLimits
 from picker.protocol.tls import server_credentials
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -25,6 +26,7 @@ class Servers:
     grpc_port: int
     health_port: int
     certificate: bytes | None  # PEM, when TLS is on
+    budget: Budget | None = None  # the ext_proc streams' live stream and body-byte counts
 
     async def set_ready(self, ready: bool) -> None:
         for name in READY_SERVICES:
@@ -36,17 +38,15 @@ class Servers:
         await self.health_server.stop(grace)
 
 
-_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024)]
-
-
 async def start_servers(router: Router, grpc_port: int, health_port: int, secure: bool = True,
                         cert_path: str | None = None, default_body_mode: str = "full-duplex",
-                        host: str = "[::]") -> Servers:
+                        host: str = "[::]", limits: ServerLimits | None = None) -> Servers:
     """Start both servers (port 0 = any free port) with health NOT_SERVING until set_ready."""
-    server = grpc.aio.server(options=_OPTIONS)
-    ep_grpc.add_ExternalProcessorServicer_to_server(
-        ExtProcServicer(router, default_body_mode), server)
+    limits = limits or ServerLimits(max_body_bytes=router.settings.max_body_bytes)
+    server = grpc.aio.server(options=limits.grpc_options(),
+                             maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
+    servicer = ExtProcServicer(router, default_body_mode, limits.max_body_bytes, limits)
+    ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     cert = None
     if secure:
         creds, cert = server_credentials(cert_path)
@@ -62,4 +62,4 @@ async def start_servers(router: Router, grpc_port: int, health_port: int, secure
         await hs.set(name, NOT_SERVING)
     await server.start()
     await health_server.start()
-    return Servers(server, health_server, hs, port, hport, cert)
+    return Servers(server, health_server, hs, port, hport, cert, servicer.budget)

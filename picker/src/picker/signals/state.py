@@ -26,6 +26,7 @@ class EndpointState:
     peer_since_scrape_tokens: int = 0
     stale: bool = False               # set per decision: metrics older than the staleness bound
     epoch: int = 0                    # number of successful scrapes, to date in-flight entries
+    listed_models: frozenset[str] = frozenset()  # ids in its /v1/models: base names and adapters
 
     @property
     def ready(self) -> bool:
@@ -33,9 +34,11 @@ class EndpointState:
         return self.metrics is not None and not self.failing
 
     def serves(self, model: str) -> bool:
+        """Served names from the metrics, running or waiting adapters, or any model or adapter
+        the server lists in /v1/models (an idle adapter appears only there)."""
         m = self.metrics
-        return m is not None and (model in m.models or model in m.lora_running
-                                  or model in m.lora_waiting)
+        return m is not None and (model in m.models or model in self.listed_models
+                                  or model in m.lora_running or model in m.lora_waiting)
 
 
 @dataclass(slots=True)

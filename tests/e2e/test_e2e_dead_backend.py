@@ -1,0 +1,119 @@
+"""Dead and stalled backends through the real Envoy, with components/healthy-backends rendered
+into the stack (active /health checks every 3 s, outlier detection, retries only before a backend
+saw the request): on 8080 (Envoy's own least request) a killed group costs at most a handful of
+failed requests and none once the health checks have taken it out; a stalled group (SIGSTOP: it
+accepts connections and never answers) is out within TAKEN_OUT seconds. 8081 is measured the same way.
+The figures are printed (pytest -s)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+
+import aiohttp
+import pytest
+
+from local.stack import StackConfig
+from tests.e2e.conftest import completion, read_sse, start_stack, wait_for
+
+pytestmark = pytest.mark.e2e
+
+HEALTHY = "components/healthy-backends"
+# s: a stall just after a passed check fails the next two (3 s interval, 2 s timeout each): out
+# after ~10-13 s; requests sent before that wait on the stalled host (the client gives up at 5 s)
+TAKEN_OUT = 15.0
+HANDFUL = 5
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        plain = StackConfig.components.fget
+        mp.setattr(StackConfig, "components", property(lambda self: plain(self) + [HEALTHY]))
+        s = start_stack(tmp_path_factory.mktemp("dead"), "dead-backend", body_mode="full-duplex",
+                        scrape_interval=0.5)
+    yield s
+    s.stop()
+
+
+def url(stack, listener: str) -> str:
+    port = stack.http_port if listener == "http" else stack.llm_port
+    return f"http://127.0.0.1:{port}/v1/completions"
+
+
+async def load(stack, listener: str, session, stop: asyncio.Event, results: list, workers: int = 6):
+    """Streamed completions from `workers` clients until stop; (sent, ok, seconds) per request."""
+    async def worker(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            sent, i = time.time(), i + 1
+            body = completion(prompt=f"client {w} request {i} " * 10, max_tokens=6, stream=True)
+            try:
+                async with session.post(url(stack, listener), json=body,
+                                        timeout=aiohttp.ClientTimeout(total=5),
+                                        headers={"x-request-id": f"dead-{uuid.uuid4()}"}) as r:
+                    events = await read_sse(r) if r.status == 200 else []
+                    ok = r.status == 200 and events[-1:] == ["[DONE]"]
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            results.append((sent, ok, time.time() - sent))
+    return [asyncio.ensure_future(worker(w)) for w in range(workers)]
+
+
+async def run_fault(stack, session, listener: str, fault) -> dict:
+    victim = stack.topology.sims[0]
+    results: list = []
+    stop = asyncio.Event()
+    tasks = await load(stack, listener, session, stop, results)
+    await wait_for(lambda: sum(ok for _, ok, _ in results) >= 12, timeout=30)
+    at = time.time()
+    fault(victim)
+    await wait_for(lambda: sum(1 for sent, _, _ in results if sent > at + TAKEN_OUT) >= 40, timeout=60)
+    stop.set()
+    await asyncio.gather(*tasks)
+    after = [r for r in results if r[0] >= at]
+    failed = [sent - at for sent, ok, _ in after if not ok]
+    late = [ok for sent, ok, _ in after if sent > at + TAKEN_OUT]
+    figures = {"listener": listener, "requests_after_fault": len(after), "failed": len(failed),
+               "last_failure_s": round(max(failed), 2) if failed else None,
+               "late_requests": len(late), "late_failed": late.count(False)}
+    print("dead-backend", fault.__name__, figures)
+    return figures
+
+
+def kill(stack):
+    def killed(victim):
+        stack.kill_process(f"sim-{victim.port}")
+    return killed
+
+
+def stall(stack):
+    def stalled(victim):
+        os.killpg(stack.proc(f"sim-{victim.port}").pid, signal.SIGSTOP)
+    return stalled
+
+
+async def restore(stack, victim, stalled: bool):
+    if stalled:
+        os.killpg(stack.proc(f"sim-{victim.port}").pid, signal.SIGCONT)
+    else:
+        stack.restart_process(f"sim-{victim.port}")
+    await asyncio.sleep(TAKEN_OUT)  # the health checks bring it back
+
+
+@pytest.mark.parametrize("listener", ["http", "llm-gw"])
+async def test_killed_group_costs_a_handful_of_requests(stack, session, listener):
+    figures = await run_fault(stack, session, listener, kill(stack))
+    await restore(stack, stack.topology.sims[0], stalled=False)
+    assert figures["failed"] <= HANDFUL, figures
+    assert figures["late_requests"] >= 40 and figures["late_failed"] == 0, figures
+
+
+@pytest.mark.parametrize("listener", ["http", "llm-gw"])
+async def test_stalled_group_is_taken_out_within_seconds(stack, session, listener):
+    figures = await run_fault(stack, session, listener, stall(stack))
+    await restore(stack, stack.topology.sims[0], stalled=True)
+    assert figures["late_requests"] >= 40 and figures["late_failed"] == 0, figures

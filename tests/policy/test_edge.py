@@ -1,0 +1,101 @@
+"""The edge of overlays/a10-secure (components/edge-security, components/gateway-tls): each check holds
+on it and fails on a fixture broken the way it guards."""
+from __future__ import annotations
+
+import pytest
+
+from validation import edge
+from tests.policy.conftest import find, rendered
+
+CLUSTER_OVERLAYS = ["overlays/a10-secure"]
+OVERLAY = "overlays/a10-secure"
+
+
+@pytest.mark.parametrize("overlay", CLUSTER_OVERLAYS)
+@pytest.mark.parametrize("check", edge.EDGE_CHECKS, ids=lambda c: c.__name__)
+def test_edge_holds(overlay, check):
+    assert check(rendered(overlay)) == []
+
+
+def test_no_api_keys_is_caught():
+    objs = [o for o in rendered(OVERLAY) if o.get("kind") != "SecurityPolicy"]
+    problems = edge.listeners_authenticate(objs)
+    assert len(problems) == 2 and all("anyone who reaches it" in p for p in problems)
+
+
+def test_policy_on_one_listener_only_is_caught():
+    objs = rendered(OVERLAY)
+    find(objs, "SecurityPolicy")["spec"]["targetRefs"][0]["sectionName"] = "http"
+    problems = edge.listeners_authenticate(objs)
+    assert len(problems) == 1 and "listener 'llm-gw'" in problems[0]
+
+
+@pytest.mark.parametrize("field, message", [("sanitize", "sanitize must be true"),
+                                            ("forwardClientIDHeader", "forwardClientIDHeader")])
+def test_key_forwarded_or_client_unnamed_is_caught(field, message):
+    objs = rendered(OVERLAY)
+    del find(objs, "SecurityPolicy")["spec"]["apiKeyAuth"][field]
+    problems = edge.listeners_authenticate(objs)
+    assert len(problems) == 1 and message in problems[0]
+
+
+def test_endpoint_header_kept_is_caught():
+    objs = rendered(OVERLAY)
+    early = find(objs, "ClientTrafficPolicy")["spec"]["headers"]["earlyRequestHeaders"]
+    early["remove"].remove("x-gateway-destination-endpoint")
+    problems = edge.listeners_strip_endpoint_headers(objs)
+    assert len(problems) == 2 and all("can choose its backend" in p for p in problems)
+
+
+def test_no_connection_limit_is_caught():
+    objs = rendered(OVERLAY)
+    del find(objs, "ClientTrafficPolicy")["spec"]["connection"]["connectionLimit"]
+    assert len(edge.listeners_limit_connections(objs)) == 2
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("rate-limit", "no rule per distinct client id"),
+    ("rate-limit-exact", "no rule per distinct client id"),
+    ("active", "must GET /health"),
+    ("passive", "outlier detection"),
+    ("retry-5xx", "can resend a request"),
+    ("retry-default", "retries on Envoy Gateway's defaults"),
+])
+def test_backend_policy_breakage_is_caught(breakage, message):
+    objs = rendered(OVERLAY)
+    spec = find(objs, "BackendTrafficPolicy", "reasoning-inference")["spec"]
+    if breakage == "rate-limit":
+        del spec["rateLimit"]
+    elif breakage == "rate-limit-exact":
+        spec["rateLimit"]["local"]["rules"][0]["clientSelectors"][0]["headers"][0]["type"] = "Exact"
+    elif breakage == "active":
+        spec["healthCheck"]["active"]["http"]["path"] = "/metrics"
+    elif breakage == "passive":
+        del spec["healthCheck"]["passive"]
+    elif breakage == "retry-5xx":
+        spec["retry"]["retryOn"]["triggers"].append("5xx")
+    else:
+        del spec["retry"]["retryOn"]
+    problems = edge.routes_rate_limit_and_check_health(objs)
+    assert problems and all("reasoning-inference" in p for p in problems)
+    assert any(message in p for p in problems), problems
+
+
+def test_plain_http_listener_is_caught():
+    objs = rendered(OVERLAY)
+    gw = find(objs, "Gateway", "inference-gateway")
+    gw["spec"]["listeners"][1]["protocol"] = "HTTP"
+    del gw["spec"]["listeners"][1]["tls"]
+    problems = edge.listeners_use_tls(objs)
+    assert len(problems) == 1 and "spec.listeners[1] (llm-gw)" in problems[0]
+
+
+def test_placeholder_secrets_for_offline_translation():
+    objs = rendered(OVERLAY)
+    secrets = {(s["metadata"]["name"], s["type"]): s for s in edge.placeholder_secrets(objs)}
+    assert set(secrets) == {("inference-gateway-api-keys", "Opaque"),
+                            ("inference-gateway-tls", "kubernetes.io/tls")}
+    assert all(s["metadata"]["namespace"] == "llm" for s in secrets.values())
+    assert set(secrets[("inference-gateway-tls", "kubernetes.io/tls")]["data"]) == {"tls.crt", "tls.key"}
+    present = objs + list(secrets.values())
+    assert edge.placeholder_secrets(present) == []
