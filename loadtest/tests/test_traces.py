@@ -93,8 +93,8 @@ def test_run_plan_sends_at_the_trace_arrival_times(tmp_path):
     specs = build_workload("trace", path=path)
     plan = RunPlan(specs, RunOptions(workload="trace"), clock=lambda: 100.0)
     sent = [plan.next_request() for _ in range(3)]
-    assert [t for _, t in sent] == [100.0, 101.0, 102.0]            # in arrival order
-    assert [s.arrival for s, _ in sent] == [0.0, 1.0, 2.0]
+    assert [t for _, t, _ in sent] == [100.0, 101.0, 102.0]         # in arrival order
+    assert [s.arrival for s, _, _ in sent] == [0.0, 1.0, 2.0]
     # An explicit request rate overrides the trace's times.
     plan = RunPlan(specs, RunOptions(workload="trace", request_rate=1000.0), clock=lambda: 0.0)
     assert plan.next_request()[0].arrival == 2.0
@@ -168,7 +168,7 @@ def test_trace_replayed_over_http_against_the_simulator(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "loadtest", "compare", "--host", "127.0.0.1", "--ports",
              str(port), "--workload", "trace", "--workload-args", f"path={path}",
-             "--concurrency", "6", "--out", str(out)],
+             "--concurrency", "6", "--repetitions", "1", "--out", str(out)],
             cwd=REPO, env=env_with_repo(), capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr[-2000:]
         result = json.loads((out / f"{port}.json").read_text())
@@ -176,7 +176,7 @@ def test_trace_replayed_over_http_against_the_simulator(tmp_path):
         # The simulator counts one word as one token: the server's usage matches the trace.
         assert result["total_input_tokens"] == sum(40 + 10 * i for i in range(6))
         assert result["total_output_tokens"] == sum(5 + i for i in range(6))
-        samples = sorted(read_samples(out / f"{port}-rep1.samples.jsonl"), key=lambda s: s.start)
+        samples = sorted(read_samples(out / f"{port}.samples.jsonl"), key=lambda s: s.start)
         offsets = [s.start - samples[0].start for s in samples]
         assert offsets == pytest.approx(arrivals, abs=0.25)
     finally:
