@@ -321,7 +321,7 @@ def dry_run_all(api_client, results: dict[str, Rendered]) -> list[Problem]:
 
 
 def main(argv=None) -> int:
-    from validation.cli import default_crds_dir
+    from validation.cli import default_crds_dir, default_extra_crds_dirs
     root = Path.cwd()
     p = argparse.ArgumentParser(prog="python -m validation.apiserver", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -337,6 +337,8 @@ def main(argv=None) -> int:
         try:
             api = plane.api_client()
             install_crds(api, crds_dir)
+            for extra in default_extra_crds_dirs(root):
+                install_crds(api, extra.resolve())
             results = render_targets(root, crds_dir, args.targets)
             problems = dry_run_all(api, results)
         finally:

@@ -28,6 +28,11 @@ def default_crds_dir(root: Path) -> Path:
     return shared if (shared / "README.md").is_file() else root / ".cache" / "crds"
 
 
+def default_extra_crds_dirs(root: Path) -> list[Path]:
+    """CRDs from other sources than base/crds (the Prometheus Operator's: `make crds`)."""
+    return [p for p in [root / ".cache" / "crds-extra"] if p.is_dir()]
+
+
 def parse_args(argv):
     root = Path.cwd()
     p = argparse.ArgumentParser(prog="python -m validation", description=__doc__)
@@ -49,7 +54,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.root = args.root.resolve()
     args.crds_dir = (args.crds_dir or default_crds_dir(args.root)).resolve()
-    extra = args.extra_crds_dir or [p for p in [args.root / ".cache" / "crds-extra"] if p.is_dir()]
+    extra = args.extra_crds_dir or default_extra_crds_dirs(args.root)
     args.extra_crds_dir = tuple(p.resolve() for p in extra)
     args.kubeconform = args.kubeconform or args.root / ".tools" / "bin" / "kubeconform"
     args.egctl = args.egctl or args.root / ".tools" / "bin" / "egctl"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from validation.apiserver import ControlPlane, install_crds
-from validation.cli import default_crds_dir
+from validation.cli import default_crds_dir, default_extra_crds_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE_APISERVER = Path(os.environ.get("KUBE_APISERVER", ROOT / ".tools" / "bin" / "kube-apiserver"))
@@ -32,6 +32,8 @@ def control_plane(tmp_path_factory):
         crds_dir = Path(os.environ["CRDS_DIR"]) if os.environ.get("CRDS_DIR") else default_crds_dir(ROOT)
         started = time.monotonic()
         plane.crds = install_crds(plane.api_client(), crds_dir.resolve())
+        for extra in default_extra_crds_dirs(ROOT):
+            plane.crds += install_crds(plane.api_client(), extra.resolve())
         plane.crds_installed_in = time.monotonic() - started
         print(f"\nkube-apiserver ready in {plane.started_in:.1f}s, {len(plane.crds)} CRDs installed in "
               f"{plane.crds_installed_in:.1f}s")
