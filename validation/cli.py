@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from validation import cel_rules, gateway, kubeconform, workflows
+from validation import cel_rules, gateway, kubeconform, rules, workflows
 from validation.builtin import OBJECT_META, BuiltinSchemas
 from validation.crdschema import CRDStore
 from validation.problems import Problem, describe, format_path
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
             gw = side_gateway.submit(gateway.check_all, args.egctl, list(results.values()))
         if not args.skip_kubeconform:
             problems.extend(run_kubeconform(args, results, builtin, crds))
+        problems.extend(rules.rule_problems(results.values()))
         if not args.skip_gateway:
             problems.extend(gw.result())
         if wf is not None:
