@@ -11,6 +11,7 @@ Folder layout (written by compare, read back here so a report can be regenerated
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -125,9 +126,10 @@ def plot_subtitle(meta: dict) -> str:
         clock = "wall clock, speedup unknown"
     else:
         clock = "wall clock" if speed == 1 else f"wall clock at speedup {speed:g}"
-    label = f"{meta['label']}, " if meta.get("label") else ""
-    return (f"{label}workload {meta['workload']}, {clock}\n"
-            f"{' vs '.join(named(meta, p) for p in meta['ports'])}")
+    lines = [meta["label"]] if meta.get("label") else []
+    lines += [f"workload {meta['workload']}, {clock}", " vs ".join(named(meta, p) for p in meta["ports"])]
+    # wrapped, so that the titles of side-by-side plots do not run into each other
+    return "\n".join(textwrap.fill(line, 60) for line in lines)
 
 
 def port_colors(ports) -> dict[str, str]:
