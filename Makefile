@@ -89,11 +89,18 @@ $(EXTRA_CRDS_DIR): validation/crds.py | $(VENV)/.stamp
 	$(PY) -m validation.crds --go-modules --dest $(EXTRA_CRDS_DIR)
 	touch $@
 
-validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows; alert rules, dashboards; policy suite
+validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows, Envoy Gateway's translation, cross-object rules; alert rules, dashboards; policy suite
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
+	@$(MAKE) --no-print-directory -j2 --output-sync=target validate-manifests validate-policy
+
+# The two halves of `make validate`, run side by side (each keeps its own schema cache).
+.PHONY: validate-manifests validate-policy
+validate-manifests:
 	$(PY) -m validation --crds-dir $(CRDS_DIR) --extra-crds-dir $(EXTRA_CRDS_DIR) --kubeconform $(KUBECONFORM)
 	$(PY) -m monitoring.rules check
 	$(PY) -m monitoring.dashboards --check
+
+validate-policy:
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
 test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack

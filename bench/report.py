@@ -45,7 +45,8 @@ def validation_section(d: dict | None) -> list[str]:
         return ["## Validation time", "", "(not run)", ""]
     return ["## Validation time", "",
             f"Command: `{d['command']}` (every base, overlay, Argo CD app path and loadtest/k8s: render, "
-            "schemas + CRDs with CEL, kubeconform, workflows). One run to warm the caches, then "
+            "schemas + CRDs with CEL, kubeconform, workflows, Envoy Gateway's translation, the cross-object rules). "
+            "One run to warm the caches, then "
             f"{len(d['warm_runs_s'])} timed runs.", "",
             "| | first run | warm median | warm min | target |", "|---|---|---|---|---|",
             f"| wall s | {d['first_run_s']:.1f} | {d['warm_median_s']:.1f} | {d['warm_min_s']:.1f} | <= {d['target_s']:.0f} |",

@@ -13,6 +13,8 @@ from validation.render import render
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = sorted(p.parent.relative_to(ROOT).as_posix() for p in ROOT.glob("overlays/*/kustomization.yaml"))
 NAMESPACE = "llm"
+# The tests' own schema cache: `make validate` runs `python -m validation` beside this suite.
+CACHE = ROOT / ".cache" / "validation-tests"
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shutil
 
-from tests.policy.conftest import ROOT, find, rendered
+from tests.policy.conftest import CACHE, ROOT, find, rendered
 from validation import edge, policy, rules
 from validation.render import Rendered
 
@@ -38,6 +38,6 @@ def test_validate_cli_runs_the_rules(tmp_path, capsys):
     assert broken != text
     lws.write_text(broken)
     code = main(["--root", str(root), "overlays/a10", "--skip-workflows", "--skip-kubeconform",
-                 "--skip-gateway", "--cache-dir", str(ROOT / ".cache" / "validation")])
+                 "--skip-gateway", "--cache-dir", str(CACHE)])
     out = capsys.readouterr().out
     assert code == 1 and "[policy parallelism_matches_resources] overlays/a10:" in out, out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.policy.conftest import ROOT
+from tests.policy.conftest import CACHE, ROOT
 from validation.cli import default_crds_dir, main
 
 LWS = """
@@ -84,7 +84,7 @@ def write_overlay(root: Path, name: str, docs: dict[str, str], extra: str = "") 
 
 def run(root: Path, capsys, *extra) -> tuple[int, list[str]]:
     # The repo's cache: converted CRD schemas are keyed by content, so sharing them is safe.
-    code = main(["--root", str(root), "--skip-workflows", "--cache-dir", str(ROOT / ".cache/validation"),
+    code = main(["--root", str(root), "--skip-workflows", "--cache-dir", str(CACHE),
                  "--crds-dir", str(default_crds_dir(ROOT)), *extra])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ERROR")]
     return code, lines
@@ -169,7 +169,7 @@ def test_workflow_schema_violation_is_reported(tmp_path):
 def test_cel_sees_escaped_property_names(second_namespace, errors):
     """Gateway API rules read `p.__namespace__`: the CEL input must escape `namespace` like Kubernetes."""
     from validation.crdschema import CRDStore
-    store = CRDStore(default_crds_dir(ROOT), ROOT / ".cache/validation")
+    store = CRDStore(default_crds_dir(ROOT), CACHE)
     route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "r"},
              "spec": {"parentRefs": [{"name": "g", "namespace": "a"}, {"name": "g", "namespace": second_namespace}],
                       "rules": [{"backendRefs": [{"name": "s", "port": 80}]}]}}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.policy.conftest import OVERLAYS, ROOT, find, rendered  # noqa: F401  (shared render cache)
+from tests.policy.conftest import CACHE, OVERLAYS, ROOT, find, rendered  # noqa: F401  (shared render cache)
 from validation import gateway
 
 EGCTL = ROOT / ".tools" / "bin" / "egctl"
@@ -118,7 +118,7 @@ def test_validate_cli_reports_envoy_gateway_findings(tmp_path, capsys):
                                                  "name: no-such-route\n  loadBalancer"))
     assert "no-such-route" in policy.read_text()
     code = main(["--root", str(root), "base/gateway", "--skip-workflows", "--skip-kubeconform",
-                 "--egctl", str(EGCTL), "--cache-dir", str(ROOT / ".cache" / "validation")])
+                 "--egctl", str(EGCTL), "--cache-dir", str(CACHE)])
     out = capsys.readouterr().out
     assert code == 1
     assert "[envoy-gateway] base/gateway: BackendTrafficPolicy default/reasoning-inference: spec.targetRefs" in out, out
