@@ -118,11 +118,17 @@ def routes_rate_limit_and_check_health(objs):
             where = describe(btp) if btp else f"{describe(route)} (no BackendTrafficPolicy)"
             spec = (btp or {}).get("spec") or {}
             rules = (((spec.get("rateLimit") or {}).get("local") or {}).get("rules") or [])
-            keyed = {h.get("name", "").lower() for r in rules for s in r.get("clientSelectors") or []
-                     for h in s.get("headers") or [] if h.get("type") == "Distinct"}
+            selectors = [s.get("headers") or [] for r in rules for s in r.get("clientSelectors") or []]
+            keyed = {h.get("name", "").lower() for headers in selectors for h in headers if h.get("type") == "Distinct"}
             if not keyed & {h.lower() for h in client_headers}:
                 problems.append(f"{where}: spec.rateLimit.local has no rule per distinct client id "
                                 f"({sorted(client_headers) or 'no forwarded client id header'})")
+            # Envoy's local rate limit matches a per-value (wildcard) descriptor entry only at the
+            # end of a descriptor: with another match after it, the rule never limits (measured).
+            for headers in selectors:
+                if any(h.get("type") == "Distinct" for h in headers[:-1]):
+                    problems.append(f"{where}: spec.rateLimit.local clientSelectors headers: the Distinct "
+                                    f"match must be the last one, or Envoy never applies the rule")
             active = (spec.get("healthCheck") or {}).get("active") or {}
             if active.get("type") != "HTTP" or (active.get("http") or {}).get("path") != "/health":
                 problems.append(f"{where}: spec.healthCheck.active must GET /health")

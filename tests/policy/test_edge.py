@@ -56,6 +56,7 @@ def test_no_connection_limit_is_caught():
 @pytest.mark.parametrize("breakage, message", [
     ("rate-limit", "no rule per distinct client id"),
     ("rate-limit-exact", "no rule per distinct client id"),
+    ("rate-limit-distinct-first", "the Distinct match must be the last one"),
     ("active", "must GET /health"),
     ("passive", "outlier detection"),
     ("retry-5xx", "can resend a request"),
@@ -66,8 +67,14 @@ def test_backend_policy_breakage_is_caught(breakage, message):
     spec = find(objs, "BackendTrafficPolicy", "reasoning-inference")["spec"]
     if breakage == "rate-limit":
         del spec["rateLimit"]
-    elif breakage == "rate-limit-exact":
-        spec["rateLimit"]["local"]["rules"][0]["clientSelectors"][0]["headers"][0]["type"] = "Exact"
+    elif breakage.startswith("rate-limit-"):
+        headers = spec["rateLimit"]["local"]["rules"][0]["clientSelectors"][0]["headers"]
+        distinct = next(h for h in headers if h["type"] == "Distinct")
+        if breakage == "rate-limit-exact":
+            distinct.update(type="Exact", value="team-a")
+        else:
+            headers.remove(distinct)
+            headers.insert(0, distinct)
     elif breakage == "active":
         spec["healthCheck"]["active"]["http"]["path"] = "/metrics"
     elif breakage == "passive":
