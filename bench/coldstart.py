@@ -92,7 +92,7 @@ def report(d: dict) -> list[str]:
 HTTP_SPEEDUP = 20.0
 
 
-async def _burst_http(port: int, specs, sims: list[str]) -> dict:
+async def _burst_http(port: int, specs, sims: list[str], headers: dict[str, str]) -> dict:
     import aiohttp
 
     async def successes(session, address):
@@ -113,7 +113,7 @@ async def _burst_http(port: int, specs, sims: list[str]) -> dict:
         return (first - sent) * HTTP_SPEEDUP * 1000  # model ms
 
     import asyncio
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as session:
         before = [await successes(session, a) for a in sims]
         ttfts = await asyncio.gather(*(one(session, s) for s in specs))
         after = [await successes(session, a) for a in sims]
@@ -140,7 +140,7 @@ def run_http(trials: int) -> dict:
             for trial in range(trials):
                 if reset(config.name, config.run_root) != 0:
                     raise RuntimeError("local.stack reset failed")
-                rows.append(asyncio.run(_burst_http(port, burst(trial), sims)))
+                rows.append(asyncio.run(_burst_http(port, burst(trial), sims, stack.auth_headers())))
         out[name] = {"trials": rows,
                      "mean_largest_share": statistics.mean(r["per_group"][0] for r in rows) / BURST,
                      "all_on_one_group": sum(r["groups_used"] == 1 for r in rows),

@@ -17,6 +17,7 @@ import it next to grpc (picker) or asyncio code; run it with `locust` or `python
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import asdict
@@ -32,7 +33,7 @@ from loadtest.metrics import (RequestSample, StreamTimer, parse_goodput, parse_p
 from loadtest.openai_api import (DONE, ENDPOINTS, OBJECTIVE_HEADER, SSEDecoder, SSEError,
                                  error_reason, request_body)
 from loadtest.plan import MODES, WAIT, RunOptions, RunPlan, parse_ports, parse_workload_args
-from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, default_ports, describe_ports,
+from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, api_key, default_ports, describe_ports,
                               routing_names, target_url, unreachable)
 from loadtest.workloads import PROFILES
 
@@ -106,6 +107,10 @@ def options_from_parsed(opts, host: str) -> RunOptions:
         workload_args=parse_workload_args(opts.workload_args), mode=opts.mode)
 
 
+# once per target, not once per simulated user (it may read the local stack's key file)
+_api_key = functools.lru_cache(maxsize=8)(api_key)
+
+
 class OpenAIUser(FastHttpUser):
     """One closed-loop client: takes the next prompt, streams the answer, records a sample."""
 
@@ -122,6 +127,9 @@ class OpenAIUser(FastHttpUser):
         self.headers = {"Accept": "text/event-stream"}
         if options.objective:
             self.headers[OBJECTIVE_HEADER] = options.objective
+        key = _api_key(self.environment.host or self.host, tuple(options.ports))
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
 
     @task
     def stream_one(self):

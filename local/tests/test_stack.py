@@ -32,6 +32,31 @@ def test_buffered_body_mode_renders_the_component():
     assert policy["spec"]["extProc"][0]["processingMode"]["request"]["body"] == "Buffered"
 
 
+def test_edge_security_is_rendered_in_the_overlays_namespace_and_can_be_left_out():
+    secure = topology(StackConfig(groups=1, sim_ports=[1]))
+    kinds = {o["kind"]: o for o in secure.gateway}
+    assert {"SecurityPolicy", "EnvoyProxy"} <= set(kinds)
+    assert {o["metadata"].get("namespace") for o in secure.gateway if o["kind"] != "GatewayClass"} == {"llm"}
+    assert kinds["Gateway"]["spec"]["infrastructure"]["parametersRef"]["name"] == kinds["EnvoyProxy"]["metadata"]["name"]
+    assert all(listener["protocol"] == "HTTP" for listener in kinds["Gateway"]["spec"]["listeners"])  # no TLS locally
+    open_ = topology(StackConfig(groups=1, sim_ports=[1], edge_security=False))
+    assert not {"SecurityPolicy", "EnvoyProxy"} & {o["kind"] for o in open_.gateway}
+
+
+def test_api_keys_are_fresh_private_and_fill_the_secret_the_policy_names(tmp_path):
+    import base64
+    keys = st.new_api_keys(tmp_path / "keys.json")
+    again = st.new_api_keys(tmp_path / "keys.json")
+    assert set(keys) == set(st.API_CLIENTS) and keys != again and len(set(keys.values())) == len(keys)
+    assert (tmp_path / "keys.json").stat().st_mode & 0o777 == 0o600
+    assert st.read_api_keys(tmp_path / "keys.json") == again
+    secret = st.api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1])).gateway, again)
+    assert secret["metadata"] == {"name": "inference-gateway-api-keys", "namespace": "llm"}
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == again
+    with pytest.raises(StackError, match="no SecurityPolicy with apiKeyAuth"):
+        st.api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1], edge_security=False)).gateway, again)
+
+
 def test_canary_topology_follows_the_overlay():
     topo = topology(StackConfig(groups=3, canary=True, sim_ports=[1, 2, 3, 4]))
     canary = [s for s in topo.sims if s.lws != "qwq-dist-v1"]
