@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bench import coldstart, crosscheck, phases
+from bench import coldstart, crosscheck, phases, robustness
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
 from lab.article import ARTICLE
@@ -290,6 +290,20 @@ def coldstart_section(d: dict | None) -> list[str]:
     return out + coldstart.report(d) + [""]
 
 
+def soak_section(d: dict | None) -> list[str]:
+    out = ["## The picker under hostile traffic (soak)", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    return out + robustness.soak_report(d) + [""]
+
+
+def dead_backend_section(d: dict | None) -> list[str]:
+    out = ["## A dead or stalled backend on both listeners", ""]
+    if not d:
+        return out + ["(not run)", ""]
+    return out + robustness.dead_backend_report(d) + [""]
+
+
 def demo_section(d: dict | None) -> list[str]:
     out = ["## `make demo` on the real data plane", ""]
     if not d:
@@ -490,7 +504,7 @@ def _keep_old(lines: list[str], old: dict[str, list[str]]) -> list[str]:
 
 def write() -> str:
     names = ["validation", "picker", "lab-article", "lab-shared-prefix", "lab-matrix", "crosscheck", "phases",
-             "coldstart", "demo", "picker-scale", "replicas", "prefilter"]
+             "coldstart", "demo", "picker-scale", "replicas", "prefilter", "soak", "dead-backend"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
@@ -502,7 +516,8 @@ def write() -> str:
                     lab_matrix_section(data["lab-matrix"]), crosscheck_section(data["crosscheck"]),
                     phases_section(data["phases"]), coldstart_section(data["coldstart"]),
                     demo_section(data["demo"]), picker_scale_section(data["picker-scale"]),
-                    prefilter_section(data["prefilter"]), replicas_section(data["replicas"])):
+                    prefilter_section(data["prefilter"]), replicas_section(data["replicas"]),
+                    soak_section(data["soak"]), dead_backend_section(data["dead-backend"])):
         lines += _keep_old(section, old)
     text = "\n".join(lines).rstrip() + "\n"
     path.write_text(text)
