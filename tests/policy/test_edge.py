@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from validation import edge
-from tests.policy.conftest import find, rendered
+from tests.policy.conftest import OVERLAYS, find, rendered
 
 CLUSTER_OVERLAYS = ["overlays/a10-secure"]
 OVERLAY = "overlays/a10-secure"
@@ -15,6 +15,11 @@ OVERLAY = "overlays/a10-secure"
 @pytest.mark.parametrize("check", edge.EDGE_CHECKS, ids=lambda c: c.__name__)
 def test_edge_holds(overlay, check):
     assert check(rendered(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_checks_backend_health(overlay):
+    assert edge.routes_check_health(rendered(overlay)) == []
 
 
 def test_no_api_keys_is_caught():
@@ -83,7 +88,8 @@ def test_backend_policy_breakage_is_caught(breakage, message):
         spec["retry"]["retryOn"]["triggers"].append("5xx")
     else:
         del spec["retry"]["retryOn"]
-    problems = edge.routes_rate_limit_and_check_health(objs)
+    check = edge.routes_rate_limit if breakage.startswith("rate-limit") else edge.routes_check_health
+    problems = check(objs)
     assert problems and all("reasoning-inference" in p for p in problems)
     assert any(message in p for p in problems), problems
 
