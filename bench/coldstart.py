@@ -37,15 +37,15 @@ def burst(trial: int):
 def run(trials: int) -> dict:
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
-    from local.sim.profiles import DEFAULT_PROFILE, get_profile
+    from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
-    profile = get_profile(DEFAULT_PROFILE)
+    engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
     out = {}
     for name in POLICIES:
         rows = []
         for trial in range(trials):
-            requests = prepare_requests(burst(trial), profile.block_size)
-            result = run_lab(requests, make_policy(name), LabConfig(concurrency=BURST, seed=trial, profile=profile))
+            requests = prepare_requests(burst(trial), engine_model.block_size)
+            result = run_lab(requests, make_policy(name), LabConfig(concurrency=BURST, seed=trial, engine_model=engine_model))
             per_group = sorted((sum(1 for s in result.samples if s.target == ep) for ep in result.per_endpoint),
                                reverse=True)
             ttfts = [s.ttft * 1000 for s in result.samples]

@@ -60,14 +60,14 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     from lab.picker_policy import PickerPolicy
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
-    from loadtest.workloads import build_workload, profile_settings
-    from local.sim.profiles import get_profile
-    from local.stack import DEMO_SCALE, DEMO_SIM_PROFILE
+    from loadtest.workloads import build_workload, workload_settings
+    from local.sim.engines import get_engine_model
+    from local.stack import DEMO_ENGINE_MODEL, DEMO_SCALE
 
-    profile = get_profile(DEMO_SIM_PROFILE)
-    profile = profile.with_overrides(num_gpu_blocks=profile.num_gpu_blocks // DEMO_SCALE)
-    requests = prepare_requests(build_workload("demo", seed=seed), profile.block_size)
-    concurrency = profile_settings("demo")["concurrency"]
+    engine_model = get_engine_model(DEMO_ENGINE_MODEL)
+    engine_model = engine_model.with_overrides(num_gpu_blocks=engine_model.num_gpu_blocks // DEMO_SCALE)
+    requests = prepare_requests(build_workload("demo", seed=seed), engine_model.block_size)
+    concurrency = workload_settings("demo")["concurrency"]
     from picker import defaults
     unscaled = defaults.SCRAPE_INTERVAL * speedup  # the picker's default read as wall time
     policies = {
@@ -78,7 +78,7 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     }
     out = {}
     for name, make in policies.items():
-        runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, profile=profile)).summary
+        runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
                 for s in lab_seeds]
         out[name] = {k: statistics.mean(r[k] for r in runs) for k in KEYS}
         out[name]["std_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
@@ -99,7 +99,7 @@ def verdict(http: dict, lab: dict) -> dict:
 
 
 def main(seed: int = 0, lab_seeds: list[int] | None = None, speedup: float | None = None) -> dict:
-    from loadtest.workloads import profile_settings
+    from loadtest.workloads import workload_settings
     from local.stack import DEMO_SCALE, StackConfig, picker_timing
 
     speedup = speedup or DEFAULT_SPEEDUP
@@ -111,7 +111,7 @@ def main(seed: int = 0, lab_seeds: list[int] | None = None, speedup: float | Non
     started = time.monotonic()
     lab = lab_side(seed, lab_seeds, timing.model_scrape_interval, timing.model_staleness, speedup)
     data = {"command": f"python -m bench crosscheck --seed {seed} --speedup {speedup:g}",
-            "workload": "demo", "num_prompts": profile_settings("demo")["num_prompts"], "kv_scale": DEMO_SCALE, "speedup": speedup, "seed": seed, "lab_seeds": lab_seeds,
+            "workload": "demo", "num_prompts": workload_settings("demo")["num_prompts"], "kv_scale": DEMO_SCALE, "speedup": speedup, "seed": seed, "lab_seeds": lab_seeds,
             "picker_scrape_interval_wall_s": timing.scrape_interval,
             "picker_scrape_interval_model_s": timing.model_scrape_interval,
             "picker_staleness_model_s": timing.model_staleness,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.workloads import PROFILES as WORKLOADS, build_workload, profile_settings
-from local.sim.profiles import DEFAULT_PROFILE, PROFILES as ENGINE_PROFILES, get_profile
+from loadtest.workloads import WORKLOADS, build_workload, workload_settings
+from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
 from lab.article import ARTICLE
 from lab.policies import file_name, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
@@ -45,8 +45,8 @@ def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) ->
     p.add_argument("--concurrency", type=int, help="client concurrency (default: the workload's)")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--engine-profile", default=DEFAULT_PROFILE, choices=sorted(ENGINE_PROFILES))
-    p.add_argument("--num-gpu-blocks", type=int, help="override the engine profile's KV capacity")
+    p.add_argument("--engine-model", default=DEFAULT_ENGINE_MODEL, choices=sorted(ENGINE_MODELS))
+    p.add_argument("--num-gpu-blocks", type=int, help="override the engine model's KV capacity")
     p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt / sharegpt-long")
     p.add_argument("--trace", help="JSONL trace for --workload trace (loadtest/traces.py)")
 
@@ -55,7 +55,7 @@ def _workload(args) -> tuple[dict, dict]:
     """The workload's build options (the ShareGPT path) and its settings, --concurrency applied."""
     extra = ({"path": args.sharegpt_path} if args.workload.startswith("sharegpt")
              else {"path": args.trace} if args.workload == "trace" else {})
-    settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
+    settings = workload_settings(args.workload, num_prompts=args.num_prompts, **extra)
     settings["concurrency"] = args.concurrency or settings.get("concurrency")
     return extra, settings
 
@@ -64,23 +64,23 @@ def run_settings(args) -> dict:
     """What was run: the workload's settings and the lab's, for the machine-readable summary."""
     _, settings = _workload(args)
     settings["request_rate"] = "inf" if np.isinf(args.request_rate) else args.request_rate
-    return {"workload": settings, "engines": args.engines, "engine_profile": args.engine_profile,
-            "num_gpu_blocks": args.num_gpu_blocks or get_profile(args.engine_profile).num_gpu_blocks}
+    return {"workload": settings, "engines": args.engines, "engine_model": args.engine_model,
+            "num_gpu_blocks": args.num_gpu_blocks or get_engine_model(args.engine_model).num_gpu_blocks}
 
 
 def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
     """Run every policy on every seed; returns policy -> list of summaries (one per seed)."""
     extra, settings = _workload(args)
     concurrency = settings["concurrency"]
-    profile = get_profile(args.engine_profile)
+    engine_model = get_engine_model(args.engine_model)
     if args.num_gpu_blocks:
-        profile = profile.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
+        engine_model = engine_model.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
     results: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in args.seeds:
         specs = build_workload(args.workload, seed=seed, num_prompts=args.num_prompts, **extra)
-        requests = prepare_requests(specs, profile.block_size)
+        requests = prepare_requests(specs, engine_model.block_size)
         for name in policies:
-            config = LabConfig(num_engines=args.engines, profile=profile,
+            config = LabConfig(num_engines=args.engines, engine_model=engine_model,
                                concurrency=concurrency, request_rate=args.request_rate,
                                seed=seed)
             started = time.perf_counter()

@@ -12,7 +12,7 @@ groups with their KV capacity. Each other scenario changes one factor of the bas
   mean over the seeds. Open-loop runs send 150 prompts (they last 2x-4x longer per prompt);
 - pool: 8 and 16 groups, the base's load per group (concurrency 10 per group), 50 / 40 prompts
   per group;
-- KV capacity 0.8x and 2x the profile's;
+- KV capacity 0.8x and 2x the engine model's;
 - heterogeneous pool: group 0 steps 1.5x slower, or has half the KV (a canary on other hardware);
 - outage: group 0 fails at 600 s (its in-flight requests fail) and comes back empty at 900 s.
 
@@ -37,8 +37,8 @@ from typing import Optional
 
 import numpy as np
 
-from local.sim.profiles import A10_QWQ32B
-from loadtest.workloads import build_workload, profile_settings
+from local.sim.engines import A10_QWQ32B
+from loadtest.workloads import build_workload, workload_settings
 from lab.policies import make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
@@ -66,7 +66,7 @@ class Scenario:
     small_kv_group: float = 1.0        # group 0's KV-capacity factor
     outages: tuple = ()                # (group, down at s, back at s)
 
-    def profiles(self):
+    def engine_models(self):
         base = A10_QWQ32B.with_overrides(
             num_gpu_blocks=int(A10_QWQ32B.num_gpu_blocks * self.kv_scale))
         first = base.with_overrides(
@@ -125,7 +125,7 @@ def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
         rate = scenario.load * capacity_rps
     out = {}
     for name in policies:
-        config = LabConfig(num_engines=scenario.engines, engine_profiles=scenario.profiles(),
+        config = LabConfig(num_engines=scenario.engines, engine_models=scenario.engine_models(),
                            concurrency=scenario.concurrency, request_rate=rate,
                            burstiness=scenario.burstiness, seed=seed, outages=scenario.outages)
         started = time.process_time()
@@ -205,7 +205,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
         by_seed = per[s.name]
         stats = {p: {k: _stats([by_seed[seed][p][k] for seed in seeds]) for k in KEYS + ("cpu_s",)}
                  for p in policies}
-        settings = profile_settings(s.workload, num_prompts=s.num_prompts)
+        settings = workload_settings(s.workload, num_prompts=s.num_prompts)
         out.append({"name": s.name, "factor": s.factor, "description": s.description,
                     "workload": s.workload,
                     "workload_settings": {k: v for k, v in settings.items() if k != "kind"},

@@ -39,7 +39,7 @@ from local import dataplane
 from validation import manifests
 from validation.render import kustomize as render_target
 from local.dataplane import gateway_objects
-from local.sim.profiles import DEFAULT_PROFILE, get_profile
+from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 REPO = Path(__file__).resolve().parent.parent
 STABLE_SERVICE = "qwq-dist-v1"
@@ -77,7 +77,7 @@ class StackConfig:
     # the simulated engines as often, in model time, as it would see real ones (see picker_timing).
     picker_scrape_interval: float | None = None
     picker_staleness: float | None = None
-    kv_scale: int = 1  # simulators get the profile's KV capacity / kv_scale (the demo uses DEMO_SCALE)
+    kv_scale: int = 1  # simulators get the engine model's KV capacity / kv_scale (the demo uses DEMO_SCALE)
     sim_args: list[str] = field(default_factory=list)
     picker_args: list[str] = field(default_factory=list)
     run_root: Path = REPO / "runs"
@@ -742,15 +742,15 @@ def describe(stack: Stack) -> str:
 # the stack's CPU use does not distort latencies on 2 cores (see DATAPLANE.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
-DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
+DEMO_ENGINE_MODEL = DEFAULT_ENGINE_MODEL  # the simulator's default engine model
 
 
 def kv_scale_args(config: StackConfig) -> list[str]:
     if config.kv_scale <= 1 or "--num-gpu-blocks" in config.sim_args:
         return []
-    profile = config.sim_args[config.sim_args.index("--profile") + 1] if "--profile" in config.sim_args \
-        else DEMO_SIM_PROFILE
-    return ["--num-gpu-blocks", str(get_profile(profile).num_gpu_blocks // config.kv_scale)]
+    args = config.sim_args
+    engine_model = args[args.index("--engine-model") + 1] if "--engine-model" in args else DEMO_ENGINE_MODEL
+    return ["--num-gpu-blocks", str(get_engine_model(engine_model).num_gpu_blocks // config.kv_scale)]
 
 
 def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str], warm: bool = False) -> int:
@@ -858,7 +858,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
             s.add_argument("--startup-timeout", type=float, default=90.0)
             s.add_argument("--kv-scale", type=int, default=DEMO_SCALE if name == "demo" else 1,
-                           help="simulators get the profile's KV capacity / this (default: 1 for up, "
+                           help="simulators get the engine model's KV capacity / this (default: 1 for up, "
                                 f"{DEMO_SCALE} for demo, whose workload is the article's / {DEMO_SCALE})")
         if name == "up":
             s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the stack")

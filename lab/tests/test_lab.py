@@ -9,7 +9,7 @@ from lab.__main__ import main as lab_main
 from lab.policies import LabEndpoint, LeastRequest, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 from local.sim.engine import Engine
-from local.sim.profiles import A10_QWQ32B
+from local.sim.engines import A10_QWQ32B
 from loadtest.workloads import build_workload
 
 N = 30

@@ -5,8 +5,8 @@ import zlib
 from prometheus_client.parser import text_string_to_metric_families
 
 from local.sim.engine import Engine
+from local.sim.engines import TINY
 from local.sim.metrics import cache_config_labels, render_gauges, render_metrics
-from local.sim.profiles import TINY
 from local.sim.tokens import chat_token_ids, count_chat_tokens, count_tokens, token_ids
 
 
