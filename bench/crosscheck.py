@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import PY, RESULTS, run, save, stamp, load_average
+from local.sim.clock import to_model_rate, to_model_seconds
 
 # Half the demo's speedup: the HTTP side then needs half the CPU per wall second (~0.3-0.4 cores),
 # so other work on the machine stretches its model time less; the run takes ~8 minutes.
@@ -49,9 +50,9 @@ def to_model_time(result: dict, speedup: float) -> dict:
     `duration` of a multi-repetition result is the sum of its runs: per run here, like the lab."""
     sent = result["completed"] + result["failed"] + result.get("unfinished", 0)
     reps = max(1, round(sent / result["num_prompts"]))
-    out = {k: result[k] * speedup for k in KEYS if k.endswith("_ms")}
-    out["output_throughput"] = result["output_throughput"] / speedup
-    out["duration"] = result["duration"] * speedup / reps
+    out = {k: to_model_seconds(result[k], speedup) for k in KEYS if k.endswith("_ms")}
+    out["output_throughput"] = to_model_rate(result["output_throughput"], speedup)
+    out["duration"] = to_model_seconds(result["duration"], speedup) / reps
     return out
 
 
@@ -69,7 +70,7 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     requests = prepare_requests(build_workload("demo", seed=seed), engine_model.block_size)
     concurrency = workload_settings("demo")["concurrency"]
     from picker import defaults
-    unscaled = defaults.SCRAPE_INTERVAL * speedup  # the picker's default read as wall time
+    unscaled = to_model_seconds(defaults.SCRAPE_INTERVAL, speedup)  # the picker's default read as wall time
     policies = {
         "least-request": lambda: make_policy("least-request"),
         "picker": lambda: PickerPolicy("default", scrape_interval=model_interval, staleness=model_staleness),

@@ -39,6 +39,7 @@ from local import dataplane
 from validation import manifests
 from validation.render import kustomize as render_target
 from local.dataplane import gateway_objects
+from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -262,10 +263,10 @@ def picker_timing(config: StackConfig) -> PickerTiming | None:
     defaults = picker_parser()
     model_interval = config.picker_scrape_interval or defaults.get_default("scrape_interval")
     model_staleness = config.picker_staleness or defaults.get_default("staleness")
-    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, model_interval / config.speedup)
+    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, to_wall_seconds(model_interval, config.speedup))
     wall_staleness = model_staleness * wall_interval / model_interval
-    return PickerTiming(wall_interval, wall_staleness, wall_interval * config.speedup,
-                        wall_staleness * config.speedup)
+    return PickerTiming(wall_interval, wall_staleness, to_model_seconds(wall_interval, config.speedup),
+                        to_model_seconds(wall_staleness, config.speedup))
 
 
 def picker_timing_args(config: StackConfig) -> list[str]:

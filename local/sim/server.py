@@ -24,6 +24,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engine import Engine, StepOutput
 from local.sim.engines import EngineModel
 from local.sim.metrics import CONTENT_TYPE, render_metrics
@@ -77,7 +78,7 @@ class SimServer:
         self.loop_task: Optional[asyncio.Task] = None
 
     def model_time(self) -> float:
-        return (time.monotonic() - self.start) * self.speedup
+        return to_model_seconds(time.monotonic() - self.start, self.speedup)
 
     @property
     def stalled(self) -> bool:
@@ -98,7 +99,7 @@ class SimServer:
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
-            delay = (result.end_time - self.model_time()) / self.speedup
+            delay = to_wall_seconds(result.end_time - self.model_time(), self.speedup)
             await asyncio.sleep(max(0.0, delay))
             for out in result.outputs:
                 queue = self.streams.get(out.request_id)
