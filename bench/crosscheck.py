@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 from bench.common import PY, RESULTS, run, save, stamp, load_average
+from loadtest.metrics import REPORT_KEYS, percent_change
 from local.sim.clock import to_model_rate, to_model_seconds
 
 # Half the demo's speedup: the HTTP side then needs half the CPU per wall second (~0.3-0.4 cores),
 # so other work on the machine stretches its model time less; the run takes ~8 minutes.
 DEFAULT_SPEEDUP = 2.5
-KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput", "duration")
 TOLERANCE = 0.25
 HTTP_REPETITIONS = 2  # `local.stack demo` runs each port twice
 TPOT_STARVED = 0.10  # HTTP mean TPOT this much above the lab's: the stack lacked CPU (see verdict)
@@ -50,7 +50,7 @@ def to_model_time(result: dict, speedup: float) -> dict:
     `duration` of a multi-repetition result is the sum of its runs: per run here, like the lab."""
     sent = result["completed"] + result["failed"] + result.get("unfinished", 0)
     reps = max(1, round(sent / result["num_prompts"]))
-    out = {k: to_model_seconds(result[k], speedup) for k in KEYS if k.endswith("_ms")}
+    out = {k: to_model_seconds(result[k], speedup) for k in REPORT_KEYS if k.endswith("_ms")}
     out["output_throughput"] = to_model_rate(result["output_throughput"], speedup)
     out["duration"] = to_model_seconds(result["duration"], speedup) / reps
     return out
@@ -81,7 +81,7 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     for name, make in policies.items():
         runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
                 for s in lab_seeds]
-        out[name] = {k: statistics.mean(r[k] for r in runs) for k in KEYS}
+        out[name] = {k: statistics.mean(r[k] for r in runs) for k in REPORT_KEYS}
         out[name]["std_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
     return out
 
@@ -89,10 +89,10 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
 def verdict(http: dict, lab: dict) -> dict:
     order_http = sorted(("least-request", "picker"), key=lambda p: http[p]["mean_ttft_ms"])
     order_lab = sorted(("least-request", "picker"), key=lambda p: lab[p]["mean_ttft_ms"])
-    diffs = {p: lab[p]["mean_ttft_ms"] / http[p]["mean_ttft_ms"] - 1 for p in ("least-request", "picker")}
+    diffs = {p: percent_change(http[p]["mean_ttft_ms"], lab[p]["mean_ttft_ms"]) / 100 for p in ("least-request", "picker")}
     # TPOT hardly depends on routing (lab: within a few %), so HTTP TPOT above the lab's measures how
     # much the stack's own CPU starvation stretched model time (late engine steps), not routing.
-    tpot = {p: http[p]["mean_tpot_ms"] / lab[p]["mean_tpot_ms"] - 1 for p in ("least-request", "picker")}
+    tpot = {p: percent_change(lab[p]["mean_tpot_ms"], http[p]["mean_tpot_ms"]) / 100 for p in ("least-request", "picker")}
     return {"order_http": order_http, "order_lab": order_lab, "same_order": order_http == order_lab,
             "lab_vs_http_mean_ttft": diffs, "within_tolerance": all(abs(d) <= TOLERANCE for d in diffs.values()),
             "tolerance": TOLERANCE, "http_tpot_over_lab": tpot,
@@ -137,8 +137,8 @@ def report(d: dict) -> str:
         lines.append(f"| {name} | {r['mean_ttft_ms']:,.0f} | {r['median_ttft_ms']:,.0f} | {r['p99_ttft_ms']:,.0f} | "
                      f"{r['mean_tpot_ms']:.1f} | {r['output_throughput']:.1f} | {r['duration']:.0f} |")
     v = d["verdict"]
-    gain = lambda s: 1 - s["picker"]["mean_ttft_ms"] / s["least-request"]["mean_ttft_ms"]  # noqa: E731
-    lines += ["", f"Picker vs least request, mean TTFT: HTTP {-gain(d['http']):+.1%}, lab {-gain(d['lab']):+.1%}. "
+    change = lambda s: percent_change(s["least-request"]["mean_ttft_ms"], s["picker"]["mean_ttft_ms"]) / 100  # noqa: E731
+    lines += ["", f"Picker vs least request, mean TTFT: HTTP {change(d['http']):+.1%}, lab {change(d['lab']):+.1%}. "
               f"Ordering {'the same' if v['same_order'] else 'DIFFERENT'} "
               f"({' < '.join(v['order_http'])} over HTTP, {' < '.join(v['order_lab'])} in the lab); lab vs HTTP mean "
               f"TTFT: " + ", ".join(f"{p} {x:+.1%}" for p, x in v["lab_vs_http_mean_ttft"].items())

@@ -14,9 +14,9 @@ import statistics
 import time
 
 from bench.common import load_average, save, stamp
+from loadtest.metrics import HEADLINE_KEYS
 
 WORKLOADS = ("article", "shared-prefix")
-KEYS = ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")
 
 
 def run(seeds: list[int]) -> dict:
@@ -38,7 +38,7 @@ def run(seeds: list[int]) -> dict:
         for name, make in policies.items():
             runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
                     for s in seeds]
-            row = {k: statistics.mean(r[k] for r in runs) for k in KEYS}
+            row = {k: statistics.mean(r[k] for r in runs) for k in HEADLINE_KEYS}
             row["sd_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
             out[workload][name] = row
             print(f"{workload:14} {name:40} mean TTFT {row['mean_ttft_ms']:8,.0f} ms (sd {row['sd_mean_ttft_ms']:,.0f})",

@@ -8,10 +8,12 @@ from bench import coldstart, crosscheck, phases
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
 from lab.article import ARTICLE
+from loadtest.metrics import REPORT_KEYS, percent_change
 from loadtest.report import change_pct
 
-LAB_KEYS = [("mean_ttft_ms", "mean TTFT ms"), ("median_ttft_ms", "median TTFT ms"), ("p99_ttft_ms", "P99 TTFT ms"),
-            ("mean_tpot_ms", "mean TPOT ms"), ("output_throughput", "output tok/s"), ("duration", "duration s")]
+LABELS = {"mean_ttft_ms": "mean TTFT ms", "median_ttft_ms": "median TTFT ms", "p99_ttft_ms": "P99 TTFT ms",
+          "mean_tpot_ms": "mean TPOT ms", "output_throughput": "output tok/s", "duration": "duration s"}
+LAB_KEYS = [(k, LABELS[k]) for k in REPORT_KEYS]
 
 
 def _f(x, digits=0) -> str:
@@ -157,7 +159,7 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
             out += ["", "| picker vs least request | ours (lab) | article (8081 vs 8080) | issue 6 target | met |",
                     "|---|---|---|---|---|"]
             for label, k, target, bound in rows:
-                change = pk[k]["mean"] / lr[k]["mean"] - 1
+                change = percent_change(lr[k]["mean"], pk[k]["mean"]) / 100
                 met = change >= bound if bound == 0.0 else change <= bound
                 out.append(f"| {label} | {_pct(pk[k]['mean'], lr[k]['mean'])} | "
                            f"{_pct(ARTICLE['picker'][k], ARTICLE['least-request'][k])} | {target} | "

@@ -21,15 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary_keys
 from loadtest.workloads import WORKLOADS, build_workload, workload_settings
 from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
 from lab.article import ARTICLE
 from lab.policies import file_name, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
-TABLE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
-              "output_throughput", "total_token_throughput", "duration", "failed")
-COMPARE_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")
+TABLE_KEYS = summary_keys(*REPORT_KEYS, "mean_itl_ms", "total_token_throughput", "failed")
 BASELINE = "least-request"   # the 8080 route: Envoy Gateway's least request
 
 ARTICLE_8080 = ARTICLE["least-request"]  # Envoy Gateway least request, the calibration target
@@ -121,9 +120,9 @@ def versus(agg: dict[str, dict[str, dict]], baseline: str = BASELINE) -> dict[st
         if policy == baseline:
             continue
         out[policy] = {}
-        for key in COMPARE_KEYS:
+        for key in HEADLINE_KEYS:
             base, mine = agg[baseline][key]["mean"], stats[key]["mean"]
-            out[policy][key] = {"change_pct": (mine - base) / base * 100 if base else None,
+            out[policy][key] = {"change_pct": percent_change(base, mine),
                                 "baseline_over_policy": base / mine if mine else None}
     return out
 
@@ -138,10 +137,10 @@ def table(agg: dict[str, dict[str, dict]], seeds: list[int]) -> str:
     changes = versus(agg)
     if changes:
         lines += ["", f"change of the mean against {BASELINE}", "",
-                  "| policy | " + " | ".join(COMPARE_KEYS) + " | mean TTFT ratio |",
-                  "|---" * (len(COMPARE_KEYS) + 2) + "|"]
+                  "| policy | " + " | ".join(HEADLINE_KEYS) + " | mean TTFT ratio |",
+                  "|---" * (len(HEADLINE_KEYS) + 2) + "|"]
         for policy, ch in changes.items():
-            cells = [f"{ch[k]['change_pct']:+.1f} %" for k in COMPARE_KEYS]
+            cells = [f"{ch[k]['change_pct']:+.1f} %" for k in HEADLINE_KEYS]
             ratio = ch["mean_ttft_ms"]["baseline_over_policy"]
             lines.append(f"| {policy} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     return "\n".join(lines)
@@ -153,7 +152,7 @@ def calibration_table(agg_lr: dict[str, dict]) -> str:
     for key, ref in ARTICLE_8080.items():
         m = agg_lr[key]
         lines.append(f"| {key} | {ref:,.1f} | {m['mean']:,.1f} ± {m['std']:,.1f} | "
-                     f"{(m['mean'] - ref) / ref * 100:+.1f} % |")
+                     f"{percent_change(ref, m['mean']):+.1f} % |")
     return "\n".join(lines)
 
 

@@ -38,13 +38,13 @@ from typing import Optional
 import numpy as np
 
 from local.sim.engines import A10_QWQ32B
+from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary_keys
 from loadtest.workloads import build_workload, workload_settings
 from lab.policies import make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
 POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "oracle"]
-KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput",
-        "request_throughput", "duration", "completed", "failed")
+KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
 REPORTED_SEEDS = [0, 1, 2, 3, 4]
 TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
 BASE = "base"
@@ -222,18 +222,17 @@ def assess(stats: dict, picker: str = "picker", baseline: str = "least-request")
         return {}
     p, b = stats[picker], stats[baseline]
     worse = {}
-    for key, higher_better in (("mean_ttft_ms", False), ("p99_ttft_ms", False),
-                               ("output_throughput", True)):
+    for key in HEADLINE_KEYS:
+        higher_better = key == "output_throughput"
         diff = p[key]["mean"] - b[key]["mean"]
         spread = max(p[key]["std"], b[key]["std"])
         worse[key] = (-diff if higher_better else diff) > spread
-    out = {"change_pct": {k: (p[k]["mean"] / b[k]["mean"] - 1) * 100 if b[k]["mean"] else None
-                          for k in ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")},
+    out = {"change_pct": {k: percent_change(b[k]["mean"], p[k]["mean"]) for k in HEADLINE_KEYS},
            "worse_than_baseline_beyond_spread": worse}
     if "oracle" in stats:
         lr, orc, pk = b["mean_ttft_ms"]["mean"], stats["oracle"]["mean_ttft_ms"]["mean"], \
             p["mean_ttft_ms"]["mean"]
-        gain = (lr - orc) / lr if lr else 0.0
+        gain = -(percent_change(lr, orc) or 0.0) / 100    # the oracle's mean TTFT cut, as a fraction
         out["oracle_gain_pct"] = gain * 100
         out["gap_closed_pct"] = (lr - pk) / (lr - orc) * 100 if lr > orc else None
         out["gap_target_applies"] = gain >= 0.20

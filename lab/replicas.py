@@ -28,6 +28,7 @@ import time
 
 from picker import defaults
 
+from loadtest.metrics import percent_change
 from lab.picker_policy import PickerPolicy
 from lab.policies import Policy
 
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
           "(ms, mean ± std over seeds), change against one replica")
     for name, stats in out["policies"].items():
         m = stats["mean_ttft_ms"]
-        print(f"  {name:26s} {m['mean']:9.0f} ± {m['std']:6.0f}  {100 * (m['mean'] - base) / base:+6.1f} %")
+        print(f"  {name:26s} {m['mean']:9.0f} ± {m['std']:6.0f}  {percent_change(base, m['mean']):+6.1f} %")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
