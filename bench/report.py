@@ -141,6 +141,17 @@ def _lab_table(summary: dict, article: bool) -> list[str]:
     return out
 
 
+CALIBRATION_TOLERANCE_PCT = 25.0  # the simulator's calibration target against the article's 8080 run
+
+
+def _calibration(lr: dict) -> str:
+    changes = {label: percent_change(ARTICLE["least-request"][k], lr[k]["mean"]) for k, label in LAB_KEYS}
+    within = all(abs(c) <= CALIBRATION_TOLERANCE_PCT for c in changes.values())
+    return ("Calibration of the simulator (local/README.md, `python -m lab calibrate`): the lab's least request "
+            "against the article's 8080 run: " + ", ".join(f"{label} {c:+.1f} %" for label, c in changes.items())
+            + f"; every one within ±{CALIBRATION_TOLERANCE_PCT:.0f} %: {'yes' if within else 'no'}.")
+
+
 def lab_section(article: dict | None, shared: dict | None) -> list[str]:
     out = ["## Routing lab (virtual time)", "",
            "Command: `python -m lab run --workload <w> --policy least-request --policy picker --policy "
@@ -153,6 +164,8 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
         lr, pk = p.get("least-request"), p.get("picker")
         out += [f"### Article workload (300 prompts, prefix 1000, input U[800, 4000], output U[600, 3000], "
                 f"concurrency 30; {article['wall_s']:.0f} s wall for all runs)", ""] + _lab_table(article["summary"], True)
+        if lr:
+            out += ["", _calibration(lr)]
         if lr and pk:
             rows = [("mean TTFT", "mean_ttft_ms", "at least -40 %", -0.40), ("P99 TTFT", "p99_ttft_ms", "at least -25 %", -0.25),
                     ("output tok/s", "output_throughput", "not lower", 0.0)]
