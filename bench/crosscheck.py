@@ -8,11 +8,11 @@ of listener http = least request and llm-gw = picker, the demo workload = the ar
 repetitions in alternating order). Lab: the same prompts (same workload seed), the same engines
 and concurrency, policies `least-request` and the picker's default profile scraping every
 `model_scrape_interval` model seconds (what the HTTP stack's picker effectively has), over several
-policy seeds. Also in the lab: the picker at the interval it would have had before the launcher
-scaled it (0.1 s of wall time = 0.1 x speedup model seconds).
+policy seeds. Also in the lab: the picker at the interval it would have if the launcher did not
+scale it (0.1 s of wall time = 0.1 x speedup model seconds).
 
 Speedup 2.5 by default (the demo's is 5), see DEFAULT_SPEEDUP. Pass: the same ordering of the two policies by mean TTFT, and each policy's mean TTFT in the lab
-within 25 % of the HTTP stack's (issue 6).
+within 25 % of the HTTP stack's (TOLERANCE).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def _spread(run: dict | None, key: str, digits: int) -> str:
 
 
 def _picker_target(grpc: list[dict]) -> list[str]:
-    """Issue 3's target at 16 endpoints, buffered mode: >= 1,000 decisions/s and p99 <= 5 ms."""
+    """The picker's target at 16 endpoints, buffered mode: >= 1,000 decisions/s and p99 <= 5 ms."""
     x = next((x for x in grpc if x.get("endpoints") == 16 and x.get("mode") == "buffered"), None)
     if not x or not x.get("closed_loop"):
         return []
@@ -116,7 +116,7 @@ def _picker_target(grpc: list[dict]) -> list[str]:
     decide = (c.get("decide") or {}).get("p99_ms")
     best = x.get("max_rate_p99_within_target")
     yes = lambda ok: "met" if ok else "not met"
-    return ["", "Issue 3 target at 16 endpoints (buffered):", "",
+    return ["", "Target at 16 endpoints (buffered):", "",
             f"- at least 1,000 decisions/s with 64 streams: {_f(c['decisions_per_s'])}/s (median run), "
             f"{yes(c['decisions_per_s'] >= 1000)};",
             f"- decision latency p99 at most 5 ms (the picker's `decide()`, same run): "
@@ -169,7 +169,7 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
         if lr and pk:
             rows = [("mean TTFT", "mean_ttft_ms", "at least -40 %", -0.40), ("P99 TTFT", "p99_ttft_ms", "at least -25 %", -0.25),
                     ("output tok/s", "output_throughput", "not lower", 0.0)]
-            out += ["", "| picker vs least request | ours (lab) | article (8081 vs 8080) | issue 6 target | met |",
+            out += ["", "| picker vs least request | ours (lab) | article (8081 vs 8080) | target | met |",
                     "|---|---|---|---|---|"]
             for label, k, target, bound in rows:
                 change = percent_change(lr[k]["mean"], pk[k]["mean"]) / 100
@@ -191,7 +191,7 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
         out += _lab_table(shared["summary"], False)
         if lr and pk:
             out += ["", f"Least request / picker mean TTFT: **{lr['mean_ttft_ms']['mean'] / pk['mean_ttft_ms']['mean']:.2f} x** "
-                        "(issue 6 target: at least 3 x)"
+                        "(target: at least 3 x)"
                     + (f"; picker default vs upstream-default profile: "
                        f"{_pct(pk['mean_ttft_ms']['mean'], up['mean_ttft_ms']['mean'])}." if up else ".")]
         out.append("")
@@ -210,7 +210,7 @@ def _cell(stats: dict) -> str:
 
 
 def _matrix_targets(scenarios: list[dict]) -> list[str]:
-    """Which of the issue's targets the measured matrix meets, scenario by scenario."""
+    """Which of the routing targets the measured matrix meets, scenario by scenario."""
     worse = [f"{s['name']} ({', '.join(k for k, v in s['assessment']['worse_than_baseline_beyond_spread'].items() if v)})"
              for s in scenarios if any(s["assessment"].get("worse_than_baseline_beyond_spread", {}).values())]
     gap = [s for s in scenarios if s["assessment"].get("gap_target_applies")]

@@ -217,7 +217,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
 
 
 def assess(stats: dict, picker: str = "picker", baseline: str = "least-request") -> dict:
-    """The issue's targets for one scenario (means over seeds; spread = the larger seed std)."""
+    """The routing targets for one scenario (means over seeds; spread = the larger seed std)."""
     if picker not in stats or baseline not in stats:
         return {}
     p, b = stats[picker], stats[baseline]
