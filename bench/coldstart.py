@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from bench.common import load_average, save, stamp
+from local.sim.clock import to_model_seconds
 
 POLICIES = ("least-request", "picker", "picker-upstream")
 BURST = 30            # the article's concurrency: every client sends at once
@@ -110,7 +111,7 @@ async def _burst_http(port: int, specs, sims: list[str]) -> dict:
             first = None
             async for _ in r.content:
                 first = first or time.monotonic()
-        return (first - sent) * HTTP_SPEEDUP * 1000  # model ms
+        return to_model_seconds(first - sent, HTTP_SPEEDUP) * 1000  # model ms
 
     import asyncio
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
