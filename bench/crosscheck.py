@@ -26,8 +26,8 @@ from bench.common import PY, RESULTS, run, save, stamp, load_average
 from loadtest.metrics import REPORT_KEYS, percent_change
 from local.sim.clock import to_model_rate, to_model_seconds
 
-# Half the demo's speedup: the HTTP side then needs half the CPU per wall second (~0.3-0.4 cores),
-# so other work on the machine stretches its model time less; the run takes ~8 minutes.
+# Half the demo's speedup: the HTTP side then needs half the CPU per wall second, so other work on
+# the machine stretches its model time less (the run's wall time is in BENCHMARKS.md).
 DEFAULT_SPEEDUP = 2.5
 TOLERANCE = 0.25
 HTTP_REPETITIONS = 2  # `local.stack demo` runs each port twice

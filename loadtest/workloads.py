@@ -60,10 +60,9 @@ WORKLOADS: dict[str, dict] = {
                     range_ratio=0.2, num_prompts=300, concurrency=30),
     # Local demo (`make demo`): the article's workload with every length / 6, at its concurrency,
     # against simulators whose KV capacity is / 6 too (local.stack DEMO_SCALE: 391 blocks per
-    # group), so requests wait for KV blocks as in the article, in ~1/6 of the time; 150 prompts:
-    # ~200 s of model time per run, ~40-50 s at the demo's speedup 5, ~1,200 SSE chunks/s. In the
-    # lab least request -> picker cuts mean TTFT by ~40 % here (article workload: ~55 %). Against
-    # full-size simulators (`make up`) it barely loads them.
+    # group), so requests wait for KV blocks as in the article, in about a sixth of the time
+    # (BENCHMARKS.md has the demo's figures and its lab cross-check). Against full-size simulators
+    # (`make up`) it barely loads them.
     "demo": dict(kind="random", prefix_len=166, input_len=666, output_len=500,
                  range_ratio=0.2, num_prompts=150, concurrency=30),
     # Seconds-long sanity run.
