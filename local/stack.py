@@ -45,7 +45,8 @@ from local import dataplane
 from validation import manifests
 from validation.render import kustomize as render_target
 from local.dataplane import gateway_objects
-from local.sim.profiles import DEFAULT_PROFILE, get_profile
+from local.sim.clock import to_model_seconds, to_wall_seconds
+from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 REPO = Path(__file__).resolve().parent.parent
 STABLE_SERVICE = "qwq-dist-v1"
@@ -91,7 +92,7 @@ class StackConfig:
     # the simulated engines as often, in model time, as it would see real ones (see picker_timing).
     picker_scrape_interval: float | None = None
     picker_staleness: float | None = None
-    kv_scale: int = 1  # simulators get the profile's KV capacity / kv_scale (the demo uses DEMO_SCALE)
+    kv_scale: int = 1  # simulators get the engine model's KV capacity / kv_scale (the demo uses DEMO_SCALE)
     sim_args: list[str] = field(default_factory=list)
     picker_args: list[str] = field(default_factory=list)
     run_root: Path = REPO / "runs"
@@ -285,10 +286,10 @@ def picker_timing(config: StackConfig) -> PickerTiming | None:
     defaults = picker_parser()
     model_interval = config.picker_scrape_interval or defaults.get_default("scrape_interval")
     model_staleness = config.picker_staleness or defaults.get_default("staleness")
-    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, model_interval / config.speedup)
+    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, to_wall_seconds(model_interval, config.speedup))
     wall_staleness = model_staleness * wall_interval / model_interval
-    return PickerTiming(wall_interval, wall_staleness, wall_interval * config.speedup,
-                        wall_staleness * config.speedup)
+    return PickerTiming(wall_interval, wall_staleness, to_model_seconds(wall_interval, config.speedup),
+                        to_model_seconds(wall_staleness, config.speedup))
 
 
 def picker_timing_args(config: StackConfig) -> list[str]:
@@ -836,15 +837,15 @@ def describe(stack: Stack) -> str:
 # the stack's CPU use does not distort latencies on 2 cores (see DATAPLANE.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
-DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
+DEMO_ENGINE_MODEL = DEFAULT_ENGINE_MODEL  # the simulator's default engine model
 
 
 def kv_scale_args(config: StackConfig) -> list[str]:
     if config.kv_scale <= 1 or "--num-gpu-blocks" in config.sim_args:
         return []
-    profile = config.sim_args[config.sim_args.index("--profile") + 1] if "--profile" in config.sim_args \
-        else DEMO_SIM_PROFILE
-    return ["--num-gpu-blocks", str(get_profile(profile).num_gpu_blocks // config.kv_scale)]
+    args = config.sim_args
+    engine_model = args[args.index("--engine-model") + 1] if "--engine-model" in args else DEMO_ENGINE_MODEL
+    return ["--num-gpu-blocks", str(get_engine_model(engine_model).num_gpu_blocks // config.kv_scale)]
 
 
 def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str], warm: bool = False) -> int:
@@ -958,7 +959,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
             s.add_argument("--startup-timeout", type=float, default=90.0)
             s.add_argument("--kv-scale", type=int, default=DEMO_SCALE if name == "demo" else 1,
-                           help="simulators get the profile's KV capacity / this (default: 1 for up, "
+                           help="simulators get the engine model's KV capacity / this (default: 1 for up, "
                                 f"{DEMO_SCALE} for demo, whose workload is the article's / {DEMO_SCALE})")
         if name == "key":
             s.add_argument("--client", default="loadtest", choices=API_CLIENTS,

@@ -8,6 +8,7 @@ import pytest
 
 from bench import common, crosscheck, report
 from bench.picker.service import latency_bounded_rate
+from loadtest.metrics import REPORT_KEYS
 
 
 def http_result(mean_ttft_ms: float) -> dict:
@@ -24,7 +25,7 @@ def test_http_results_are_converted_to_model_time_per_run():
 
 
 def stats(mean_ttft: float) -> dict:
-    return {k: mean_ttft if k == "mean_ttft_ms" else 100.0 for k in crosscheck.KEYS}
+    return {k: mean_ttft if k == "mean_ttft_ms" else 100.0 for k in REPORT_KEYS}
 
 
 def test_verdict_checks_order_and_tolerance():

@@ -143,21 +143,23 @@ def test_explicit_picker_timing_args_are_left_alone():
 
 
 def test_kv_scale_divides_the_simulator_capacity():
-    from local.sim.profiles import get_profile
+    from local.sim.engines import get_engine_model
 
-    full = get_profile(st.DEMO_SIM_PROFILE).num_gpu_blocks
+    full = get_engine_model(st.DEMO_ENGINE_MODEL).num_gpu_blocks
     assert st.kv_scale_args(StackConfig(kv_scale=st.DEMO_SCALE)) == ["--num-gpu-blocks", str(full // st.DEMO_SCALE)]
     assert st.kv_scale_args(StackConfig()) == []
     assert st.kv_scale_args(StackConfig(kv_scale=6, sim_args=["--num-gpu-blocks", "99"])) == []
+    tiny = StackConfig(kv_scale=2, sim_args=["--engine-model", "tiny"])
+    assert st.kv_scale_args(tiny) == ["--num-gpu-blocks", str(get_engine_model("tiny").num_gpu_blocks // 2)]
 
 
 def test_demo_defaults_scale_the_article_workload():
-    from loadtest.workloads import PROFILES
+    from loadtest.workloads import WORKLOADS
 
     args = st.parser().parse_args(["demo"])
     assert args.speedup == st.DEMO_SPEEDUP and args.kv_scale == st.DEMO_SCALE
     assert st.parser().parse_args(["up"]).kv_scale == 1
-    article, demo = PROFILES["article"], PROFILES["demo"]
+    article, demo = WORKLOADS["article"], WORKLOADS["demo"]
     for key in ("prefix_len", "input_len", "output_len"):
         assert demo[key] == article[key] // st.DEMO_SCALE
     assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]
