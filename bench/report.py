@@ -36,7 +36,7 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(30-40 minutes + the lab matrix); each benchmark runs alone with `python -m bench <name>` "
         "(`validation`, `picker`, `lab`, `matrix`, `crosscheck`, `phases`, `coldstart`, `demo`, `picker-scale`, "
-        "`prefilter`, `replicas`), then `python -m bench report`.", "",
+        "`prefilter`, `replicas`, `soak`, `dead-backend`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
