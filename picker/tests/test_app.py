@@ -11,8 +11,7 @@ from picker.app import App
 from picker.config import parse_args
 
 import extproc_client as c
-from helpers import body
-from test_scraper import FakeVllm, until
+from helpers import FakeVllm, body, until
 
 OBJECTIVES = """\
 apiVersion: llm-d.ai/v1alpha2

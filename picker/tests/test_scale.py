@@ -13,8 +13,7 @@ from picker.scheduling.profile import load_profile, profile_from_dict
 from picker.signals.state import EndpointState
 from picker.signals.metrics import parse_vllm_metrics
 
-from helpers import body, make_router, metrics_text
-from test_scraper import FakeVllm, until
+from helpers import FakeVllm, body, make_router, metrics_text, until
 
 PROMPT = "tenant seven system prompt: be brief and exact. " * 40
 
