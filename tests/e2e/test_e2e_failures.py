@@ -33,6 +33,14 @@ def http(stack, path="/v1/completions"):
     return f"http://127.0.0.1:{stack.http_port}{path}"
 
 
+async def llm_serves_again(stack, session, timeout: float) -> None:
+    """Wait until a completion through 8081 answers 200 again."""
+    async def served():
+        async with session.post(llm(stack), json=completion()) as r:
+            return r.status == 200
+    await wait_for(served, timeout=timeout)
+
+
 def decision_times(stack, endpoint: str) -> list[float]:
     out = []
     for r in json_lines(stack.proc("picker").log):
@@ -77,11 +85,7 @@ async def test_no_ready_endpoint_is_503_from_the_picker(stack, session):
     async with session.post(http(stack), json=completion()) as r:
         assert r.status == 503  # the gateway cannot connect to any leader
     stack.restart_process(*(f"sim-{sim.port}" for sim in stack.topology.sims))
-
-    async def served():
-        async with session.post(llm(stack), json=completion()) as r:
-            return r.status == 200
-    await wait_for(served, timeout=10)
+    await llm_serves_again(stack, session, timeout=10)
 
 
 async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
@@ -96,11 +100,7 @@ async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
             await r.read()
     # a restarted picker (new self-signed certificate) is picked up again
     stack.restart_process("picker")
-
-    async def served():
-        async with session.post(llm(stack), json=completion()) as r:
-            return r.status == 200
-    await wait_for(served, timeout=10)
+    await llm_serves_again(stack, session, timeout=10)
 
 
 async def test_reset_starts_the_next_run_cold(stack, session):
@@ -123,8 +123,4 @@ async def test_reset_starts_the_next_run_cold(stack, session):
     assert sum([await successes(session, a) for a in sims]) == 0  # new simulator processes
     cpu_after = stack.cpu_seconds()  # the replaced processes' CPU still counts
     assert all(cpu_after[name] >= cpu_before[name] for name in cpu_before), (cpu_before, cpu_after)
-
-    async def served():
-        async with session.post(llm(stack), json=completion()) as r:
-            return r.status == 200
-    await wait_for(served, timeout=15)
+    await llm_serves_again(stack, session, timeout=15)
