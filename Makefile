@@ -18,6 +18,8 @@ SPEEDUP     ?= 20
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
 # `demo` is the article's workload / 6, so its simulators get KV / 6 (as `make demo` does).
 KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
+# on: the cluster's edge (API keys, rate limits) with throw-away keys; off: open listeners
+EDGE_SECURITY ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
@@ -113,7 +115,8 @@ test-apiserver: setup ## server-side dry-run of every target + the picker's disc
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
 up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
-	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE)
+	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE) \
+		$(if $(filter off,$(EDGE_SECURITY)),--no-edge-security)
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)

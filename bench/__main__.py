@@ -2,7 +2,8 @@
 
     python -m bench                 # all of them (what `make bench` runs), then the report
     python -m bench validation      # one benchmark (validation | picker | lab | matrix | crosscheck | phases |
-                                    #   coldstart | demo | picker-scale | replicas | prefilter)
+                                    #   coldstart | demo | picker-scale | replicas | prefilter | soak |
+                                    #   dead-backend)
     python -m bench report          # only rewrite BENCHMARKS.md from results/bench/*.json
 """
 
@@ -13,7 +14,7 @@ import sys
 import time
 import traceback
 
-from bench import coldstart, crosscheck, phases, report, suites
+from bench import coldstart, crosscheck, phases, report, robustness, suites
 
 BENCHMARKS = {
     "validation": lambda a: suites.validation(),
@@ -27,6 +28,8 @@ BENCHMARKS = {
     "picker-scale": lambda a: suites.picker_scale(),
     "replicas": lambda a: suites.replicas(a.seeds),
     "prefilter": lambda a: suites.prefilter(a.seeds),
+    "soak": lambda a: robustness.soak(a.soak_seconds),
+    "dead-backend": lambda a: robustness.dead_backend(),
 }
 
 
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"{' | '.join(BENCHMARKS)} | report (default: all, then report)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="lab seeds")
     p.add_argument("--seed", type=int, default=0, help="workload seed of the crosscheck")
+    p.add_argument("--soak-seconds", type=float, default=180.0, help="how long the soak runs abuse rounds")
     p.add_argument("--matrix-args", default="", help="more options of `python -m lab matrix`, "
                    "e.g. \"--jobs 3 --resume\"")
     p.add_argument("--speedup", type=float, help="crosscheck simulator speedup (default: the demo's)")

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from bench.common import load_average, save, stamp
+from local.sim.clock import to_model_seconds
 
 POLICIES = ("least-request", "picker", "picker-upstream")
 BURST = 30            # the article's concurrency: every client sends at once
@@ -46,15 +47,15 @@ def _summary(trials: list[dict]) -> dict:
 def run(trials: int) -> dict:
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
-    from local.sim.profiles import DEFAULT_PROFILE, get_profile
+    from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
-    profile = get_profile(DEFAULT_PROFILE)
+    engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
     out = {}
     for name in POLICIES:
         rows = []
         for trial in range(trials):
-            requests = prepare_requests(burst(trial), profile.block_size)
-            result = run_lab(requests, make_policy(name), LabConfig(concurrency=BURST, seed=trial, profile=profile))
+            requests = prepare_requests(burst(trial), engine_model.block_size)
+            result = run_lab(requests, make_policy(name), LabConfig(concurrency=BURST, seed=trial, engine_model=engine_model))
             per_group = sorted((sum(1 for s in result.samples if s.target == ep) for ep in result.per_endpoint),
                                reverse=True)
             ttfts = [s.ttft * 1000 for s in result.samples]
@@ -97,7 +98,7 @@ def report(d: dict) -> list[str]:
 HTTP_SPEEDUP = 20.0
 
 
-async def _burst_http(port: int, specs, sims: list[str]) -> dict:
+async def _burst_http(port: int, specs, sims: list[str], headers: dict[str, str]) -> dict:
     import aiohttp
 
     async def successes(session, address):
@@ -115,10 +116,10 @@ async def _burst_http(port: int, specs, sims: list[str]) -> dict:
             first = None
             async for _ in r.content:
                 first = first or time.monotonic()
-        return (first - sent) * HTTP_SPEEDUP * 1000  # model ms
+        return to_model_seconds(first - sent, HTTP_SPEEDUP) * 1000  # model ms
 
     import asyncio
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as session:
         before = [await successes(session, a) for a in sims]
         ttfts = await asyncio.gather(*(one(session, s) for s in specs))
         after = [await successes(session, a) for a in sims]
@@ -145,7 +146,7 @@ def run_http(trials: int) -> dict:
             for trial in range(trials):
                 if reset(config.name, config.run_root) != 0:
                     raise RuntimeError("local.stack reset failed")
-                rows.append(asyncio.run(_burst_http(port, burst(trial), sims)))
+                rows.append(asyncio.run(_burst_http(port, burst(trial), sims, stack.auth_headers())))
         out[name] = _summary(rows)
         print(f"HTTP {name:16} largest group {out[name]['mean_largest_share']:.0%} of the burst", flush=True)
     return out

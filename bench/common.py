@@ -43,16 +43,18 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def run(cmd: list[str], log: Path | None = None, check: bool = True) -> float:
-    """Run cmd from the repo root (output to log, or inherited); returns its wall seconds."""
+def run(cmd: list[str], log: Path | None = None, check: bool = True, env: dict[str, str] | None = None) -> float:
+    """Run cmd from the repo root (output to log, or inherited; `env` added to the environment);
+    returns its wall seconds."""
     print("$ " + shlex.join(cmd), flush=True)
     started = time.monotonic()
+    env = python_env() | (env or {})
     if log is None:
-        rc = subprocess.call(cmd, cwd=REPO, env=python_env())
+        rc = subprocess.call(cmd, cwd=REPO, env=env)
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as f:
-            rc = subprocess.call(cmd, cwd=REPO, env=python_env(), stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     if check and rc != 0:
         where = f"; output in {log}" if log else ""

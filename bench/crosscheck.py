@@ -8,11 +8,11 @@ of listener http = least request and llm-gw = picker, the demo workload = the ar
 repetitions in alternating order). Lab: the same prompts (same workload seed), the same engines
 and concurrency, policies `least-request` and the picker's default profile scraping every
 `model_scrape_interval` model seconds (what the HTTP stack's picker effectively has), over several
-policy seeds. Also in the lab: the picker at the interval it would have had before the launcher
-scaled it (0.1 s of wall time = 0.1 x speedup model seconds).
+policy seeds. Also in the lab: the picker at the interval it would have if the launcher did not
+scale it (0.1 s of wall time = 0.1 x speedup model seconds).
 
 Speedup 2.5 by default (the demo's is 5), see DEFAULT_SPEEDUP. Pass: the same ordering of the two policies by mean TTFT, and each policy's mean TTFT in the lab
-within 25 % of the HTTP stack's (issue 6).
+within 25 % of the HTTP stack's (TOLERANCE).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 
 from bench.common import PY, RESULTS, run, save, stamp, load_average
+from loadtest.metrics import REPORT_KEYS, percent_change
+from local.sim.clock import to_model_rate, to_model_seconds
 
-# Half the demo's speedup: the HTTP side then needs half the CPU per wall second (~0.3-0.4 cores),
-# so other work on the machine stretches its model time less; the run takes ~8 minutes.
+# Half the demo's speedup: the HTTP side then needs half the CPU per wall second, so other work on
+# the machine stretches its model time less (the run's wall time is in BENCHMARKS.md).
 DEFAULT_SPEEDUP = 2.5
-KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput", "duration")
 TOLERANCE = 0.25
 HTTP_REPETITIONS = 2  # `local.stack demo` runs each port twice
 TPOT_STARVED = 0.10  # HTTP mean TPOT this much above the lab's: the stack lacked CPU (see verdict)
@@ -49,9 +50,9 @@ def to_model_time(result: dict, speedup: float) -> dict:
     `duration` of a multi-repetition result is the sum of its runs: per run here, like the lab."""
     sent = result["completed"] + result["failed"] + result.get("unfinished", 0)
     reps = max(1, round(sent / result["num_prompts"]))
-    out = {k: result[k] * speedup for k in KEYS if k.endswith("_ms")}
-    out["output_throughput"] = result["output_throughput"] / speedup
-    out["duration"] = result["duration"] * speedup / reps
+    out = {k: to_model_seconds(result[k], speedup) for k in REPORT_KEYS if k.endswith("_ms")}
+    out["output_throughput"] = to_model_rate(result["output_throughput"], speedup)
+    out["duration"] = to_model_seconds(result["duration"], speedup) / reps
     return out
 
 
@@ -60,16 +61,16 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     from lab.picker_policy import PickerPolicy
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
-    from loadtest.workloads import build_workload, profile_settings
-    from local.sim.profiles import get_profile
-    from local.stack import DEMO_SCALE, DEMO_SIM_PROFILE
+    from loadtest.workloads import build_workload, workload_settings
+    from local.sim.engines import get_engine_model
+    from local.stack import DEMO_ENGINE_MODEL, DEMO_SCALE
 
-    profile = get_profile(DEMO_SIM_PROFILE)
-    profile = profile.with_overrides(num_gpu_blocks=profile.num_gpu_blocks // DEMO_SCALE)
-    requests = prepare_requests(build_workload("demo", seed=seed), profile.block_size)
-    concurrency = profile_settings("demo")["concurrency"]
+    engine_model = get_engine_model(DEMO_ENGINE_MODEL)
+    engine_model = engine_model.with_overrides(num_gpu_blocks=engine_model.num_gpu_blocks // DEMO_SCALE)
+    requests = prepare_requests(build_workload("demo", seed=seed), engine_model.block_size)
+    concurrency = workload_settings("demo")["concurrency"]
     from picker import defaults
-    unscaled = defaults.SCRAPE_INTERVAL * speedup  # the picker's default read as wall time
+    unscaled = to_model_seconds(defaults.SCRAPE_INTERVAL, speedup)  # the picker's default read as wall time
     policies = {
         "least-request": lambda: make_policy("least-request"),
         "picker": lambda: PickerPolicy("default", scrape_interval=model_interval, staleness=model_staleness),
@@ -78,9 +79,9 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     }
     out = {}
     for name, make in policies.items():
-        runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, profile=profile)).summary
+        runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
                 for s in lab_seeds]
-        out[name] = {k: statistics.mean(r[k] for r in runs) for k in KEYS}
+        out[name] = {k: statistics.mean(r[k] for r in runs) for k in REPORT_KEYS}
         out[name]["std_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
     return out
 
@@ -88,10 +89,10 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
 def verdict(http: dict, lab: dict) -> dict:
     order_http = sorted(("least-request", "picker"), key=lambda p: http[p]["mean_ttft_ms"])
     order_lab = sorted(("least-request", "picker"), key=lambda p: lab[p]["mean_ttft_ms"])
-    diffs = {p: lab[p]["mean_ttft_ms"] / http[p]["mean_ttft_ms"] - 1 for p in ("least-request", "picker")}
+    diffs = {p: percent_change(http[p]["mean_ttft_ms"], lab[p]["mean_ttft_ms"]) / 100 for p in ("least-request", "picker")}
     # TPOT hardly depends on routing (lab: within a few %), so HTTP TPOT above the lab's measures how
     # much the stack's own CPU starvation stretched model time (late engine steps), not routing.
-    tpot = {p: http[p]["mean_tpot_ms"] / lab[p]["mean_tpot_ms"] - 1 for p in ("least-request", "picker")}
+    tpot = {p: percent_change(lab[p]["mean_tpot_ms"], http[p]["mean_tpot_ms"]) / 100 for p in ("least-request", "picker")}
     return {"order_http": order_http, "order_lab": order_lab, "same_order": order_http == order_lab,
             "lab_vs_http_mean_ttft": diffs, "within_tolerance": all(abs(d) <= TOLERANCE for d in diffs.values()),
             "tolerance": TOLERANCE, "http_tpot_over_lab": tpot,
@@ -99,7 +100,7 @@ def verdict(http: dict, lab: dict) -> dict:
 
 
 def main(seed: int = 0, lab_seeds: list[int] | None = None, speedup: float | None = None) -> dict:
-    from loadtest.workloads import profile_settings
+    from loadtest.workloads import workload_settings
     from local.stack import DEMO_SCALE, StackConfig, picker_timing
 
     speedup = speedup or DEFAULT_SPEEDUP
@@ -111,7 +112,7 @@ def main(seed: int = 0, lab_seeds: list[int] | None = None, speedup: float | Non
     started = time.monotonic()
     lab = lab_side(seed, lab_seeds, timing.model_scrape_interval, timing.model_staleness, speedup)
     data = {"command": f"python -m bench crosscheck --seed {seed} --speedup {speedup:g}",
-            "workload": "demo", "num_prompts": profile_settings("demo")["num_prompts"], "kv_scale": DEMO_SCALE, "speedup": speedup, "seed": seed, "lab_seeds": lab_seeds,
+            "workload": "demo", "num_prompts": workload_settings("demo")["num_prompts"], "kv_scale": DEMO_SCALE, "speedup": speedup, "seed": seed, "lab_seeds": lab_seeds,
             "picker_scrape_interval_wall_s": timing.scrape_interval,
             "picker_scrape_interval_model_s": timing.model_scrape_interval,
             "picker_staleness_model_s": timing.model_staleness,
@@ -136,8 +137,8 @@ def report(d: dict) -> str:
         lines.append(f"| {name} | {r['mean_ttft_ms']:,.0f} | {r['median_ttft_ms']:,.0f} | {r['p99_ttft_ms']:,.0f} | "
                      f"{r['mean_tpot_ms']:.1f} | {r['output_throughput']:.1f} | {r['duration']:.0f} |")
     v = d["verdict"]
-    gain = lambda s: 1 - s["picker"]["mean_ttft_ms"] / s["least-request"]["mean_ttft_ms"]  # noqa: E731
-    lines += ["", f"Picker vs least request, mean TTFT: HTTP {-gain(d['http']):+.1%}, lab {-gain(d['lab']):+.1%}. "
+    change = lambda s: percent_change(s["least-request"]["mean_ttft_ms"], s["picker"]["mean_ttft_ms"]) / 100  # noqa: E731
+    lines += ["", f"Picker vs least request, mean TTFT: HTTP {change(d['http']):+.1%}, lab {change(d['lab']):+.1%}. "
               f"Ordering {'the same' if v['same_order'] else 'DIFFERENT'} "
               f"({' < '.join(v['order_http'])} over HTTP, {' < '.join(v['order_lab'])} in the lab); lab vs HTTP mean "
               f"TTFT: " + ", ".join(f"{p} {x:+.1%}" for p, x in v["lab_vs_http_mean_ttft"].items())

@@ -14,31 +14,31 @@ import statistics
 import time
 
 from bench.common import load_average, save, stamp
+from loadtest.metrics import HEADLINE_KEYS
 
 WORKLOADS = ("article", "shared-prefix")
-KEYS = ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")
 
 
 def run(seeds: list[int]) -> dict:
     from lab.picker_policy import PickerPolicy
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
-    from loadtest.workloads import build_workload, profile_settings
-    from local.sim.profiles import DEFAULT_PROFILE, get_profile
+    from loadtest.workloads import build_workload, workload_settings
+    from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
-    profile = get_profile(DEFAULT_PROFILE)
+    engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
     policies = {"least-request": lambda: make_policy("least-request"),
                 "picker, request phase only (deployed)": lambda: PickerPolicy("default", phases="request"),
                 "picker, request + response phase": lambda: PickerPolicy("default", phases="response")}
     out = {}
     for workload in WORKLOADS:
-        requests = prepare_requests(build_workload(workload, seed=0), profile.block_size)
-        concurrency = profile_settings(workload)["concurrency"]
+        requests = prepare_requests(build_workload(workload, seed=0), engine_model.block_size)
+        concurrency = workload_settings(workload)["concurrency"]
         out[workload] = {}
         for name, make in policies.items():
-            runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, profile=profile)).summary
+            runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
                     for s in seeds]
-            row = {k: statistics.mean(r[k] for r in runs) for k in KEYS}
+            row = {k: statistics.mean(r[k] for r in runs) for k in HEADLINE_KEYS}
             row["sd_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
             out[workload][name] = row
             print(f"{workload:14} {name:40} mean TTFT {row['mean_ttft_ms']:8,.0f} ms (sd {row['sd_mean_ttft_ms']:,.0f})",

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 
-from bench import coldstart, crosscheck, phases
+from bench import coldstart, crosscheck, phases, robustness
 from bench.common import REPO, load, machine
 from bench.suites import git_revision
 from lab.article import ARTICLE
+from loadtest.metrics import REPORT_KEYS, percent_change
 from loadtest.report import change_pct
 
-LAB_KEYS = [("mean_ttft_ms", "mean TTFT ms"), ("median_ttft_ms", "median TTFT ms"), ("p99_ttft_ms", "P99 TTFT ms"),
-            ("mean_tpot_ms", "mean TPOT ms"), ("output_throughput", "output tok/s"), ("duration", "duration s")]
+LABELS = {"mean_ttft_ms": "mean TTFT ms", "median_ttft_ms": "median TTFT ms", "p99_ttft_ms": "P99 TTFT ms",
+          "mean_tpot_ms": "mean TPOT ms", "output_throughput": "output tok/s", "duration": "duration s"}
+LAB_KEYS = [(k, LABELS[k]) for k in REPORT_KEYS]
 
 
 def _f(x, digits=0) -> str:
@@ -45,7 +47,7 @@ def header(m: dict, loads: list[float]) -> list[str]:
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(30-40 minutes + the lab matrix); each benchmark runs alone with `python -m bench <name>` "
         "(`validation`, `picker`, `lab`, `matrix`, `crosscheck`, `phases`, `coldstart`, `demo`, `picker-scale`, "
-        "`prefilter`, `replicas`), then `python -m bench report`.", "",
+        "`prefilter`, `replicas`, `soak`, `dead-backend`), then `python -m bench report`.", "",
         "## Machine", "",
         f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
         f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
@@ -115,7 +117,7 @@ def _spread(run: dict | None, key: str, digits: int) -> str:
 
 
 def _picker_target(grpc: list[dict]) -> list[str]:
-    """Issue 3's target at 16 endpoints, buffered mode: >= 1,000 decisions/s and p99 <= 5 ms."""
+    """The picker's target at 16 endpoints, buffered mode: >= 1,000 decisions/s and p99 <= 5 ms."""
     x = next((x for x in grpc if x.get("endpoints") == 16 and x.get("mode") == "buffered"), None)
     if not x or not x.get("closed_loop"):
         return []
@@ -123,7 +125,7 @@ def _picker_target(grpc: list[dict]) -> list[str]:
     decide = (c.get("decide") or {}).get("p99_ms")
     best = x.get("max_rate_p99_within_target")
     yes = lambda ok: "met" if ok else "not met"
-    return ["", "Issue 3 target at 16 endpoints (buffered):", "",
+    return ["", "Target at 16 endpoints (buffered):", "",
             f"- at least 1,000 decisions/s with 64 streams: {_f(c['decisions_per_s'])}/s (median run), "
             f"{yes(c['decisions_per_s'] >= 1000)};",
             f"- decision latency p99 at most 5 ms (the picker's `decide()`, same run): "
@@ -143,6 +145,17 @@ def _lab_table(summary: dict, article: bool) -> list[str]:
     return _table(["policy", *(label for _, label in LAB_KEYS)], rows)
 
 
+CALIBRATION_TOLERANCE_PCT = 25.0  # the simulator's calibration target against the article's 8080 run
+
+
+def _calibration(lr: dict) -> str:
+    changes = {label: percent_change(ARTICLE["least-request"][k], lr[k]["mean"]) for k, label in LAB_KEYS}
+    within = all(abs(c) <= CALIBRATION_TOLERANCE_PCT for c in changes.values())
+    return ("Calibration of the simulator (local/README.md, `python -m lab calibrate`): the lab's least request "
+            "against the article's 8080 run: " + ", ".join(f"{label} {c:+.1f} %" for label, c in changes.items())
+            + f"; every one within ±{CALIBRATION_TOLERANCE_PCT:.0f} %: {'yes' if within else 'no'}.")
+
+
 def lab_section(article: dict | None, shared: dict | None) -> list[str]:
     out = ["## Routing lab (virtual time)", "",
            "Command: `python -m lab run --workload <w> --policy least-request --policy picker --policy "
@@ -155,13 +168,15 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
         lr, pk = p.get("least-request"), p.get("picker")
         out += [f"### Article workload (300 prompts, prefix 1000, input U[800, 4000], output U[600, 3000], "
                 f"concurrency 30; {article['wall_s']:.0f} s wall for all runs)", ""] + _lab_table(article["summary"], True)
+        if lr:
+            out += ["", _calibration(lr)]
         if lr and pk:
             rows = [("mean TTFT", "mean_ttft_ms", "at least -40 %", -0.40), ("P99 TTFT", "p99_ttft_ms", "at least -25 %", -0.25),
                     ("output tok/s", "output_throughput", "not lower", 0.0)]
-            out += ["", "| picker vs least request | ours (lab) | article (8081 vs 8080) | issue 6 target | met |",
+            out += ["", "| picker vs least request | ours (lab) | article (8081 vs 8080) | target | met |",
                     "|---|---|---|---|---|"]
             for label, k, target, bound in rows:
-                change = pk[k]["mean"] / lr[k]["mean"] - 1
+                change = percent_change(lr[k]["mean"], pk[k]["mean"]) / 100
                 met = change >= bound if bound == 0.0 else change <= bound
                 out.append(f"| {label} | {_pct(pk[k]['mean'], lr[k]['mean'])} | "
                            f"{_pct(ARTICLE['picker'][k], ARTICLE['least-request'][k])} | {target} | "
@@ -180,7 +195,7 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
         out += _lab_table(shared["summary"], False)
         if lr and pk:
             out += ["", f"Least request / picker mean TTFT: **{lr['mean_ttft_ms']['mean'] / pk['mean_ttft_ms']['mean']:.2f} x** "
-                        "(issue 6 target: at least 3 x)"
+                        "(target: at least 3 x)"
                     + (f"; picker default vs upstream-default profile: "
                        f"{_pct(pk['mean_ttft_ms']['mean'], up['mean_ttft_ms']['mean'])}." if up else ".")]
         out.append("")
@@ -199,7 +214,7 @@ def _cell(stats: dict) -> str:
 
 
 def _matrix_targets(scenarios: list[dict]) -> list[str]:
-    """Which of the issue's targets the measured matrix meets, scenario by scenario."""
+    """Which of the routing targets the measured matrix meets, scenario by scenario."""
     worse = [f"{s['name']} ({', '.join(k for k, v in s['assessment']['worse_than_baseline_beyond_spread'].items() if v)})"
              for s in scenarios if any(s["assessment"].get("worse_than_baseline_beyond_spread", {}).values())]
     gap = [s for s in scenarios if s["assessment"].get("gap_target_applies")]
@@ -282,6 +297,14 @@ def phases_section(d: dict | None) -> list[str]:
 
 def coldstart_section(d: dict | None) -> list[str]:
     return _section("Cold start: a burst sharing a new prefix at a fresh router", d, coldstart.report)
+
+
+def soak_section(d: dict | None) -> list[str]:
+    return _section("The picker under hostile traffic (soak)", d, robustness.soak_report)
+
+
+def dead_backend_section(d: dict | None) -> list[str]:
+    return _section("A dead or stalled backend on both listeners", d, robustness.dead_backend_report)
 
 
 def demo_section(d: dict | None) -> list[str]:
@@ -482,7 +505,7 @@ def _keep_old(lines: list[str], old: dict[str, list[str]]) -> list[str]:
 
 def write() -> str:
     names = ["validation", "picker", "lab-article", "lab-shared-prefix", "lab-matrix", "crosscheck", "phases",
-             "coldstart", "demo", "picker-scale", "replicas", "prefilter"]
+             "coldstart", "demo", "picker-scale", "replicas", "prefilter", "soak", "dead-backend"]
     data = {n: load(n) for n in names}
     loads = [v for d in data.values() if d for v in (d.get("load_average_start"), d.get("load_average_end"))
              if v is not None]
@@ -494,7 +517,8 @@ def write() -> str:
                     lab_matrix_section(data["lab-matrix"]), crosscheck_section(data["crosscheck"]),
                     phases_section(data["phases"]), coldstart_section(data["coldstart"]),
                     demo_section(data["demo"]), picker_scale_section(data["picker-scale"]),
-                    prefilter_section(data["prefilter"]), replicas_section(data["replicas"])):
+                    prefilter_section(data["prefilter"]), replicas_section(data["replicas"]),
+                    soak_section(data["soak"]), dead_backend_section(data["dead-backend"])):
         lines += _keep_old(section, old)
     text = "\n".join(lines).rstrip() + "\n"
     path.write_text(text)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.common import PY, REPO, RESULTS, load_average, run, save, shown, stamp
 
-# Issue 6 targets for the lab (article workload: picker default vs least request).
+# The lab benchmark's policies: least request (the 8080 route) against the picker's two profiles.
 LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
 
 

@@ -21,15 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.workloads import PROFILES as WORKLOADS, build_workload, profile_settings
-from local.sim.profiles import DEFAULT_PROFILE, PROFILES as ENGINE_PROFILES, get_profile
+from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary_keys
+from loadtest.workloads import WORKLOADS, build_workload, workload_settings
+from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
 from lab.article import ARTICLE
 from lab.policies import file_name, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
-TABLE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
-              "output_throughput", "total_token_throughput", "duration", "failed")
-COMPARE_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")
+TABLE_KEYS = summary_keys(*REPORT_KEYS, "mean_itl_ms", "total_token_throughput", "failed")
 BASELINE = "least-request"   # the 8080 route: Envoy Gateway's least request
 
 ARTICLE_8080 = ARTICLE["least-request"]  # Envoy Gateway least request, the calibration target
@@ -45,8 +44,8 @@ def _add_run_options(p: argparse.ArgumentParser, default_policies: list[str]) ->
     p.add_argument("--concurrency", type=int, help="client concurrency (default: the workload's)")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--engine-profile", default=DEFAULT_PROFILE, choices=sorted(ENGINE_PROFILES))
-    p.add_argument("--num-gpu-blocks", type=int, help="override the engine profile's KV capacity")
+    p.add_argument("--engine-model", default=DEFAULT_ENGINE_MODEL, choices=sorted(ENGINE_MODELS))
+    p.add_argument("--num-gpu-blocks", type=int, help="override the engine model's KV capacity")
     p.add_argument("--sharegpt-path", help="ShareGPT JSON for --workload sharegpt / sharegpt-long")
     p.add_argument("--trace", help="JSONL trace for --workload trace (loadtest/traces.py)")
 
@@ -55,7 +54,7 @@ def _workload(args) -> tuple[dict, dict]:
     """The workload's build options (the ShareGPT path) and its settings, --concurrency applied."""
     extra = ({"path": args.sharegpt_path} if args.workload.startswith("sharegpt")
              else {"path": args.trace} if args.workload == "trace" else {})
-    settings = profile_settings(args.workload, num_prompts=args.num_prompts, **extra)
+    settings = workload_settings(args.workload, num_prompts=args.num_prompts, **extra)
     settings["concurrency"] = args.concurrency or settings.get("concurrency")
     return extra, settings
 
@@ -64,23 +63,23 @@ def run_settings(args) -> dict:
     """What was run: the workload's settings and the lab's, for the machine-readable summary."""
     _, settings = _workload(args)
     settings["request_rate"] = "inf" if np.isinf(args.request_rate) else args.request_rate
-    return {"workload": settings, "engines": args.engines, "engine_profile": args.engine_profile,
-            "num_gpu_blocks": args.num_gpu_blocks or get_profile(args.engine_profile).num_gpu_blocks}
+    return {"workload": settings, "engines": args.engines, "engine_model": args.engine_model,
+            "num_gpu_blocks": args.num_gpu_blocks or get_engine_model(args.engine_model).num_gpu_blocks}
 
 
 def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
     """Run every policy on every seed; returns policy -> list of summaries (one per seed)."""
     extra, settings = _workload(args)
     concurrency = settings["concurrency"]
-    profile = get_profile(args.engine_profile)
+    engine_model = get_engine_model(args.engine_model)
     if args.num_gpu_blocks:
-        profile = profile.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
+        engine_model = engine_model.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
     results: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in args.seeds:
         specs = build_workload(args.workload, seed=seed, num_prompts=args.num_prompts, **extra)
-        requests = prepare_requests(specs, profile.block_size)
+        requests = prepare_requests(specs, engine_model.block_size)
         for name in policies:
-            config = LabConfig(num_engines=args.engines, profile=profile,
+            config = LabConfig(num_engines=args.engines, engine_model=engine_model,
                                concurrency=concurrency, request_rate=args.request_rate,
                                seed=seed)
             started = time.perf_counter()
@@ -121,9 +120,9 @@ def versus(agg: dict[str, dict[str, dict]], baseline: str = BASELINE) -> dict[st
         if policy == baseline:
             continue
         out[policy] = {}
-        for key in COMPARE_KEYS:
+        for key in HEADLINE_KEYS:
             base, mine = agg[baseline][key]["mean"], stats[key]["mean"]
-            out[policy][key] = {"change_pct": (mine - base) / base * 100 if base else None,
+            out[policy][key] = {"change_pct": percent_change(base, mine),
                                 "baseline_over_policy": base / mine if mine else None}
     return out
 
@@ -138,10 +137,10 @@ def table(agg: dict[str, dict[str, dict]], seeds: list[int]) -> str:
     changes = versus(agg)
     if changes:
         lines += ["", f"change of the mean against {BASELINE}", "",
-                  "| policy | " + " | ".join(COMPARE_KEYS) + " | mean TTFT ratio |",
-                  "|---" * (len(COMPARE_KEYS) + 2) + "|"]
+                  "| policy | " + " | ".join(HEADLINE_KEYS) + " | mean TTFT ratio |",
+                  "|---" * (len(HEADLINE_KEYS) + 2) + "|"]
         for policy, ch in changes.items():
-            cells = [f"{ch[k]['change_pct']:+.1f} %" for k in COMPARE_KEYS]
+            cells = [f"{ch[k]['change_pct']:+.1f} %" for k in HEADLINE_KEYS]
             ratio = ch["mean_ttft_ms"]["baseline_over_policy"]
             lines.append(f"| {policy} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     return "\n".join(lines)
@@ -153,7 +152,7 @@ def calibration_table(agg_lr: dict[str, dict]) -> str:
     for key, ref in ARTICLE_8080.items():
         m = agg_lr[key]
         lines.append(f"| {key} | {ref:,.1f} | {m['mean']:,.1f} ± {m['std']:,.1f} | "
-                     f"{(m['mean'] - ref) / ref * 100:+.1f} % |")
+                     f"{percent_change(ref, m['mean']):+.1f} % |")
     return "\n".join(lines)
 
 

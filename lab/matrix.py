@@ -12,7 +12,7 @@ groups with their KV capacity. Each other scenario changes one factor of the bas
   mean over the seeds. Open-loop runs send 150 prompts (they last 2x-4x longer per prompt);
 - pool: 8 and 16 groups, the base's load per group (concurrency 10 per group), 50 / 40 prompts
   per group;
-- KV capacity 0.8x and 2x the profile's;
+- KV capacity 0.8x and 2x the engine model's;
 - heterogeneous pool: group 0 steps 1.5x slower, or has half the KV (a canary on other hardware);
 - outage: group 0 fails at 600 s (its in-flight requests fail) and comes back empty at 900 s.
 
@@ -37,14 +37,14 @@ from typing import Optional
 
 import numpy as np
 
-from local.sim.profiles import A10_QWQ32B
-from loadtest.workloads import build_workload, profile_settings
+from local.sim.engines import A10_QWQ32B
+from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary_keys
+from loadtest.workloads import build_workload, workload_settings
 from lab.policies import make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 
 POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "oracle"]
-KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput",
-        "request_throughput", "duration", "completed", "failed")
+KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
 REPORTED_SEEDS = [0, 1, 2, 3, 4]
 TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
 BASE = "base"
@@ -66,7 +66,7 @@ class Scenario:
     small_kv_group: float = 1.0        # group 0's KV-capacity factor
     outages: tuple = ()                # (group, down at s, back at s)
 
-    def profiles(self):
+    def engine_models(self):
         base = A10_QWQ32B.with_overrides(
             num_gpu_blocks=int(A10_QWQ32B.num_gpu_blocks * self.kv_scale))
         first = base.with_overrides(
@@ -125,7 +125,7 @@ def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
         rate = scenario.load * capacity_rps
     out = {}
     for name in policies:
-        config = LabConfig(num_engines=scenario.engines, engine_profiles=scenario.profiles(),
+        config = LabConfig(num_engines=scenario.engines, engine_models=scenario.engine_models(),
                            concurrency=scenario.concurrency, request_rate=rate,
                            burstiness=scenario.burstiness, seed=seed, outages=scenario.outages)
         started = time.process_time()
@@ -205,7 +205,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
         by_seed = per[s.name]
         stats = {p: {k: _stats([by_seed[seed][p][k] for seed in seeds]) for k in KEYS + ("cpu_s",)}
                  for p in policies}
-        settings = profile_settings(s.workload, num_prompts=s.num_prompts)
+        settings = workload_settings(s.workload, num_prompts=s.num_prompts)
         out.append({"name": s.name, "factor": s.factor, "description": s.description,
                     "workload": s.workload,
                     "workload_settings": {k: v for k, v in settings.items() if k != "kind"},
@@ -217,23 +217,22 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
 
 
 def assess(stats: dict, picker: str = "picker", baseline: str = "least-request") -> dict:
-    """The issue's targets for one scenario (means over seeds; spread = the larger seed std)."""
+    """The routing targets for one scenario (means over seeds; spread = the larger seed std)."""
     if picker not in stats or baseline not in stats:
         return {}
     p, b = stats[picker], stats[baseline]
     worse = {}
-    for key, higher_better in (("mean_ttft_ms", False), ("p99_ttft_ms", False),
-                               ("output_throughput", True)):
+    for key in HEADLINE_KEYS:
+        higher_better = key == "output_throughput"
         diff = p[key]["mean"] - b[key]["mean"]
         spread = max(p[key]["std"], b[key]["std"])
         worse[key] = (-diff if higher_better else diff) > spread
-    out = {"change_pct": {k: (p[k]["mean"] / b[k]["mean"] - 1) * 100 if b[k]["mean"] else None
-                          for k in ("mean_ttft_ms", "p99_ttft_ms", "output_throughput")},
+    out = {"change_pct": {k: percent_change(b[k]["mean"], p[k]["mean"]) for k in HEADLINE_KEYS},
            "worse_than_baseline_beyond_spread": worse}
     if "oracle" in stats:
         lr, orc, pk = b["mean_ttft_ms"]["mean"], stats["oracle"]["mean_ttft_ms"]["mean"], \
             p["mean_ttft_ms"]["mean"]
-        gain = (lr - orc) / lr if lr else 0.0
+        gain = -(percent_change(lr, orc) or 0.0) / 100    # the oracle's mean TTFT cut, as a fraction
         out["oracle_gain_pct"] = gain * 100
         out["gap_closed_pct"] = (lr - pk) / (lr - orc) * 100 if lr > orc else None
         out["gap_target_applies"] = gain >= 0.20

@@ -38,7 +38,7 @@ def _copy_request(r: EngineRequest) -> EngineRequest:
 def copy_engine(engine: Engine, clock) -> Engine:
     """An independent copy of the engine's scheduling state (not its histograms or counters)."""
     c = Engine.__new__(Engine)
-    c.profile, c.clock = engine.profile, clock
+    c.engine_model, c.clock = engine.engine_model, clock
     requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
     c.requests = requests
     c.waiting = deque(requests[r.request_id] for r in engine.waiting)

@@ -28,6 +28,7 @@ import time
 
 from picker import defaults
 
+from loadtest.metrics import percent_change
 from lab.picker_policy import PickerPolicy
 from lab.policies import Policy
 
@@ -135,11 +136,11 @@ def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
     from lab.__main__ import aggregate
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
-    from loadtest.workloads import build_workload, profile_settings
-    from local.sim.profiles import DEFAULT_PROFILE, get_profile
+    from loadtest.workloads import build_workload, workload_settings
+    from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
-    profile = get_profile(DEFAULT_PROFILE)
-    settings = profile_settings(workload, num_prompts=num_prompts)
+    engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
+    settings = workload_settings(workload, num_prompts=num_prompts)
     concurrency = settings.get("concurrency")
     if concurrency and engines != 3:
         concurrency = concurrency * engines // 3  # the same load per engine as the 3-group pool
@@ -148,9 +149,9 @@ def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
     started = time.perf_counter()
     for seed in seeds:
         specs = build_workload(workload, seed=seed, num_prompts=num_prompts)
-        requests = prepare_requests(specs, profile.block_size)
+        requests = prepare_requests(specs, engine_model.block_size)
         for name in names:
-            config = LabConfig(num_engines=engines, profile=profile, concurrency=concurrency,
+            config = LabConfig(num_engines=engines, engine_model=engine_model, concurrency=concurrency,
                                request_rate=request_rate, seed=seed)
             r = run_lab(requests, make_policy(name), config)
             results[name].append(r.summary)
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
           "(ms, mean ± std over seeds), change against one replica")
     for name, stats in out["policies"].items():
         m = stats["mean_ttft_ms"]
-        print(f"  {name:26s} {m['mean']:9.0f} ± {m['std']:6.0f}  {100 * (m['mean'] - base) / base:+6.1f} %")
+        print(f"  {name:26s} {m['mean']:9.0f} ± {m['std']:6.0f}  {percent_change(base, m['mean']):+6.1f} %")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from local.sim.engine import Engine, block_hashes
-from local.sim.profiles import A10_QWQ32B, Profile
+from local.sim.engines import A10_QWQ32B, EngineModel
 from local.sim.tokens import token_ids
 from lab.policies import LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
@@ -49,7 +49,7 @@ _ARRIVAL, _DOWN, _STEP_DONE, _UP = 0, 1, 2, 3
 @dataclass
 class LabConfig:
     num_engines: int = 3
-    profile: Profile = A10_QWQ32B
+    engine_model: EngineModel = A10_QWQ32B
     concurrency: Optional[int] = 30          # None = unlimited
     request_rate: float = math.inf           # requests/s; inf = all ready at t=0
     burstiness: float = 1.0                  # gamma shape of the gaps (1 = Poisson)
@@ -57,7 +57,7 @@ class LabConfig:
     model_name: str = "qwq"
     kv_sample_interval: float = 1.0          # seconds between recorded KV/queue samples
     base_port: int = 8101                    # endpoint names 127.0.0.1:<base_port + i>
-    engine_profiles: Optional[Sequence[Profile]] = None   # per group (heterogeneous pool)
+    engine_models: Optional[Sequence[EngineModel]] = None   # per group (heterogeneous pool)
     outages: Sequence[tuple] = ()            # (group index, down at s, back at s)
 
 
@@ -98,11 +98,11 @@ class Lab:
         self.requests = list(requests)
         clock = lambda: self.now  # noqa: E731 - the engines' injected clock
         self.clock = clock
-        profiles = list(config.engine_profiles or [config.profile] * config.num_engines)
-        if len(profiles) != config.num_engines:
-            raise ValueError(f"{len(profiles)} engine profiles for {config.num_engines} engines")
+        engine_models = list(config.engine_models or [config.engine_model] * config.num_engines)
+        if len(engine_models) != config.num_engines:
+            raise ValueError(f"{len(engine_models)} engine models for {config.num_engines} engines")
         self.endpoints = [
-            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(profiles[i], clock),
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(engine_models[i], clock),
                         config.model_name)
             for i in range(config.num_engines)]
         self.rng = random.Random(config.seed)
@@ -246,7 +246,7 @@ class Lab:
         self._send_pending()
 
     def _up(self, ep: LabEndpoint) -> None:
-        ep.engine = Engine(ep.engine.profile, self.clock)     # restarted: empty cache
+        ep.engine = Engine(ep.engine.engine_model, self.clock)     # restarted: empty cache
         ep.history.clear()
         ep.up = True
         self.policy.set_available([e for e in self.endpoints if e.up])
@@ -283,7 +283,7 @@ class Lab:
             max_concurrency=cfg.concurrency,
             request_rate="inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
             burstiness=cfg.burstiness, seed=cfg.seed, policy=self.policy.name,
-            num_engines=cfg.num_engines, engine_profile=cfg.profile.name)
+            num_engines=cfg.num_engines, engine_model=cfg.engine_model.name)
         per_endpoint = {}
         for ep in self.endpoints:
             e = ep.engine

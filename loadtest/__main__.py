@@ -12,7 +12,7 @@ from pathlib import Path
 
 from loadtest.metrics import parse_goodput, parse_percentiles
 from loadtest.targets import CLUSTER_PORTS, LOCAL_PORTS, default_ports, describe_ports
-from loadtest.workloads import PROFILES
+from loadtest.workloads import WORKLOADS
 
 
 def _add_run_options(c: argparse.ArgumentParser, *, repetitions: bool) -> None:
@@ -23,14 +23,14 @@ def _add_run_options(c: argparse.ArgumentParser, *, repetitions: bool) -> None:
                    help="ports to run, the first is the baseline (default: the local stack's "
                         f"{describe_ports(LOCAL_PORTS)} for a loopback --host, else "
                         f"{describe_ports(CLUSTER_PORTS)})")
-    c.add_argument("--workload", default="demo", choices=sorted(PROFILES))
+    c.add_argument("--workload", default="demo", choices=sorted(WORKLOADS))
     c.add_argument("--workload-args", default="",
-                   help="profile overrides key=value,... e.g. path=sharegpt.json,output_len=256")
+                   help="workload overrides key=value,... e.g. path=sharegpt.json,output_len=256")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--num-prompts", type=int, default=None, help="default: the profile's")
+    c.add_argument("--num-prompts", type=int, default=None, help="default: the workload's")
     c.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int,
                    default=None, help="closed-loop users = most requests in flight (vLLM "
-                   "--max-concurrency); default: the profile's (sweep: no limit)")
+                   "--max-concurrency); default: the workload's (sweep: no limit)")
     c.add_argument("--burstiness", type=float, default=1.0)
     c.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     c.add_argument("--model", default="qwq")

@@ -17,6 +17,7 @@ import it next to grpc (picker) or asyncio code; run it with `locust` or `python
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import asdict
@@ -32,9 +33,9 @@ from loadtest.metrics import (RequestSample, StreamTimer, parse_goodput, parse_p
 from loadtest.openai_api import (DONE, ENDPOINTS, OBJECTIVE_HEADER, SSEDecoder, SSEError,
                                  error_reason, request_body)
 from loadtest.plan import MODES, WAIT, RunOptions, RunPlan, parse_ports, parse_workload_args
-from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, default_ports, describe_ports,
+from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, api_key, default_ports, describe_ports,
                               routing_names, target_url, unreachable)
-from loadtest.workloads import PROFILES
+from loadtest.workloads import WORKLOADS
 
 log = logging.getLogger("loadtest")
 PROGRESS_INTERVAL_S = 10.0
@@ -58,9 +59,9 @@ def _add_arguments(parser, **_kw):
     _option(parser, "mode", default="ab", choices=list(MODES),
             help="ab: all prompts on each port, one port after the other (like compare); "
                  "parallel: users spread over the ports at the same time")
-    _option(parser, "workload", default="demo", choices=sorted(PROFILES),
-            help="workload profile (loadtest/workloads.py)")
-    _option(parser, "num-prompts", type=int, default=0, help="0 = the profile's number")
+    _option(parser, "workload", default="demo", choices=sorted(WORKLOADS),
+            help="workload (loadtest/workloads.py)")
+    _option(parser, "num-prompts", type=int, default=0, help="0 = the workload's number")
     _option(parser, "request-rate", type=float, default=0.0,
             help="req/s with gamma gaps; 0 = closed loop (users = max concurrency)")
     _option(parser, "endpoint", default="completions", choices=sorted(ENDPOINTS),
@@ -70,7 +71,7 @@ def _add_arguments(parser, **_kw):
     _option(parser, "percentiles", default="50,90,99",
             help="percentiles of TTFT/TPOT/ITL/E2E in the UI and the result JSON")
     _option(parser, "workload-args", default="", ui=False,
-            help="profile overrides key=value,... e.g. path=/data/sharegpt.json")
+            help="workload overrides key=value,... e.g. path=/data/sharegpt.json")
     _option(parser, "seed", type=int, default=0, ui=False, help="workload seed")
     _option(parser, "model", default="qwq", ui=False, help="model name sent in the body")
     _option(parser, "objective", default="", ui=False,
@@ -106,6 +107,10 @@ def options_from_parsed(opts, host: str) -> RunOptions:
         workload_args=parse_workload_args(opts.workload_args), mode=opts.mode)
 
 
+# once per target, not once per simulated user (it may read the local stack's key file)
+_api_key = functools.lru_cache(maxsize=8)(api_key)
+
+
 class OpenAIUser(FastHttpUser):
     """One closed-loop client: takes the next prompt, streams the answer, records a sample."""
 
@@ -122,6 +127,9 @@ class OpenAIUser(FastHttpUser):
         self.headers = {"Accept": "text/event-stream"}
         if options.objective:
             self.headers[OBJECTIVE_HEADER] = options.objective
+        key = _api_key(self.environment.host or self.host, tuple(options.ports))
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
 
     @task
     def stream_one(self):

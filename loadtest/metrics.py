@@ -30,6 +30,31 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")   # vLLM's --goodput keys (values in ms)
 DEFAULT_PERCENTILES = (99.0,)                # vLLM's --metric-percentiles default
 
+# The result fields (of summarize()) that tables and benchmarks compare, in table order. Every
+# list of benchmark metrics names its subset from this one (summary_keys).
+RESULT_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+               "output_throughput", "total_token_throughput", "request_throughput", "duration",
+               "completed", "failed")
+
+
+def summary_keys(*names: str) -> tuple[str, ...]:
+    """The named fields, in RESULT_KEYS order; a name not in RESULT_KEYS is an error."""
+    unknown = [n for n in names if n not in RESULT_KEYS]
+    if unknown:
+        raise ValueError(f"not result keys: {', '.join(unknown)}; known: {', '.join(RESULT_KEYS)}")
+    return tuple(k for k in RESULT_KEYS if k in names)
+
+
+HEADLINE_KEYS = summary_keys("mean_ttft_ms", "p99_ttft_ms", "output_throughput")  # the article's
+REPORT_KEYS = summary_keys(*HEADLINE_KEYS, "median_ttft_ms", "mean_tpot_ms", "duration")  # BENCHMARKS.md
+
+
+def percent_change(base: float | None, other: float | None) -> float | None:
+    """The change from base to other in % (-25.0: a quarter less); None without a finite, non-zero base."""
+    if base is None or other is None or base == 0 or not np.isfinite(base):
+        return None
+    return (other - base) / base * 100
+
 
 def parse_percentiles(text: str | list | tuple | None) -> tuple[float, ...]:
     """'50,90,99' or '50 90 99' -> (50.0, 90.0, 99.0); '' -> the default (99)."""

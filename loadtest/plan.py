@@ -13,7 +13,7 @@ import numpy as np
 
 from loadtest.metrics import RequestSample
 from loadtest.openai_api import ENDPOINTS
-from loadtest.workloads import PromptSpec, build_workload, profile_settings
+from loadtest.workloads import PromptSpec, build_workload, workload_settings
 
 
 def parse_ports(text: str | list | None) -> list[int]:
@@ -59,7 +59,7 @@ class RunOptions:
     model: str = "qwq"
     endpoint: str = "completions"                   # or "chat"
     objective: str = ""                             # x-gateway-inference-objective header
-    num_prompts: int | None = None                  # None -> the profile's
+    num_prompts: int | None = None                  # None -> the workload's
     request_rate: float = 0.0                       # req/s; 0 -> closed loop, as fast as users go
     burstiness: float = 1.0                         # gamma shape of the gaps (1 = Poisson)
     cycle: bool = False                             # start over when the prompts are used up
@@ -78,7 +78,7 @@ class RunOptions:
             raise ValueError("--cycle-prompts never ends a phase: use it with --mode parallel")
 
     def settings(self) -> dict:
-        return profile_settings(self.workload, num_prompts=self.num_prompts, **self.workload_args)
+        return workload_settings(self.workload, num_prompts=self.num_prompts, **self.workload_args)
 
     def build(self) -> list[PromptSpec]:
         return build_workload(self.workload, seed=self.seed, num_prompts=self.num_prompts,

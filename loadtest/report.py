@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.metrics import RequestSample, read_samples, summarize
+from loadtest.metrics import RequestSample, percent_change, read_samples, summarize
 from loadtest.targets import clock_note, routing
 
 LATENCIES = [("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E latency", "e2el")]
@@ -57,9 +57,8 @@ def _fmt(value, decimals: int) -> str:
 
 
 def change_pct(base: float | None, other: float | None) -> str:
-    if base is None or other is None or base == 0 or not np.isfinite(base):
-        return "-"
-    return f"{(other - base) / base * 100:+.1f} %"
+    change = percent_change(base, other)
+    return "-" if change is None else f"{change:+.1f} %"
 
 
 def named(meta: dict, port) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -59,8 +60,9 @@ def probe(host: str, port: int | None, timeout: float = 3.0) -> str:
     port = port if port is not None else own_port
     cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     conn = cls(hostname, port, timeout=timeout)
-    try:
-        conn.request("GET", "/v1/models")
+    key = api_key(host, [port] if port else [])
+    try:  # with the key the load will send, so the Gateway counts the probe as a normal request
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
         conn.getresponse().read()
         return ""
     except (OSError, http.client.HTTPException) as err:
@@ -107,6 +109,23 @@ def local_stack(host: str, ports, run_root: Path | None = None) -> dict | None:
                 "sims": [f"http://{config.get('host', '127.0.0.1')}:{p}" for p in sims],
                 "state": str(state_file)}
     return None
+
+
+API_KEY_ENV = "OPENAI_API_KEY"  # what the OpenAI clients read
+
+
+def api_key(host: str, ports, run_root: Path | None = None) -> str | None:
+    """The API key to send (`Authorization: Bearer`): $OPENAI_API_KEY, else the throw-away key of
+    the load generators (client id `loadtest`) of the local stack serving `ports`, else none."""
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV]
+    stack = local_stack(host, ports, run_root)
+    if stack is None:
+        return None
+    try:
+        return json.loads((Path(stack["state"]).parent / "api-keys.json").read_text()).get("loadtest")
+    except (OSError, ValueError):
+        return None
 
 
 def routing_names(host: str, ports) -> dict[str, str]:

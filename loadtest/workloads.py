@@ -49,10 +49,10 @@ class PromptSpec:
             {"role": "user", "content": self.prompt}]
 
 
-# Run settings live in the profiles too (the runners read them); build_workload ignores them.
+# Run settings live in the workloads too (the runners read them); build_workload ignores them.
 RUN_KEYS = ("num_prompts", "concurrency", "request_rate", "burstiness", "endpoint")
 
-PROFILES: dict[str, dict] = {
+WORKLOADS: dict[str, dict] = {
     # The article's run: vllm benchmark_serving.py --dataset-name random --random-prefix-len 1000
     # --random-input-len 4000 --random-output-len 3000 --random-range-ratio 0.2
     # --num-prompts 300 --max-concurrency 30.
@@ -60,10 +60,9 @@ PROFILES: dict[str, dict] = {
                     range_ratio=0.2, num_prompts=300, concurrency=30),
     # Local demo (`make demo`): the article's workload with every length / 6, at its concurrency,
     # against simulators whose KV capacity is / 6 too (local.stack DEMO_SCALE: 391 blocks per
-    # group), so requests wait for KV blocks as in the article, in ~1/6 of the time; 150 prompts:
-    # ~200 s of model time per run, ~40-50 s at the demo's speedup 5, ~1,200 SSE chunks/s. In the
-    # lab least request -> picker cuts mean TTFT by ~40 % here (article workload: ~55 %). Against
-    # full-size simulators (`make up`) it barely loads them.
+    # group), so requests wait for KV blocks as in the article, in about a sixth of the time
+    # (BENCHMARKS.md has the demo's figures and its lab cross-check). Against full-size simulators
+    # (`make up`) it barely loads them.
     "demo": dict(kind="random", prefix_len=166, input_len=666, output_len=500,
                  range_ratio=0.2, num_prompts=150, concurrency=30),
     # Seconds-long sanity run.
@@ -74,7 +73,7 @@ PROFILES: dict[str, dict] = {
                    range_ratio=1.0, num_prompts=1000, concurrency=None),
     # Multi-tenant shared system prompts, shaped like the llm-d prefix-cache benchmarks (many
     # customers x a few users, long system prompts, questions 1/5 of the prompt) and sized on
-    # the a10 profile (37.6k KV tokens per group, 3 groups): 12 tenants x 4,000 tokens = 48k
+    # the a10-qwq32b engine model (37.6k KV tokens per group, 3 groups): 12 tenants x 4,000 tokens = 48k
     # distinct prefix tokens, more than one group's KV cache (so a group that serves every
     # tenant keeps evicting system prompts) but well within the pool's 113k (a group that
     # serves a third of the tenants keeps theirs, 16k tokens, plus the KV of its ~10 running
@@ -139,11 +138,11 @@ def _join(*parts: str) -> str:
     return " ".join(p for p in parts if p)
 
 
-def profile_settings(name: str, **overrides) -> dict:
-    """The named profile's settings with overrides applied (None overrides are ignored)."""
-    if name not in PROFILES:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(PROFILES))}")
-    settings = dict(PROFILES[name])
+def workload_settings(name: str, **overrides) -> dict:
+    """The named workload's settings with overrides applied (None overrides are ignored)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
+    settings = dict(WORKLOADS[name])
     allowed = _KIND_PARAMS[settings["kind"]] | set(RUN_KEYS)
     for key, value in overrides.items():
         if key not in allowed:
@@ -155,8 +154,8 @@ def profile_settings(name: str, **overrides) -> dict:
 
 
 def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]:
-    """Build the prompts of profile `name` (see PROFILES), deterministic for `seed`."""
-    s = profile_settings(name, **overrides)
+    """Build the prompts of workload `name` (see WORKLOADS), deterministic for `seed`."""
+    s = workload_settings(name, **overrides)
     if s["kind"] == "trace":
         from loadtest.traces import trace_workload
         return trace_workload(seed, s["path"], s["num_prompts"])

@@ -4,6 +4,7 @@
     python -m local.stack down   [--name N]  stop a stack started by `up`
     python -m local.stack status [--name N]  what runs and whether it is healthy
     python -m local.stack reset  [--name N]  restart its simulators and picker (cold caches)
+    python -m local.stack key    [--name N] [--client C]  print its throw-away API key
     python -m local.stack demo   [options]   up, compare both ports with loadtest, down
 
 Every process runs in its own process group (session); its output goes to runs/<name>/<proc>.log
@@ -11,7 +12,10 @@ and runs/<name>/state.json records what was started, so `down` can stop it from 
 Any failure or Ctrl-C while starting stops everything that was started.
 
 Everything comes from one render of the overlay a cluster would deploy (overlays/a10, or
-overlays/a10-canary with --canary; components/buffered-body with --body-mode buffered): the
+overlays/a10-canary with --canary; components/buffered-body with --body-mode buffered) with the
+cluster's edge (components/edge-security: API keys, rate limits, connection limit; plain HTTP, no
+TLS; --no-edge-security leaves it out). The API keys are throw-away ones made at start, one per
+client id in API_CLIENTS, kept in runs/<name>/api-keys.json (`python -m local.stack key`). The
 simulated groups from its LeaderWorkerSets, the picker's objects from its InferenceObjectives and
 InferenceModelRewrite, and Envoy Gateway's input from its gateway objects (local/dataplane.py).
 """
@@ -19,9 +23,11 @@ InferenceModelRewrite, and Envoy Gateway's input from its gateway objects (local
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -39,13 +45,19 @@ from local import dataplane
 from validation import manifests
 from validation.render import kustomize as render_target
 from local.dataplane import gateway_objects
-from local.sim.profiles import DEFAULT_PROFILE, get_profile
+from local.sim.clock import to_model_seconds, to_wall_seconds
+from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 REPO = Path(__file__).resolve().parent.parent
 STABLE_SERVICE = "qwq-dist-v1"
 MODEL = "qwq"
 OBJECT_KINDS = {"InferenceObjective", "InferenceModelRewrite"}
 HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EDGE_SECURITY = "components/edge-security"
+# Client ids of the throw-away keys: `loadtest` has the load generators' rate limit (the demo, the
+# load tests and the end-to-end tests use it), `user` the limit of any other client.
+API_CLIENTS = ("loadtest", "user")
+API_KEYS_FILE = "api-keys.json"
 
 
 class StackError(RuntimeError):
@@ -62,6 +74,9 @@ class StackConfig:
     # components/buffered-body to the render, as a cluster user would.
     body_mode: str | None = None
     canary: bool = False
+    # The cluster's edge (components/edge-security) with throw-away API keys; False: no keys, no
+    # rate limits, as overlays/a10 alone.
+    edge_security: bool = True
     host: str = "127.0.0.1"
     sim_base_port: int = 8101
     sim_ports: list[int] | None = None  # explicit ports; else sim_base_port, +1, ...
@@ -77,7 +92,7 @@ class StackConfig:
     # the simulated engines as often, in model time, as it would see real ones (see picker_timing).
     picker_scrape_interval: float | None = None
     picker_staleness: float | None = None
-    kv_scale: int = 1  # simulators get the profile's KV capacity / kv_scale (the demo uses DEMO_SCALE)
+    kv_scale: int = 1  # simulators get the engine model's KV capacity / kv_scale (the demo uses DEMO_SCALE)
     sim_args: list[str] = field(default_factory=list)
     picker_args: list[str] = field(default_factory=list)
     run_root: Path = REPO / "runs"
@@ -93,7 +108,12 @@ class StackConfig:
 
     @property
     def components(self) -> list[str]:
-        return ["components/buffered-body"] if self.body_mode == "buffered" else []
+        return ((["components/buffered-body"] if self.body_mode == "buffered" else [])
+                + ([EDGE_SECURITY] if self.edge_security else []))
+
+    @property
+    def api_keys_file(self) -> Path:
+        return self.run_dir / API_KEYS_FILE
 
 
 @dataclass
@@ -141,6 +161,10 @@ def render(config: StackConfig) -> list[dict]:
 
         kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
                          "resources": [rel(config.overlay)], "components": [rel(c) for c in config.components]}
+        # the components' own objects land in the overlay's namespace, as in an overlay that lists them
+        namespace = yaml.safe_load((REPO / config.overlay / "kustomization.yaml").read_text()).get("namespace")
+        if namespace:
+            kustomization["namespace"] = namespace
         Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
         return kustomize(tmp)
 
@@ -262,10 +286,10 @@ def picker_timing(config: StackConfig) -> PickerTiming | None:
     defaults = picker_parser()
     model_interval = config.picker_scrape_interval or defaults.get_default("scrape_interval")
     model_staleness = config.picker_staleness or defaults.get_default("staleness")
-    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, model_interval / config.speedup)
+    wall_interval = max(MIN_WALL_SCRAPE_INTERVAL, to_wall_seconds(model_interval, config.speedup))
     wall_staleness = model_staleness * wall_interval / model_interval
-    return PickerTiming(wall_interval, wall_staleness, wall_interval * config.speedup,
-                        wall_staleness * config.speedup)
+    return PickerTiming(wall_interval, wall_staleness, to_model_seconds(wall_interval, config.speedup),
+                        to_model_seconds(wall_staleness, config.speedup))
 
 
 def picker_timing_args(config: StackConfig) -> list[str]:
@@ -273,6 +297,44 @@ def picker_timing_args(config: StackConfig) -> list[str]:
     if timing is None:
         return []
     return ["--scrape-interval", f"{timing.scrape_interval:.6g}", "--staleness", f"{timing.staleness:.6g}"]
+
+
+# -- API keys ----------------------------------------------------------------------------------
+
+def new_api_keys(path: Path) -> dict[str, str]:
+    """Fresh random keys for API_CLIENTS, written to `path` readable by this user only."""
+    keys = {client: secrets.token_urlsafe(32) for client in API_CLIENTS}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(keys, f, indent=2)
+    os.chmod(path, 0o600)  # an older file keeps its mode through O_TRUNC
+    return keys
+
+
+def read_api_keys(path: Path) -> dict[str, str]:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def api_keys_secret(gateway: list[dict], keys: dict[str, str]) -> dict:
+    """The Secret the SecurityPolicy's apiKeyAuth names (data key = client id, value = API key), in
+    the policy's namespace: what `kubectl create secret generic` makes in a cluster."""
+    policy = next((d for d in gateway if d.get("kind") == "SecurityPolicy" and (d["spec"].get("apiKeyAuth"))), None)
+    if policy is None:
+        raise StackError(f"edge security is on but the render has no SecurityPolicy with apiKeyAuth "
+                         f"({EDGE_SECURITY} missing from the overlay?)")
+    refs = policy["spec"]["apiKeyAuth"].get("credentialRefs") or []
+    if len(refs) != 1 or refs[0].get("kind", "Secret") != "Secret":
+        raise StackError(f"SecurityPolicy {manifests.name_of(policy)}: spec.apiKeyAuth.credentialRefs must name "
+                         "one Secret for the local stack to fill")
+    meta = {"name": refs[0]["name"]}
+    if policy["metadata"].get("namespace"):
+        meta["namespace"] = refs[0].get("namespace") or policy["metadata"]["namespace"]
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+            "data": {client: base64.b64encode(key.encode()).decode() for client, key in keys.items()}}
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -298,9 +360,9 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def http_ok(url: str, timeout: float = 1.0) -> bool:
+def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status == 200
     except OSError:
         return False
@@ -368,10 +430,11 @@ class Proc:
     def state(self) -> dict:
         return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid}
 
-    def healthy(self) -> bool:
+    def healthy(self, headers: dict[str, str] | None = None) -> bool:
+        """headers: sent with the http checks (the API key when the listeners need one)."""
         for check in self.health.split():
             kind, _, target = check.partition(":")
-            if not (http_ok(target) if kind == "http" else grpc_serving(target)):
+            if not (http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)):
                 return False
         return True
 
@@ -383,6 +446,7 @@ class Stack:
         self.config = config
         self.procs: list[Proc] = []
         self.topology: Topology | None = None
+        self.api_keys: dict[str, str] = read_api_keys(config.api_keys_file) if config.edge_security else {}
 
     @property
     def state_file(self) -> Path:
@@ -400,6 +464,15 @@ class Stack:
             if p.name == name:
                 return p
         raise KeyError(name)
+
+    def api_key(self, client: str = "loadtest") -> str | None:
+        """The throw-away API key of `client` (None without edge security)."""
+        return self.api_keys.get(client)
+
+    def auth_headers(self, client: str = "loadtest") -> dict[str, str]:
+        """What an OpenAI client sends with its api_key: `Authorization: Bearer <key>`."""
+        key = self.api_key(client)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     # -- start -----------------------------------------------------------------------------
 
@@ -472,6 +545,9 @@ class Stack:
             {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
              for name, addresses in self.topology.services.items()},
             (c.host, c.picker_grpc_port), self.listener_ports())
+        if c.edge_security:
+            self.api_keys = new_api_keys(c.api_keys_file)
+            resources += [api_keys_secret(self.topology.gateway, self.api_keys)]
         dataplane.write_atomically(layout.resources / "gateway.yaml", dataplane.dump(resources))
         # Healthy = both listeners route: /v1/models on `http` reaches a simulator through Envoy,
         # on `llm-gw` it also crosses the picker.
@@ -541,7 +617,7 @@ class Stack:
                 if p.popen is not None and p.popen.poll() is not None:
                     raise StackError(f"{p.name} exited with {p.popen.returncode} while starting; "
                                      f"log {p.log}:\n{_tail(p.log)}")
-                if p.healthy():
+                if p.healthy(self.auth_headers()):
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
@@ -701,14 +777,28 @@ def status(name: str, run_root: Path = REPO / "runs") -> int:
         print(f"no running stack {name!r}")
         return 1
     bad = 0
+    key = read_api_keys(state_file.parent / API_KEYS_FILE).get("loadtest")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     for p in state["procs"]:
         proc = Proc(p["name"], p["cmd"], p["log"], p["health"], p["pid"])
         alive = bool(p["pid"]) and _alive(p["pid"])
-        healthy = alive and proc.healthy()
+        healthy = alive and proc.healthy(headers)
         bad += not healthy
         print(f"{p['name']:<12} pid {p['pid']:<8} {'healthy' if healthy else 'DOWN' if not alive else 'unhealthy'}"
               f"  log {p['log']}")
     return 1 if bad else 0
+
+
+def show_key(name: str, client: str, run_root: Path = REPO / "runs") -> int:
+    """Print the throw-away API key of `client` of stack `name` (for OPENAI_API_KEY, curl...)."""
+    path = Path(run_root) / name / API_KEYS_FILE
+    keys = read_api_keys(path)
+    if client not in keys:
+        print(f"no API key for client {client!r} in {path} (is stack {name!r} up, with edge security?)",
+              file=sys.stderr)
+        return 1
+    print(keys[client])
+    return 0
 
 
 def describe(stack: Stack) -> str:
@@ -731,6 +821,11 @@ def describe(stack: Stack) -> str:
         lines.append(f"                 Envoy admin and stats {stack.envoy_admin()}/stats")
     except StackError:
         pass
+    if stack.api_keys:
+        lines.append(f"  API keys       {', '.join(stack.api_keys)} in {c.api_keys_file} (both listeners need one):")
+        lines.append(f"                 export OPENAI_API_KEY=$(python -m local.stack key --name {c.name} --client user)")
+    else:
+        lines.append("  API keys       none (--no-edge-security): both listeners are open")
     return "\n".join(lines)
 
 
@@ -742,15 +837,15 @@ def describe(stack: Stack) -> str:
 # the stack's CPU use does not distort latencies on 2 cores (see DATAPLANE.md, "make demo").
 DEMO_SCALE = 6
 DEMO_SPEEDUP = 5.0
-DEMO_SIM_PROFILE = DEFAULT_PROFILE  # the simulator's default profile
+DEMO_ENGINE_MODEL = DEFAULT_ENGINE_MODEL  # the simulator's default engine model
 
 
 def kv_scale_args(config: StackConfig) -> list[str]:
     if config.kv_scale <= 1 or "--num-gpu-blocks" in config.sim_args:
         return []
-    profile = config.sim_args[config.sim_args.index("--profile") + 1] if "--profile" in config.sim_args \
-        else DEMO_SIM_PROFILE
-    return ["--num-gpu-blocks", str(get_profile(profile).num_gpu_blocks // config.kv_scale)]
+    args = config.sim_args
+    engine_model = args[args.index("--engine-model") + 1] if "--engine-model" in args else DEMO_ENGINE_MODEL
+    return ["--num-gpu-blocks", str(get_engine_model(engine_model).num_gpu_blocks // config.kv_scale)]
 
 
 DEMO_ORDERS = ("http-first", "picker-first")  # which listener loadtest compare runs first
@@ -784,7 +879,10 @@ def demo(config: StackConfig, out: Path | None, workload: str, compare_args: lis
         print("$ python " + " ".join(cmd[1:]), flush=True)
         client_before = _children_cpu()
         envoy_before = dataplane.listener_stats(stack.envoy_admin(), stack.listener_ports())
-        rc = subprocess.call(cmd, cwd=REPO, env=python_env())
+        env = python_env()
+        if stack.api_key():
+            env["OPENAI_API_KEY"] = stack.api_key()  # the load generator's key, not on the command line
+        rc = subprocess.call(cmd, cwd=REPO, env=env)
         envoy = dataplane.stats_delta(envoy_before, dataplane.listener_stats(stack.envoy_admin(),
                                                                              stack.listener_ports()))
         after, wall = stack.cpu_seconds(), time.monotonic() - t0
@@ -842,7 +940,7 @@ def cpu_table(before: dict[str, float], after: dict[str, float], wall: float) ->
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m local.stack", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("up", "down", "status", "reset", "demo"):
+    for name in ("up", "down", "status", "reset", "demo", "key"):
         s = sub.add_parser(name)
         s.add_argument("--name", default="local", help="run folder <run-root>/<name>")
         s.add_argument("--run-root", type=Path, default=REPO / "runs", help="where run folders live (default runs/)")
@@ -860,6 +958,9 @@ def parser() -> argparse.ArgumentParser:
                            help="request body mode of the EnvoyExtensionPolicy (default: base/gateway's, "
                                 "full-duplex; buffered renders with components/buffered-body)")
             s.add_argument("--canary", action="store_true", help="overlays/a10-canary: extra canary group + weights")
+            s.add_argument("--edge-security", action=argparse.BooleanOptionalAction, default=True,
+                           help=f"render {EDGE_SECURITY} (API keys, rate limits, connection limit) with "
+                                "throw-away keys (default: on; --no-edge-security: open listeners)")
             s.add_argument("--profile", default="default", help="picker scheduling profile")
             s.add_argument("--sim-base-port", type=int, default=8101)
             s.add_argument("--sim-ports", type=int, nargs="+")
@@ -874,8 +975,11 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
             s.add_argument("--startup-timeout", type=float, default=90.0)
             s.add_argument("--kv-scale", type=int, default=DEMO_SCALE if name == "demo" else 1,
-                           help="simulators get the profile's KV capacity / this (default: 1 for up, "
+                           help="simulators get the engine model's KV capacity / this (default: 1 for up, "
                                 f"{DEMO_SCALE} for demo, whose workload is the article's / {DEMO_SCALE})")
+        if name == "key":
+            s.add_argument("--client", default="loadtest", choices=API_CLIENTS,
+                           help="whose key: loadtest (the load generators' rate limit) or user (any other client's)")
         if name == "up":
             s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the stack")
         if name == "demo":
@@ -893,7 +997,7 @@ def parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         name=args.name, groups=args.groups, speedup=args.speedup, seed=args.seed, body_mode=args.body_mode,
-        canary=args.canary, profile=args.profile, sim_base_port=args.sim_base_port,
+        canary=args.canary, edge_security=args.edge_security, profile=args.profile, sim_base_port=args.sim_base_port,
         sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
         picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],
@@ -918,6 +1022,8 @@ def main(argv: list[str] | None = None) -> int:
         return status(args.name, args.run_root)
     if args.command == "reset":
         return reset(args.name, args.run_root)
+    if args.command == "key":
+        return show_key(args.name, args.client, args.run_root)
     config = config_from(args)
     # Ctrl-C and SIGTERM both unwind through Stack.start/stop, which stop every process group.
     signal.signal(signal.SIGTERM, _interrupt)

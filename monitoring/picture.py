@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from local import observe
-from local.stack import DEMO_SCALE, REPO, StackConfig, python_env
+from local.stack import DEMO_SCALE, REPO, StackConfig, python_env, read_api_keys
 from monitoring import dashboards
 
 DEFAULT_OUT = REPO / "monitoring/routing-dashboard.png"
@@ -40,7 +40,8 @@ def run_load(config: StackConfig, out: Path, num_prompts: int, seed: int) -> lis
         cmd = [sys.executable, "-m", "loadtest", "compare", "--host", config.host, "--ports", str(port),
                "--workload", "demo", "--num-prompts", str(num_prompts), "--seed", str(seed),
                "--out", str(out / name)]
-        subprocess.run(cmd, cwd=REPO, env=python_env(), check=True, stdout=subprocess.DEVNULL)
+        env = python_env() | {"OPENAI_API_KEY": read_api_keys(config.api_keys_file).get("loadtest", "")}
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
         spans.append((name, start, time.time()))
     return spans
 

@@ -99,38 +99,58 @@ def listeners_limit_connections(objs):
     return problems
 
 
-def routes_rate_limit_and_check_health(objs):
-    """Each route of each listener: a per-client rate limit on the forwarded client id, active
-    /health checks, passive outlier detection, retries only where no backend saw the request."""
+def routes_rate_limit(objs):
+    """Each route of each listener: a per-client rate limit on the forwarded client id."""
     client_headers = {((p.get("spec") or {}).get("apiKeyAuth") or {}).get("forwardClientIDHeader")
                       for p in of_kind(objs, "SecurityPolicy")} - {None}
     problems = []
+    for where, spec in _route_backend_policies(objs):
+        rules = (((spec.get("rateLimit") or {}).get("local") or {}).get("rules") or [])
+        selectors = [s.get("headers") or [] for r in rules for s in r.get("clientSelectors") or []]
+        keyed = {h.get("name", "").lower() for headers in selectors for h in headers if h.get("type") == "Distinct"}
+        if not keyed & {h.lower() for h in client_headers}:
+            problems.append(f"{where}: spec.rateLimit.local has no rule per distinct client id "
+                            f"({sorted(client_headers) or 'no forwarded client id header'})")
+        # Envoy's local rate limit matches a per-value (wildcard) descriptor entry only at the
+        # end of a descriptor: with another match after it, the rule never limits (measured).
+        for headers in selectors:
+            if any(h.get("type") == "Distinct" for h in headers[:-1]):
+                problems.append(f"{where}: spec.rateLimit.local clientSelectors headers: the Distinct "
+                                f"match must be the last one, or Envoy never applies the rule")
+    return problems
+
+
+def routes_check_health(objs):
+    """Each route of each listener: active /health checks, passive outlier detection, retries only
+    where no backend saw the request."""
+    problems = []
+    for where, spec in _route_backend_policies(objs):
+        active = (spec.get("healthCheck") or {}).get("active") or {}
+        if active.get("type") != "HTTP" or (active.get("http") or {}).get("path") != "/health":
+            problems.append(f"{where}: spec.healthCheck.active must GET /health")
+        if not (spec.get("healthCheck") or {}).get("passive"):
+            problems.append(f"{where}: spec.healthCheck.passive (outlier detection) is not set")
+        triggers = set((((spec.get("retry") or {}).get("retryOn") or {}).get("triggers")) or [])
+        if spec.get("retry") is not None and not triggers:
+            problems.append(f"{where}: spec.retry without retryOn.triggers retries on Envoy "
+                            f"Gateway's defaults, which include 503 responses")
+        if triggers - SAFE_RETRY_TRIGGERS:
+            problems.append(f"{where}: spec.retry.retryOn.triggers {sorted(triggers - SAFE_RETRY_TRIGGERS)} "
+                            f"can resend a request a backend already started generating")
+        if not triggers:
+            problems.append(f"{where}: spec.retry on connect-failure/reset-before-request is not set")
+    return problems
+
+
+def _route_backend_policies(objs) -> list[tuple[str, dict]]:
+    """(where, BackendTrafficPolicy spec) of every route on every listener ({} when it has none)."""
+    out = []
     for listener in _listeners(objs):
         for route in routes_on_listener(objs, listener, GATEWAY):
             btp = _route_policy(objs, "BackendTrafficPolicy", route)
             where = describe(btp) if btp else f"{describe(route)} (no BackendTrafficPolicy)"
-            spec = (btp or {}).get("spec") or {}
-            rules = (((spec.get("rateLimit") or {}).get("local") or {}).get("rules") or [])
-            keyed = {h.get("name", "").lower() for r in rules for s in r.get("clientSelectors") or []
-                     for h in s.get("headers") or [] if h.get("type") == "Distinct"}
-            if not keyed & {h.lower() for h in client_headers}:
-                problems.append(f"{where}: spec.rateLimit.local has no rule per distinct client id "
-                                f"({sorted(client_headers) or 'no forwarded client id header'})")
-            active = (spec.get("healthCheck") or {}).get("active") or {}
-            if active.get("type") != "HTTP" or (active.get("http") or {}).get("path") != "/health":
-                problems.append(f"{where}: spec.healthCheck.active must GET /health")
-            if not (spec.get("healthCheck") or {}).get("passive"):
-                problems.append(f"{where}: spec.healthCheck.passive (outlier detection) is not set")
-            triggers = set((((spec.get("retry") or {}).get("retryOn") or {}).get("triggers")) or [])
-            if spec.get("retry") is not None and not triggers:
-                problems.append(f"{where}: spec.retry without retryOn.triggers retries on Envoy "
-                                f"Gateway's defaults, which include 503 responses")
-            if triggers - SAFE_RETRY_TRIGGERS:
-                problems.append(f"{where}: spec.retry.retryOn.triggers {sorted(triggers - SAFE_RETRY_TRIGGERS)} "
-                                f"can resend a request a backend already started generating")
-            if not triggers:
-                problems.append(f"{where}: spec.retry on connect-failure/reset-before-request is not set")
-    return problems
+            out.append((where, (btp or {}).get("spec") or {}))
+    return out
 
 
 def listeners_use_tls(objs):
@@ -195,4 +215,6 @@ def _self_signed() -> dict[str, str]:
 
 
 EDGE_CHECKS = [listeners_authenticate, listeners_strip_endpoint_headers, listeners_limit_connections,
-               routes_rate_limit_and_check_health, listeners_use_tls]
+               routes_rate_limit, listeners_use_tls]
+# every overlay (components/healthy-backends is part of overlays/a10 and overlays/a10-canary)
+HEALTH_CHECKS = [routes_check_health]

@@ -109,6 +109,28 @@ def xds_problems(target: str, objs: list[dict], xds) -> list[Problem]:
             problems += _least_request(target, route, namespace, xds)
     for policy in (o for o in objs if o.get("kind") == "ClientTrafficPolicy"):
         problems += _client_policy(target, policy, namespace, xds)
+    problems += _limits_before_picker(target, gw, xds)
+    return problems
+
+
+GATE_FILTERS = ("envoy.filters.http.api_key_auth", "envoy.filters.http.jwt_authn",
+                "envoy.filters.http.local_ratelimit", "envoy.filters.http.ratelimit")
+
+
+def _limits_before_picker(target: str, gw: dict, xds) -> list[Problem]:
+    """Authentication and rate limits run before the picker's ext_proc: a request they refuse must
+    never reach the picker, which would count it against an endpoint (and do its work for nothing)."""
+    problems = []
+    for listener in listeners(xds):
+        for hcm in _hcms(listener):
+            names = [f.get("name", "") for f in hcm.get("httpFilters", [])]
+            ext_proc = next((i for i, n in enumerate(names) if n.startswith("envoy.filters.http.ext_proc")), None)
+            late = [n for n in names[ext_proc or 0:] if n in GATE_FILTERS] if ext_proc is not None else []
+            if late:
+                problems.append(Problem(
+                    target, f"listener {listener.get('name')}: Envoy runs {', '.join(late)} after the picker's "
+                    "ext_proc, so requests it refuses are still routed by the picker (set the EnvoyProxy's "
+                    "spec.filterOrder)", describe(gw), "spec.infrastructure.parametersRef", source=_SOURCE))
     return problems
 
 

@@ -18,7 +18,7 @@ WORKLOAD_NAMESPACE = "llm"
 
 def rules_for(target: str) -> list:
     if target.startswith("overlays/"):
-        rules = [*policy.ALL_CHECKS, policy.gpu_pods_fit_node, *isolation.ISOLATION_CHECKS,
+        rules = [*policy.ALL_CHECKS, policy.gpu_pods_fit_node, *isolation.ISOLATION_CHECKS, *edge.HEALTH_CHECKS,
                  partial(policy.secret_refs_in_namespace, namespace=WORKLOAD_NAMESPACE)]
         if target.endswith("-secure"):
             rules += edge.EDGE_CHECKS

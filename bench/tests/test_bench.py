@@ -9,6 +9,7 @@ import pytest
 
 from bench import common, crosscheck, report, suites
 from bench.picker.service import latency_bounded_rate
+from loadtest.metrics import REPORT_KEYS
 
 
 def http_result(mean_ttft_ms: float) -> dict:
@@ -25,7 +26,7 @@ def test_http_results_are_converted_to_model_time_per_run():
 
 
 def stats(mean_ttft: float) -> dict:
-    return {k: mean_ttft if k == "mean_ttft_ms" else 100.0 for k in crosscheck.KEYS}
+    return {k: mean_ttft if k == "mean_ttft_ms" else 100.0 for k in REPORT_KEYS}
 
 
 def test_verdict_checks_order_and_tolerance():
@@ -160,3 +161,33 @@ def test_scale_sections_state_the_1024_endpoint_target_and_the_replica_changes()
     assert "+4.0 %; within the seed spread: yes" in "\n".join(report.prefilter_section(pf))
     pf["runs"]["article"]["policies"]["picker:x.yaml"] = lab(1200, 60)
     assert "within the seed spread: no" in "\n".join(report.prefilter_section(pf))
+
+
+def test_robustness_figures_come_from_what_the_tests_recorded(tmp_path):
+    """A test's record_property lands in the JUnit XML; the soak and dead-backend sections show it."""
+    import json
+    import subprocess
+    import sys
+
+    from bench import robustness
+    test = tmp_path / "test_recording.py"
+    test.write_text("import json\n"
+                    "def test_one(record_property):\n"
+                    "    record_property('figures', json.dumps({'failed': 2}))\n"
+                    "def test_silent():\n"
+                    "    pass\n")
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test),
+                    f"--junitxml={xml}", "--rootdir", str(tmp_path)], check=True, capture_output=True)
+    assert robustness.recorded(xml) == {"test_one": {"figures": json.dumps({"failed": 2})}}
+
+    rounds = [{"round": 0, "rss_mib": 150.0, "series": 60, "page_bytes": 9000, "good_ms": 0.9},
+              {"round": 1, "rss_mib": 190.0, "series": 66, "page_bytes": 9500, "good_ms": 1.1,
+               "good_during_ms": 3.0, "inflight": 0.0, "big_bodies": {"buffered 503": 16, "full-duplex 503": 8}}]
+    soak = "\n".join(robustness.soak_report({"command": "c", "wall_s": 10, "rounds": rounds}))
+    assert "| 1 | 190 | 66 | 9,500 | 1.10 | 3.00 | 0 | 16 / 8 |" in soak
+    assert "RSS 190-190 MiB (before: 150)" in soak and "(before: 0.90 ms)" in soak
+    runs = [{"fault": "killed", "listener": "http", "requests_after_fault": 300, "failed": 2,
+             "last_failure_s": 0.4, "late_requests": 120, "late_failed": 0}]
+    dead = "\n".join(robustness.dead_backend_report({"command": "c", "wall_s": 60, "runs": runs}))
+    assert "| killed | http | 300 | 2 | 0.4 | 120 | 0 |" in dead

@@ -9,7 +9,7 @@ from lab.__main__ import main as lab_main
 from lab.policies import LabEndpoint, LeastRequest, make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
 from local.sim.engine import Engine
-from local.sim.profiles import A10_QWQ32B
+from local.sim.engines import A10_QWQ32B
 from loadtest.workloads import build_workload
 
 N = 30
@@ -119,7 +119,7 @@ def test_request_rate_spreads_arrivals(requests):
 
 
 def test_smoke_picker_beats_least_request_on_the_article_workload():
-    """Smoke version of the issue-6 benchmark: 1 seed, 120 of the article's 300 prompts."""
+    """Smoke version of the lab benchmark (`python -m bench lab`): 1 seed, 120 of the article's 300 prompts."""
     reqs = prepare_requests(build_workload("article", seed=0, num_prompts=120), 16)
     least = run_lab(reqs, make_policy("least-request"), LabConfig(seed=0)).summary
     picker = run_lab(reqs, make_policy("picker"), LabConfig(seed=0)).summary

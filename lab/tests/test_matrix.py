@@ -7,7 +7,7 @@ from lab import matrix
 from lab.oracle import Oracle, predicted_ttft
 from lab.policies import make_policy
 from lab.runner import LabConfig, prepare_requests, run_lab
-from local.sim.profiles import A10_QWQ32B
+from local.sim.engines import A10_QWQ32B
 from loadtest.workloads import build_workload
 
 
@@ -85,18 +85,18 @@ def test_outage_fails_inflight_requests_and_the_group_comes_back_empty():
         assert run.summary["completed"] + run.summary["failed"] == 60
 
 
-def test_heterogeneous_pool_profiles():
+def test_heterogeneous_pool_engine_models():
     slow = A10_QWQ32B.with_overrides(stage_base_s=A10_QWQ32B.stage_base_s * 3)
     run = run_lab(reqs(n=30), make_policy("round-robin"),
-                  LabConfig(concurrency=3, engine_profiles=[slow, A10_QWQ32B, A10_QWQ32B]))
+                  LabConfig(concurrency=3, engine_models=[slow, A10_QWQ32B, A10_QWQ32B]))
     tpot = {}
     for s in run.samples:
         tpot.setdefault(s.target, []).append((s.latency - s.ttft) / (s.output_tokens - 1))
     mean = {k: sum(v) / len(v) for k, v in tpot.items()}
     assert mean["127.0.0.1:8101"] > 1.5 * mean["127.0.0.1:8102"]
-    with pytest.raises(ValueError, match="2 engine profiles for 3 engines"):
+    with pytest.raises(ValueError, match="2 engine models for 3 engines"):
         run_lab(reqs(n=3), make_policy("round-robin"),
-                LabConfig(engine_profiles=[slow, slow]))
+                LabConfig(engine_models=[slow, slow]))
 
 
 def test_scenarios_vary_one_factor_of_the_base():

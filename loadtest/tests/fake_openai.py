@@ -17,10 +17,13 @@ import json
 from aiohttp import web
 
 
-def make_app(ttft: float, itl: float, fail_every: int, broken_every: int) -> web.Application:
+def make_app(ttft: float, itl: float, fail_every: int, broken_every: int,
+             api_key: str = "") -> web.Application:
     state = {"count": 0, "running": 0}
 
     async def stream(request: web.Request) -> web.StreamResponse:
+        if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "invalid API key"}}, status=401)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         body = await request.json()
@@ -69,7 +72,7 @@ def make_app(ttft: float, itl: float, fail_every: int, broken_every: int) -> web
 
 
 async def serve(args) -> None:
-    runner = web.AppRunner(make_app(args.ttft, args.itl, args.fail_every, args.broken_every))
+    runner = web.AppRunner(make_app(args.ttft, args.itl, args.fail_every, args.broken_every, args.api_key))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -84,4 +87,5 @@ if __name__ == "__main__":
     p.add_argument("--itl", type=float, default=0.01)
     p.add_argument("--fail-every", type=int, default=0)
     p.add_argument("--broken-every", type=int, default=0)
+    p.add_argument("--api-key", default="", help="answer 401 unless `Authorization: Bearer <key>`")
     asyncio.run(serve(p.parse_args()))

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.metrics import (StreamTimer, read_samples, run_duration,
-                              save_run, summarize, write_samples)
+from loadtest.metrics import (RESULT_KEYS, StreamTimer, percent_change, read_samples, run_duration,
+                              save_run, summarize, summary_keys, write_samples)
 
 
 def chunk(text="x"):
@@ -102,3 +102,17 @@ def test_save_run_writes_result_samples_and_per_port_numbers(tmp_path):
     assert result["by_target"]["8080"]["mean_ttft_ms"] == pytest.approx(100.0)
     assert result["by_target"]["8081"]["failed"] == 1
     assert len(read_samples(tmp_path / "run-1.samples.jsonl")) == 3
+
+
+def test_result_keys_are_summary_fields_and_subsets_keep_their_order():
+    result = summarize([timed_sample([0.2, 0.3, 0.5], completion_tokens=3)])
+    assert set(RESULT_KEYS) <= set(result)
+    assert summary_keys("failed", "mean_ttft_ms") == ("mean_ttft_ms", "failed")
+    with pytest.raises(ValueError, match="not result keys: mean_ttft"):
+        summary_keys("mean_ttft")
+
+
+def test_percent_change_is_relative_to_the_base():
+    assert percent_change(200.0, 150.0) == pytest.approx(-25.0)
+    assert percent_change(0.0, 5.0) is None and percent_change(None, 5.0) is None
+    assert percent_change(float("nan"), 5.0) is None and percent_change(5.0, None) is None

@@ -138,3 +138,19 @@ def test_the_local_stack_serving_the_ports_gives_speedup_simulators_and_names(tm
     assert local_stack("127.0.0.1", [9999], run_root=tmp_path) is None
     assert "model time = 20 x wall clock" in clock_note(20.0)
     assert routing_names("127.0.0.1", [18080])["18080"] == "18080/http = least request"
+
+
+def test_the_api_key_comes_from_the_environment_else_from_the_local_stack(tmp_path, monkeypatch):
+    import json
+    from loadtest.targets import API_KEY_ENV, api_key
+    run = tmp_path / "local"
+    run.mkdir()
+    (run / "state.json").write_text(json.dumps({"config": {"http_port": None, "llm_port": None}}))
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key("127.0.0.1", [18080], run_root=tmp_path) is None        # a stack without keys
+    (run / "api-keys.json").write_text(json.dumps({"loadtest": "lt-key", "user": "u-key"}))
+    assert api_key("127.0.0.1", [18080, 18081], run_root=tmp_path) == "lt-key"
+    assert api_key("127.0.0.1", [9999], run_root=tmp_path) is None         # not that stack's ports
+    assert api_key("gw.example", [8080], run_root=tmp_path) is None
+    monkeypatch.setenv(API_KEY_ENV, "env-key")
+    assert api_key("127.0.0.1", [18080], run_root=tmp_path) == "env-key"   # the user's own key wins

@@ -187,3 +187,21 @@ def test_locust_run_does_not_start_when_a_port_is_silent(fake_server, tmp_path):
     assert f"not started: nothing answers at http://127.0.0.1:{silent} " in proc.stderr
     assert f"127.0.0.1:{port} " not in proc.stderr.split("not started")[1].splitlines()[0]
     assert "`make up`" in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_the_load_test_sends_the_api_key_of_the_environment(fake_server, tmp_path):
+    port = fake_server("--ttft", "0.01", "--itl", "0.002", "--api-key", "sk-test")
+    results = {}
+    for key in ("sk-test", ""):
+        out = tmp_path / (key or "none")
+        env = env_with_repo() | {"OPENAI_API_KEY": key}
+        proc = subprocess.run([sys.executable, "-m", "loadtest", "compare", "--host", "127.0.0.1",
+                               "--ports", str(port), "--workload", "smoke", "--repetitions", "1",
+                               "--out", str(out), "--metrics-endpoints", "none"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        results[key] = json.loads((out / f"{port}.json").read_text()), proc
+    sent, _ = results["sk-test"]
+    assert sent["completed"] == 12 and sent["failed"] == 0
+    refused, proc = results[""]
+    assert refused["completed"] == 0 and refused["failed"] == 12
+    assert list(refused["errors_by_reason"]) == ["HTTP 401: invalid API key"], refused["errors_by_reason"]

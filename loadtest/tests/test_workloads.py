@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from loadtest.workloads import PROFILES, build_workload, profile_settings
+from loadtest.workloads import WORKLOADS, build_workload, workload_settings
 
 
 def test_legacy_random_lengths_prefix_and_determinism():
@@ -71,7 +71,7 @@ def test_bad_input_has_clear_errors(tmp_path):
         build_workload("sharegpt", path=str(tmp_path / "bad.json"))
 
 
-def test_profiles_are_complete():
-    assert profile_settings("article") == dict(PROFILES["article"])
-    for name, p in PROFILES.items():
+def test_workloads_are_complete():
+    assert workload_settings("article") == dict(WORKLOADS["article"])
+    for name, p in WORKLOADS.items():
         assert "kind" in p and "num_prompts" in p, name

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from local.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
 from local.sim.server import Faults, SimServer
 
 
@@ -19,12 +19,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", action="append", dest="names", metavar="NAME",
                    help="model name clients send (repeatable; the first labels /metrics); "
                         "default qwq")
-    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    p.add_argument("--engine-model", default=DEFAULT_ENGINE_MODEL, choices=sorted(ENGINE_MODELS))
     p.add_argument("--speedup", type=float, default=1.0,
                    help="divide all model time by this factor")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-gpu-blocks", type=int, help="override the profile's KV capacity")
-    p.add_argument("--max-num-seqs", type=int, help="override the profile's batch limit")
+    p.add_argument("--num-gpu-blocks", type=int, help="override the engine model's KV capacity")
+    p.add_argument("--max-num-seqs", type=int, help="override the engine model's batch limit")
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="fraction of completion requests answered with HTTP 500")
     p.add_argument("--metrics-delay", type=float, default=0.0,
@@ -42,16 +42,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    profile = get_profile(args.profile)
+    engine_model = get_engine_model(args.engine_model)
     overrides = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks),
                                    ("max_num_seqs", args.max_num_seqs)) if v is not None}
     if overrides:
-        profile = profile.with_overrides(**overrides)
+        engine_model = engine_model.with_overrides(**overrides)
     faults = Faults(args.error_rate, args.metrics_delay, args.metrics_fail, args.stall_after)
-    server = SimServer(profile, args.names or ["qwq"], args.speedup, args.seed, faults)
+    server = SimServer(engine_model, args.names or ["qwq"], args.speedup, args.seed, faults)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     print(f"local.sim: {', '.join(server.names)} on http://{args.host}:{args.port} "
-          f"(profile {profile.name}, speedup {args.speedup:g}, seed {args.seed})", flush=True)
+          f"(engine model {engine_model.name}, speedup {args.speedup:g}, seed {args.seed})", flush=True)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None,
                 access_log=None)
 

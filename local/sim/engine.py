@@ -2,7 +2,7 @@
 
 The driver (the HTTP server in real or scaled time, the lab in virtual time) owns time:
 
-    engine = Engine(profile, clock)
+    engine = Engine(engine_model, clock)
     engine.add_request("r1", token_ids, max_tokens=100)
     result = engine.step()            # plans and applies one iteration, returns its duration
     # the driver advances time by result.duration_s, then delivers result.outputs
@@ -35,7 +35,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from local.sim.profiles import Profile
+from local.sim.engines import EngineModel
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -146,8 +146,8 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, profile: Profile, clock: Callable[[], float] = time.monotonic):
-        self.profile = profile
+    def __init__(self, engine_model: EngineModel, clock: Callable[[], float] = time.monotonic):
+        self.engine_model = engine_model
         self.clock = clock
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -157,7 +157,7 @@ class Engine:
         self.refs: dict[int, int] = {}          # block hash -> reference count
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cache_epoch = 0                     # bumps whenever the set of cached hashes changes
-        self.watermark_blocks = int(profile.watermark * profile.num_gpu_blocks)
+        self.watermark_blocks = int(engine_model.watermark * engine_model.num_gpu_blocks)
         # counters
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -179,7 +179,7 @@ class Engine:
         `hashes` may pass precomputed `block_hashes(token_ids, block_size)` to save time.
         Raises ValueError for an empty prompt, max_tokens < 1, or a length over max_model_len.
         """
-        p = self.profile
+        p = self.engine_model
         prompt_len = len(token_ids)
         if prompt_len < 1:
             raise ValueError("prompt must contain at least one token")
@@ -231,7 +231,7 @@ class Engine:
 
     def _allocate(self, n: int) -> None:
         """Take n fresh blocks, evicting least recently used cached blocks if needed."""
-        empty = self.profile.num_gpu_blocks - self.used - len(self.evictable)
+        empty = self.engine_model.num_gpu_blocks - self.used - len(self.evictable)
         if empty < n:
             for _ in range(n - empty):
                 h, _ = self.evictable.popitem(last=False)
@@ -256,7 +256,7 @@ class Engine:
         """Blocks of the request's prefill already in the cache (at least one token left to compute)."""
         if req._hit_epoch == self.cache_epoch:
             return req._hit_blocks
-        limit = min(len(req.block_hashes), (req.prefill_len - 1) // self.profile.block_size)
+        limit = min(len(req.block_hashes), (req.prefill_len - 1) // self.engine_model.block_size)
         refs, hashes, k = self.refs, req.block_hashes, 0
         while k < limit and hashes[k] in refs:
             k += 1
@@ -264,7 +264,7 @@ class Engine:
         return k
 
     def _try_admit(self, req: EngineRequest) -> bool:
-        p = self.profile
+        p = self.engine_model
         bs = p.block_size
         total_blocks = -(-req.prefill_len // bs)
         free = p.num_gpu_blocks - self.used
@@ -301,7 +301,7 @@ class Engine:
 
     def _publish_blocks(self, req: EngineRequest) -> None:
         """Make the request's newly computed full prompt blocks shareable through the cache."""
-        full = min(req.num_computed // self.profile.block_size, len(req.block_hashes))
+        full = min(req.num_computed // self.engine_model.block_size, len(req.block_hashes))
         if full <= req.registered:
             return
         refs = self.refs
@@ -328,7 +328,7 @@ class Engine:
         """Run one iteration. None when there is nothing to run."""
         if not (self.running or self.waiting):
             return None
-        p = self.profile
+        p = self.engine_model
         bs = p.block_size
         budget = p.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
@@ -428,13 +428,13 @@ class Engine:
     # ----- gauges and counters --------------------------------------------------------------
 
     def kv_cache_usage(self) -> float:
-        return self.used / self.profile.num_gpu_blocks
+        return self.used / self.engine_model.num_gpu_blocks
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_cache_usage(), num_gpu_blocks=self.profile.num_gpu_blocks,
-            block_size=self.profile.block_size,
+            kv_cache_usage=self.kv_cache_usage(), num_gpu_blocks=self.engine_model.num_gpu_blocks,
+            block_size=self.engine_model.block_size,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits, num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,

@@ -41,7 +41,7 @@ def _histogram(name: str, doc: str, labels: tuple, hist: Histogram) -> Histogram
 
 
 def cache_config_labels(engine: Engine) -> dict[str, str]:
-    p = engine.profile
+    p = engine.engine_model
     return {
         "block_size": str(p.block_size),
         "cache_dtype": p.cache_dtype,

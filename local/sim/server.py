@@ -24,9 +24,10 @@ from typing import Optional
 
 from aiohttp import web
 
+from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engine import Engine, StepOutput
+from local.sim.engines import EngineModel
 from local.sim.metrics import CONTENT_TYPE, render_metrics
-from local.sim.profiles import Profile
 from local.sim.tokens import chat_token_ids, filler_word, token_ids
 
 EOS_MIN, EOS_SPAN = 16, 1009   # without ignore_eos, EOS falls at 16..1024 tokens (from the seed)
@@ -56,20 +57,20 @@ class BadRequest(Exception):
 
 
 class SimServer:
-    def __init__(self, profile: Profile, served_model_names: list[str], speedup: float = 1.0,
+    def __init__(self, engine_model: EngineModel, served_model_names: list[str], speedup: float = 1.0,
                  seed: int = 0, faults: Optional[Faults] = None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         if not served_model_names:
             raise ValueError("need at least one served model name")
-        self.profile = profile
+        self.engine_model = engine_model
         self.names = list(dict.fromkeys(served_model_names))
         self.speedup = speedup
         self.seed = seed
         self.faults = faults or Faults()
         self.rng = random.Random(seed)
         self.start = time.monotonic()
-        self.engine = Engine(profile, self.model_time)
+        self.engine = Engine(engine_model, self.model_time)
         self.streams: dict[str, asyncio.Queue] = {}
         self.accepted = 0
         self.counter = 0
@@ -77,7 +78,7 @@ class SimServer:
         self.loop_task: Optional[asyncio.Task] = None
 
     def model_time(self) -> float:
-        return (time.monotonic() - self.start) * self.speedup
+        return to_model_seconds(time.monotonic() - self.start, self.speedup)
 
     @property
     def stalled(self) -> bool:
@@ -98,7 +99,7 @@ class SimServer:
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
-            delay = (result.end_time - self.model_time()) / self.speedup
+            delay = to_wall_seconds(result.end_time - self.model_time(), self.speedup)
             await asyncio.sleep(max(0.0, delay))
             for out in result.outputs:
                 queue = self.streams.get(out.request_id)
@@ -143,7 +144,7 @@ class SimServer:
         created = int(time.time())
         data = [{"id": n, "object": "model", "created": created, "owned_by": "vllm",
                  "root": self.names[0], "parent": None,
-                 "max_model_len": self.profile.max_model_len} for n in self.names]
+                 "max_model_len": self.engine_model.max_model_len} for n in self.names]
         return web.json_response({"object": "list", "data": data})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -211,7 +212,7 @@ class SimServer:
         except BadRequest as err:
             return _error(400, str(err), "BadRequestError", err.param)
         if max_tokens is None:
-            max_tokens = max(1, self.profile.max_model_len - len(ids))
+            max_tokens = max(1, self.engine_model.max_model_len - len(ids))
         if self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate:
             return _error(500, "simulated engine error", "InternalServerError")
         self.counter += 1

@@ -3,8 +3,8 @@
 One whitespace-separated word is one token. Each word maps to a stable integer id (CRC-32 of its
 UTF-8 bytes), so ids are equal across processes and runs (Python's str hash is randomised; CRC-32
 is not). A chat request counts the tokens of every message's content plus a fixed template
-overhead: CHAT_TOKENS_PER_MESSAGE per message (role and delimiters) and CHAT_TOKENS_REPLY_PRIMER
-once for the assistant turn, like ChatML's `<|im_start|>role ... <|im_end|>` framing.
+overhead (chat_token_ids): 4 per message (`<|im_start|>`, role, newline, `<|im_end|>`) and 3 once
+for the assistant turn, like ChatML's framing.
 Load-test workloads generate prompts as words, so their token counts match the simulator's usage.
 """
 
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import zlib
 from typing import Any, Iterable
-
-CHAT_TOKENS_PER_MESSAGE = 4
-CHAT_TOKENS_REPLY_PRIMER = 3
 
 # Fixed ids for the chat template's framing tokens (outside CRC-32's use by words only by chance,
 # which is harmless: ids only feed the prefix-cache block hashes).
@@ -55,12 +52,6 @@ def chat_token_ids(messages: Iterable[dict]) -> list[int]:
         ids.append(_IM_END)
     ids.extend((_IM_START, _ASSISTANT, _NEWLINE))
     return ids
-
-
-def count_chat_tokens(messages: Iterable[dict]) -> int:
-    msgs = list(messages)
-    return (sum(count_tokens(message_text(m.get("content"))) for m in msgs)
-            + CHAT_TOKENS_PER_MESSAGE * len(msgs) + CHAT_TOKENS_REPLY_PRIMER)
 
 
 FILLER = ("the", "model", "thinks", "about", "this", "step", "and", "then", "answers", "with",

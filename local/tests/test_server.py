@@ -6,10 +6,10 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from local.sim.profiles import TINY
+from local.sim.engines import TINY
 from local.sim.server import Faults, SimServer
 
-PROFILE = TINY.with_overrides(num_gpu_blocks=256, max_model_len=512, max_num_batched_tokens=64,
+ENGINE_MODEL = TINY.with_overrides(num_gpu_blocks=256, max_model_len=512, max_num_batched_tokens=64,
                               max_num_seqs=8)
 
 
@@ -18,7 +18,7 @@ async def make_client():
     clients = []
 
     async def factory(faults=None, names=("qwq", "qwq-canary"), seed=0):
-        server = SimServer(PROFILE, list(names), speedup=1000.0, seed=seed, faults=faults)
+        server = SimServer(ENGINE_MODEL, list(names), speedup=1000.0, seed=seed, faults=faults)
         client = TestClient(TestServer(server.make_app(), host="127.0.0.1"))
         await client.start_server()
         clients.append(client)

@@ -32,6 +32,31 @@ def test_buffered_body_mode_renders_the_component():
     assert policy["spec"]["extProc"][0]["processingMode"]["request"]["body"] == "Buffered"
 
 
+def test_edge_security_is_rendered_in_the_overlays_namespace_and_can_be_left_out():
+    secure = topology(StackConfig(groups=1, sim_ports=[1]))
+    kinds = {o["kind"]: o for o in secure.gateway}
+    assert {"SecurityPolicy", "EnvoyProxy"} <= set(kinds)
+    assert {o["metadata"].get("namespace") for o in secure.gateway if o["kind"] != "GatewayClass"} == {"llm"}
+    assert kinds["Gateway"]["spec"]["infrastructure"]["parametersRef"]["name"] == kinds["EnvoyProxy"]["metadata"]["name"]
+    assert all(listener["protocol"] == "HTTP" for listener in kinds["Gateway"]["spec"]["listeners"])  # no TLS locally
+    open_ = topology(StackConfig(groups=1, sim_ports=[1], edge_security=False))
+    assert not {"SecurityPolicy", "EnvoyProxy"} & {o["kind"] for o in open_.gateway}
+
+
+def test_api_keys_are_fresh_private_and_fill_the_secret_the_policy_names(tmp_path):
+    import base64
+    keys = st.new_api_keys(tmp_path / "keys.json")
+    again = st.new_api_keys(tmp_path / "keys.json")
+    assert set(keys) == set(st.API_CLIENTS) and keys != again and len(set(keys.values())) == len(keys)
+    assert (tmp_path / "keys.json").stat().st_mode & 0o777 == 0o600
+    assert st.read_api_keys(tmp_path / "keys.json") == again
+    secret = st.api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1])).gateway, again)
+    assert secret["metadata"] == {"name": "inference-gateway-api-keys", "namespace": "llm"}
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == again
+    with pytest.raises(StackError, match="no SecurityPolicy with apiKeyAuth"):
+        st.api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1], edge_security=False)).gateway, again)
+
+
 def test_canary_topology_follows_the_overlay():
     topo = topology(StackConfig(groups=3, canary=True, sim_ports=[1, 2, 3, 4]))
     canary = [s for s in topo.sims if s.lws != "qwq-dist-v1"]
@@ -118,21 +143,23 @@ def test_explicit_picker_timing_args_are_left_alone():
 
 
 def test_kv_scale_divides_the_simulator_capacity():
-    from local.sim.profiles import get_profile
+    from local.sim.engines import get_engine_model
 
-    full = get_profile(st.DEMO_SIM_PROFILE).num_gpu_blocks
+    full = get_engine_model(st.DEMO_ENGINE_MODEL).num_gpu_blocks
     assert st.kv_scale_args(StackConfig(kv_scale=st.DEMO_SCALE)) == ["--num-gpu-blocks", str(full // st.DEMO_SCALE)]
     assert st.kv_scale_args(StackConfig()) == []
     assert st.kv_scale_args(StackConfig(kv_scale=6, sim_args=["--num-gpu-blocks", "99"])) == []
+    tiny = StackConfig(kv_scale=2, sim_args=["--engine-model", "tiny"])
+    assert st.kv_scale_args(tiny) == ["--num-gpu-blocks", str(get_engine_model("tiny").num_gpu_blocks // 2)]
 
 
 def test_demo_defaults_scale_the_article_workload():
-    from loadtest.workloads import PROFILES
+    from loadtest.workloads import WORKLOADS
 
     args = st.parser().parse_args(["demo"])
     assert args.speedup == st.DEMO_SPEEDUP and args.kv_scale == st.DEMO_SCALE
     assert st.parser().parse_args(["up"]).kv_scale == 1
-    article, demo = PROFILES["article"], PROFILES["demo"]
+    article, demo = WORKLOADS["article"], WORKLOADS["demo"]
     for key in ("prefix_len", "input_len", "output_len"):
         assert demo[key] == article[key] // st.DEMO_SCALE
     assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]

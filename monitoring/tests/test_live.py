@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from local import observe
-from local.stack import REPO, StackConfig
+from local.stack import REPO, Stack
 from monitoring import dashboards, rules
 
 SAMPLES = REPO.parent / "shared" / "metrics-samples"
@@ -78,10 +78,11 @@ async def client(session, url: str, stop_at: float, headers: dict, tally: dict) 
             await asyncio.sleep(0.05)
 
 
-async def load(config: StackConfig, seconds: float, tally: dict) -> None:
+async def load(stack: Stack, seconds: float, tally: dict) -> None:
+    config = stack.config
     stop_at = time.monotonic() + seconds
     base = f"http://{config.host}"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    async with aiohttp.ClientSession(headers=stack.auth_headers(), timeout=aiohttp.ClientTimeout(total=30)) as session:
         await asyncio.gather(*(
             [client(session, f"{base}:{config.http_port}/v1/chat/completions", stop_at, {}, tally)
              for _ in range(4)]
@@ -99,17 +100,16 @@ def live(tmp_path_factory):
             "observe", run_root, groups=3, speedup=100.0, seed=3,
             profile=str(sheddable_profile(run_root / "shed-early.yaml")),
             sim_args=["--max-num-seqs", "2"], picker_args=["--scrape-interval", "0.2"]) as (stack, prom):
-        config = stack.config
-        asyncio.run(load(config, LOAD_SECONDS, tally))
+        asyncio.run(load(stack, LOAD_SECONDS, tally))
         stack.stop_process(f"sim-{stack.topology.sims[-1].port}")
-        asyncio.run(load(config, LOAD_SECONDS, tally))
+        asyncio.run(load(stack, LOAD_SECONDS, tally))
         time.sleep(3)   # two more scrapes of everything
         during_load = time.time()
         # The whole pool down: the picker has no ready endpoint and answers 503.
         for sim in stack.topology.sims[:-1]:
             stack.stop_process(f"sim-{sim.port}")
         time.sleep(2)   # > the picker's staleness (1 s)
-        asyncio.run(load(config, 2.0, tally))
+        asyncio.run(load(stack, 2.0, tally))
         time.sleep(3)
         yield prom, during_load, time.time(), tally
 

@@ -15,6 +15,7 @@ runs rounds for that long and prints the figures.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import statistics
@@ -206,7 +207,7 @@ async def wait_for_picker(stub, deadline=20.0):
             await asyncio.sleep(0.2)
 
 
-async def test_abuse_keeps_memory_series_and_good_latency_flat(tmp_path):
+async def test_abuse_keeps_memory_series_and_good_latency_flat(tmp_path, record_property):
     vllms = [await FakeVllm(metrics_text(waiting=1, running=2, kv=0.2),
                            {"object": "list", "data": [{"id": "qwq"}]}).start() for _ in range(2)]
     picker = Picker([v.address for v in vllms], tmp_path / "picker.log")
@@ -237,9 +238,11 @@ async def test_abuse_keeps_memory_series_and_good_latency_flat(tmp_path):
                          "endpoints": label_values(page, "endpoint"),
                          "good_ms": after * 1000, "good_during_ms": during * 1000,
                          "inflight": sample(page, "picker_endpoint_inflight"), **info})
-        for row in rows:
-            print("abuse", {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
-                            if k not in ("models", "endpoints")})
+        shown = [{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
+                  if k not in ("models", "endpoints")} for row in rows]
+        for row in shown:
+            print("abuse", row)
+        record_property("rounds", json.dumps(shown))  # `python -m bench soak` reads them
         base, abused = rows[0], rows[1:]
         # series: label values only from a fixed set (the refusal, 404 and, when a scrape of the
         # busy fake server times out, scrape-error series appear once), so the count is flat

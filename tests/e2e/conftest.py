@@ -167,6 +167,8 @@ def stream_load(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, r
 
 
 @pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+async def session(stack):
+    """A client of the module's stack with its load generators' key (client id `loadtest`), as
+    `make demo` and the load tests send it: every request passes the edge."""
+    async with aiohttp.ClientSession(headers=stack.auth_headers(), timeout=aiohttp.ClientTimeout(total=60)) as s:
         yield s

@@ -1,5 +1,5 @@
-"""Dead and stalled backends through the real Envoy, with components/healthy-backends rendered
-into the stack (active /health checks every 3 s, outlier detection, retries only before a backend
+"""Dead and stalled backends through the real Envoy, with components/healthy-backends as
+overlays/a10 renders it (active /health checks every 3 s, outlier detection, retries only before a backend
 saw the request): on 8080 (Envoy's own least request) a killed group costs at most a handful of
 failed requests and none once the health checks have taken it out; a stalled group (SIGSTOP: it
 accepts connections and never answers) is out within TAKEN_OUT seconds. 8081 is measured the same way.
@@ -8,18 +8,17 @@ The figures are printed (pytest -s)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
 import pytest
 
-from local.stack import StackConfig
 from tests.e2e.conftest import start_stack, stream_load, wait_for
 
 pytestmark = pytest.mark.e2e
 
-HEALTHY = "components/healthy-backends"
 # s: a stall just after a passed check fails the next two (3 s interval, 2 s timeout each): out
 # after ~10-13 s; requests sent before that wait on the stalled host (the client gives up at 5 s)
 TAKEN_OUT = 15.0
@@ -28,11 +27,8 @@ HANDFUL = 5
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        plain = StackConfig.components.fget
-        mp.setattr(StackConfig, "components", property(lambda self: plain(self) + [HEALTHY]))
-        s = start_stack(tmp_path_factory.mktemp("dead"), "dead-backend", body_mode="full-duplex",
-                        scrape_interval=0.5)
+    s = start_stack(tmp_path_factory.mktemp("dead"), "dead-backend", body_mode="full-duplex",
+                    scrape_interval=0.5)
     yield s
     s.stop()
 
@@ -56,7 +52,7 @@ async def run_fault(stack, session, listener: str, fault) -> dict:
     after = [r for r in results if r[0] >= at]
     failed = [sent - at for sent, ok, _ in after if not ok]
     late = [ok for sent, ok, _ in after if sent > at + TAKEN_OUT]
-    figures = {"listener": listener, "requests_after_fault": len(after), "failed": len(failed),
+    figures = {"fault": fault.__name__, "listener": listener, "requests_after_fault": len(after), "failed": len(failed),
                "last_failure_s": round(max(failed), 2) if failed else None,
                "late_requests": len(late), "late_failed": late.count(False)}
     print("dead-backend", fault.__name__, figures)
@@ -84,15 +80,17 @@ async def restore(stack, victim, stalled: bool):
 
 
 @pytest.mark.parametrize("listener", ["http", "llm-gw"])
-async def test_killed_group_costs_a_handful_of_requests(stack, session, listener):
+async def test_killed_group_costs_a_handful_of_requests(stack, session, listener, record_property):
     figures = await run_fault(stack, session, listener, kill(stack))
+    record_property("figures", json.dumps(figures))  # `python -m bench dead-backend` reads them
     await restore(stack, stack.topology.sims[0], stalled=False)
     assert figures["failed"] <= HANDFUL, figures
     assert figures["late_requests"] >= 40 and figures["late_failed"] == 0, figures
 
 
 @pytest.mark.parametrize("listener", ["http", "llm-gw"])
-async def test_stalled_group_is_taken_out_within_seconds(stack, session, listener):
+async def test_stalled_group_is_taken_out_within_seconds(stack, session, listener, record_property):
     figures = await run_fault(stack, session, listener, stall(stack))
+    record_property("figures", json.dumps(figures))
     await restore(stack, stack.topology.sims[0], stalled=True)
     assert figures["late_requests"] >= 40 and figures["late_failed"] == 0, figures

@@ -166,7 +166,8 @@ def test_a_second_stack_fails_fast_and_leaves_the_first_serving(stack, tmp_path)
         second.start()
     assert second.procs == []
     import urllib.request
-    with urllib.request.urlopen(url(stack, "http", "/v1/models"), timeout=10) as r:
+    request = urllib.request.Request(url(stack, "http", "/v1/models"), headers=stack.auth_headers())
+    with urllib.request.urlopen(request, timeout=10) as r:
         assert r.status == 200
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from validation import edge
-from tests.policy.conftest import find, rendered
+from tests.policy.conftest import OVERLAYS, find, rendered
 
 CLUSTER_OVERLAYS = ["overlays/a10-secure"]
 OVERLAY = "overlays/a10-secure"
@@ -15,6 +15,11 @@ OVERLAY = "overlays/a10-secure"
 @pytest.mark.parametrize("check", edge.EDGE_CHECKS, ids=lambda c: c.__name__)
 def test_edge_holds(overlay, check):
     assert check(rendered(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_checks_backend_health(overlay):
+    assert edge.routes_check_health(rendered(overlay)) == []
 
 
 def test_no_api_keys_is_caught():
@@ -56,6 +61,7 @@ def test_no_connection_limit_is_caught():
 @pytest.mark.parametrize("breakage, message", [
     ("rate-limit", "no rule per distinct client id"),
     ("rate-limit-exact", "no rule per distinct client id"),
+    ("rate-limit-distinct-first", "the Distinct match must be the last one"),
     ("active", "must GET /health"),
     ("passive", "outlier detection"),
     ("retry-5xx", "can resend a request"),
@@ -66,8 +72,14 @@ def test_backend_policy_breakage_is_caught(breakage, message):
     spec = find(objs, "BackendTrafficPolicy", "reasoning-inference")["spec"]
     if breakage == "rate-limit":
         del spec["rateLimit"]
-    elif breakage == "rate-limit-exact":
-        spec["rateLimit"]["local"]["rules"][0]["clientSelectors"][0]["headers"][0]["type"] = "Exact"
+    elif breakage.startswith("rate-limit-"):
+        headers = spec["rateLimit"]["local"]["rules"][0]["clientSelectors"][0]["headers"]
+        distinct = next(h for h in headers if h["type"] == "Distinct")
+        if breakage == "rate-limit-exact":
+            distinct.update(type="Exact", value="team-a")
+        else:
+            headers.remove(distinct)
+            headers.insert(0, distinct)
     elif breakage == "active":
         spec["healthCheck"]["active"]["http"]["path"] = "/metrics"
     elif breakage == "passive":
@@ -76,7 +88,8 @@ def test_backend_policy_breakage_is_caught(breakage, message):
         spec["retry"]["retryOn"]["triggers"].append("5xx")
     else:
         del spec["retry"]["retryOn"]
-    problems = edge.routes_rate_limit_and_check_health(objs)
+    check = edge.routes_rate_limit if breakage.startswith("rate-limit") else edge.routes_check_health
+    problems = check(objs)
     assert problems and all("reasoning-inference" in p for p in problems)
     assert any(message in p for p in problems), problems
 

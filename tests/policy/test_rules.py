@@ -11,7 +11,7 @@ from validation.render import Rendered
 def test_overlays_get_every_workload_rule_and_the_secure_one_the_edge_rules():
     a10 = rules.rules_for("overlays/a10")
     assert set(policy.ALL_CHECKS) <= set(a10) and policy.gpu_pods_fit_node in a10
-    assert not set(edge.EDGE_CHECKS) & set(a10)
+    assert not set(edge.EDGE_CHECKS) & set(a10) and set(edge.HEALTH_CHECKS) <= set(a10)
     assert set(edge.EDGE_CHECKS) <= set(rules.rules_for("overlays/a10-secure"))
     assert rules.rules_for("argocd/apps") == [policy.chart_sources_resolve]
     assert rules.rules_for("base/gateway") == []  # a base alone is not a deployable whole

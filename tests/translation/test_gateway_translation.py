@@ -71,6 +71,15 @@ def test_endpoint_override_without_the_picker_in_front_is_reported():
                for p in found), found
 
 
+def test_a_rate_limit_after_the_picker_is_reported():
+    """Without the EnvoyProxy's filterOrder, Envoy Gateway runs the local rate limit after ext_proc."""
+    objs = [o for o in rendered("overlays/a10-secure") if o.get("kind") != "EnvoyProxy"]
+    del find(objs, "Gateway", "inference-gateway")["spec"]["infrastructure"]
+    found = check(objs)
+    assert any("Gateway llm/inference-gateway: spec.infrastructure.parametersRef" in p
+               and "envoy.filters.http.local_ratelimit after the picker's ext_proc" in p for p in found), found
+
+
 def test_the_baseline_listener_must_balance_by_least_request():
     objs = rendered("overlays/a10")
     find(objs, "BackendTrafficPolicy", "reasoning-backend")["spec"]["loadBalancer"] = {"type": "RoundRobin"}

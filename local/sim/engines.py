@@ -1,6 +1,6 @@
-"""Engine profiles: KV capacity, batch limits and step-time constants of a deployment.
+"""Engine models: KV capacity, batch limits and step-time constants of a deployment.
 
-The derivation of `a10-qwq32b` is in local/README.md ("Profile a10-qwq32b").
+The derivation of `a10-qwq32b` is in local/README.md ("Engine model a10-qwq32b").
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
-class Profile:
+class EngineModel:
     name: str
     block_size: int               # tokens per KV block
     num_gpu_blocks: int           # KV capacity of the group, in blocks
@@ -27,11 +27,11 @@ class Profile:
     gpu_memory_utilization: float = 0.95
     cache_dtype: str = "auto"
 
-    def with_overrides(self, **changes) -> "Profile":
+    def with_overrides(self, **changes) -> "EngineModel":
         return replace(self, **changes)
 
 
-A10_QWQ32B = Profile(
+A10_QWQ32B = EngineModel(
     name="a10-qwq32b",
     block_size=16,
     num_gpu_blocks=2350,             # one V0 virtual engine's share: ~4,700 / PP 2 (see README)
@@ -45,8 +45,8 @@ A10_QWQ32B = Profile(
     stage_context_token_s=0.11e-6,
 )
 
-# A tiny profile for unit tests: small numbers that make admission and preemption easy to reason about.
-TINY = Profile(
+# A tiny engine model for unit tests: small numbers that make admission and preemption easy to reason about.
+TINY = EngineModel(
     name="tiny",
     block_size=4,
     num_gpu_blocks=16,
@@ -61,12 +61,12 @@ TINY = Profile(
     watermark=0.0,
 )
 
-PROFILES = {p.name: p for p in (A10_QWQ32B, TINY)}
-DEFAULT_PROFILE = A10_QWQ32B.name  # the simulator's, the lab's and the local stack's
+ENGINE_MODELS = {m.name: m for m in (A10_QWQ32B, TINY)}
+DEFAULT_ENGINE_MODEL = A10_QWQ32B.name  # the simulator's, the lab's and the local stack's
 
 
-def get_profile(name: str) -> Profile:
+def get_engine_model(name: str) -> EngineModel:
     try:
-        return PROFILES[name]
+        return ENGINE_MODELS[name]
     except KeyError:
-        raise ValueError(f"unknown profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None
+        raise ValueError(f"unknown engine model {name!r}; known: {', '.join(sorted(ENGINE_MODELS))}") from None

@@ -1,0 +1,105 @@
+"""The picker under hostile traffic (soak) and dead or stalled backends on the real data plane.
+
+    python -m bench soak [--soak-seconds 180]   picker/tests/test_abuse.py for that long
+    python -m bench dead-backend                tests/e2e/test_e2e_dead_backend.py (both listeners)
+
+Both run the test suite's own scenario, with its assertions, and read the figures each test
+records (pytest `record_property`, in a JUnit XML report), so a figure here is one a passing test
+measured.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from bench.common import PY, RESULTS, load_average, run, save, shown, stamp
+
+SOAK_TEST = "picker/tests/test_abuse.py"
+DEAD_BACKEND_TEST = "tests/e2e/test_e2e_dead_backend.py"
+
+
+def recorded(junit_xml) -> dict[str, dict[str, str]]:
+    """Test name -> the properties it recorded."""
+    out = {}
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if props:
+            out[case.get("name")] = props
+    return out
+
+
+def _pytest(name: str, test: str, extra: list[str], env: dict[str, str] | None = None) -> tuple[dict, float, list]:
+    xml = RESULTS / f"{name}.junit.xml"
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, *extra, f"--junitxml={xml}"]
+    wall = run(cmd, log=RESULTS / f"{name}.log", env=env)
+    return recorded(xml), wall, cmd
+
+
+def soak(seconds: float = 180.0) -> dict:
+    load_start = load_average()
+    props, wall, cmd = _pytest("soak", SOAK_TEST, ["-m", "soak", "--timeout", str(int(seconds) + 600)],
+                               {"PICKER_SOAK_SECONDS": f"{seconds:g}"})
+    rounds = json.loads(next(iter(props.values()))["rounds"])
+    data = {"command": f"PICKER_SOAK_SECONDS={seconds:g} {shown(cmd)}", "seconds": seconds, "wall_s": wall,
+            "rounds": rounds, "load_average_start": load_start, "load_average_end": load_average(), **stamp()}
+    save("soak", data)
+    return data
+
+
+def dead_backend() -> dict:
+    load_start = load_average()
+    props, wall, cmd = _pytest("dead-backend", DEAD_BACKEND_TEST, [])
+    runs = [json.loads(p["figures"]) for p in props.values()]
+    data = {"command": shown(cmd), "wall_s": wall, "runs": runs, "load_average_start": load_start,
+            "load_average_end": load_average(), **stamp()}
+    save("dead-backend", data)
+    return data
+
+
+# -- BENCHMARKS.md -------------------------------------------------------------------------------
+
+def soak_report(d: dict) -> list[str]:
+    rounds = d["rounds"]
+    base, abused = rounds[0], rounds[1:]
+    out = [f"Command: `{d['command']}` ({d['wall_s']:.0f} s wall, {len(abused)} rounds). One picker process, "
+           "two fake vLLM endpoints; each round sends 1,500 requests with distinct unknown model names, 300 "
+           "forged `x-request-id`s on streams cut after the decision, 24 unfinished 2 MiB bodies in each body "
+           "mode (against a 16 MiB budget), 1 MiB model names and repeated headers, while a well-behaved "
+           "client keeps asking for decisions. Figures after each round (round 0: before any abuse):", "",
+           "| round | RSS MiB | /metrics series | /metrics bytes | good client ms (after) | good client ms (during) | "
+           "in flight | big bodies refused (buffered / full-duplex) |",
+           "|---|---|---|---|---|---|---|---|"]
+    shown = rounds if len(rounds) <= 8 else [*rounds[:4], None, *rounds[-3:]]
+    for r in shown:
+        if r is None:
+            out.append(f"| ... {len(rounds) - 7} more rounds | | | | | | | |")
+            continue
+        bodies = r.get("big_bodies") or {}
+        during = f"{r['good_during_ms']:.2f}" if "good_during_ms" in r else ""
+        refused = f"{bodies.get('buffered 503', 0)} / {bodies.get('full-duplex 503', 0)}" if bodies else ""
+        out.append(f"| {r['round']} | {r['rss_mib']:.0f} | {r['series']} | {r['page_bytes']:,} | {r['good_ms']:.2f} | "
+                   f"{during} | {r.get('inflight', 0):.0f} | {refused} |")
+    rss = [r["rss_mib"] for r in abused]
+    during = sorted(r.get("good_during_ms", 0.0) for r in abused)
+    out += ["", f"Across all {len(abused)} rounds: RSS {min(rss):.0f}-{max(rss):.0f} MiB (before: {base['rss_mib']:.0f}), series "
+                f"{min(r['series'] for r in abused)}-{max(r['series'] for r in abused)} (before: {base['series']}), "
+                f"good-client median decision {sorted(r['good_ms'] for r in abused)[len(abused) // 2]:.2f} ms "
+                f"(before: {base['good_ms']:.2f} ms); while a round runs the good client waits "
+                f"{during[len(during) // 2]:.1f} ms (median), the picker's one event loop being busy with the abuse."]
+    return out
+
+
+def dead_backend_report(d: dict) -> list[str]:
+    out = [f"Command: `{d['command']}` ({d['wall_s']:.0f} s wall). The local stack (3 simulated groups, "
+           "`overlays/a10` with its health checks, outlier detection and connect-failure retries) under six "
+           "closed-loop clients per listener; one group is killed (SIGKILL) or stalled (SIGSTOP: it accepts "
+           "connections and never answers; clients give up after 5 s). \"Late\" = sent more than 15 s after "
+           "the fault.", "",
+           "| fault | listener | requests after the fault | failed | last failure (s after the fault) | "
+           "late requests | late failed |", "|---|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        last = "" if r["last_failure_s"] is None else f"{r['last_failure_s']:.1f}"
+        out.append(f"| {r['fault']} | {r['listener']} | {r['requests_after_fault']} | {r['failed']} | {last} | "
+                   f"{r['late_requests']} | {r['late_failed']} |")
+    return out
