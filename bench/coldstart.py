@@ -35,6 +35,15 @@ def burst(trial: int):
                        OUTPUT_TOKENS, group="new-prefix") for _ in range(BURST)]
 
 
+def _summary(trials: list[dict]) -> dict:
+    """One policy's trials and their means (the largest group's share of the burst, TTFTs)."""
+    return {"trials": trials,
+            "mean_largest_share": statistics.mean(r["per_group"][0] for r in trials) / BURST,
+            "all_on_one_group": sum(r["groups_used"] == 1 for r in trials),
+            "mean_ttft_ms": statistics.mean(r["mean_ttft_ms"] for r in trials),
+            "mean_max_ttft_ms": statistics.mean(r["max_ttft_ms"] for r in trials)}
+
+
 def run(trials: int) -> dict:
     from lab.policies import make_policy
     from lab.runner import LabConfig, prepare_requests, run_lab
@@ -52,11 +61,7 @@ def run(trials: int) -> dict:
             ttfts = [s.ttft * 1000 for s in result.samples]
             rows.append({"per_group": per_group, "groups_used": sum(1 for n in per_group if n),
                          "mean_ttft_ms": statistics.mean(ttfts), "max_ttft_ms": max(ttfts)})
-        out[name] = {"trials": rows,
-                     "mean_largest_share": statistics.mean(r["per_group"][0] for r in rows) / BURST,
-                     "all_on_one_group": sum(r["groups_used"] == 1 for r in rows),
-                     "mean_ttft_ms": statistics.mean(r["mean_ttft_ms"] for r in rows),
-                     "mean_max_ttft_ms": statistics.mean(r["max_ttft_ms"] for r in rows)}
+        out[name] = _summary(rows)
         print(f"{name:16} largest group {out[name]['mean_largest_share']:.0%} of the burst, "
               f"mean TTFT {out[name]['mean_ttft_ms']:,.0f} ms", flush=True)
     return out
@@ -142,10 +147,6 @@ def run_http(trials: int) -> dict:
                 if reset(config.name, config.run_root) != 0:
                     raise RuntimeError("local.stack reset failed")
                 rows.append(asyncio.run(_burst_http(port, burst(trial), sims, stack.auth_headers())))
-        out[name] = {"trials": rows,
-                     "mean_largest_share": statistics.mean(r["per_group"][0] for r in rows) / BURST,
-                     "all_on_one_group": sum(r["groups_used"] == 1 for r in rows),
-                     "mean_ttft_ms": statistics.mean(r["mean_ttft_ms"] for r in rows),
-                     "mean_max_ttft_ms": statistics.mean(r["max_ttft_ms"] for r in rows)}
+        out[name] = _summary(rows)
         print(f"HTTP {name:16} largest group {out[name]['mean_largest_share']:.0%} of the burst", flush=True)
     return out

@@ -24,6 +24,17 @@ def _pct(new, old) -> str:
     return change_pct(old, new)
 
 
+def _section(title: str, d: dict | None, body) -> list[str]:
+    """A `## title` section: the lines `body(d)` writes, or "(not run)" without results."""
+    return [f"## {title}", ""] + (body(d) if d else ["(not run)"]) + [""]
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table: the header, its rule, one line a row."""
+    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
+    return [line(header), "|---" * len(header) + "|"] + [line(row) for row in rows]
+
+
 def header(m: dict, loads: list[float]) -> list[str]:
     busy = max(loads) if loads else None
     shared = (f"The machine was shared with other work while these ran (1-minute load average "
@@ -43,40 +54,31 @@ def header(m: dict, loads: list[float]) -> list[str]:
 
 
 def validation_section(d: dict | None) -> list[str]:
-    if not d:
-        return ["## Validation time", "", "(not run)", ""]
-    return ["## Validation time", "",
-            f"Command: `{d['command']}` (every base, overlay, Argo CD app path and loadtest/k8s: render, "
-            "schemas + CRDs with CEL, kubeconform, workflows, Envoy Gateway's translation, the cross-object rules). "
-            "One run to warm the caches, then "
-            f"{len(d['warm_runs_s'])} timed runs.", "",
-            "| | first run | warm median | warm min | target |", "|---|---|---|---|---|",
-            f"| wall s | {d['first_run_s']:.1f} | {d['warm_median_s']:.1f} | {d['warm_min_s']:.1f} | <= {d['target_s']:.0f} |",
-            ""]
+    return _section("Validation time", d, lambda d: [
+        f"Command: `{d['command']}` (every base, overlay, Argo CD app path and loadtest/k8s: render, "
+        "schemas + CRDs with CEL, kubeconform, workflows, Envoy Gateway's translation, the cross-object rules). "
+        "One run to warm the caches, then "
+        f"{len(d['warm_runs_s'])} timed runs.", "",
+        "| | first run | warm median | warm min | target |", "|---|---|---|---|---|",
+        f"| wall s | {d['first_run_s']:.1f} | {d['warm_median_s']:.1f} | {d['warm_min_s']:.1f} | <= {d['target_s']:.0f} |"])
 
 
 def picker_section(d: dict | None) -> list[str]:
-    if not d:
-        return ["## Picker decision throughput and latency", "", "(not run)", ""]
+    return _section("Picker decision throughput and latency", d, _picker_body)
+
+
+def _picker_body(d: dict) -> list[str]:
     r = d["result"]
-    out = ["## Picker decision throughput and latency", "",
-           "Command: `make bench-picker` (`python -m bench.picker`, see picker/README.md): `Router.decide()` in "
+    out = ["Command: `make bench-picker` (`python -m bench.picker`, see picker/README.md): `Router.decide()` in "
            "process; the real gRPC server driven by a compiled ext_proc load client (closed loop: streams back "
            "to back; open loop: a fixed rate of new streams; offered above what the server can decide, the "
-           "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", "",
-           "| in process | decisions/s | p50 ms | p99 ms |", "|---|---|---|---|"]
-    for x in r.get("inprocess", []):
-        out.append(f"| {x['endpoints']} endpoints | {_f(x['decisions_per_s'])} | {x['p50_ms']:.3f} | {x['p99_ms']:.3f} |")
+           "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", ""]
+    out += _table(["in process", "decisions/s", "p50 ms", "p99 ms"],
+                  [[f"{x['endpoints']} endpoints", _f(x["decisions_per_s"]), f"{x['p50_ms']:.3f}", f"{x['p99_ms']:.3f}"]
+                   for x in r.get("inprocess", [])])
     grpc = r.get("grpc", [])
     rates = sorted({o["offered_per_s"] for x in grpc for o in x.get("open_loops", [])})
-    out += ["", "Through gRPC: closed loop = 64 streams back to back; open loop = p99 round trip (stream opened "
-                "-> routing answer, as the client sees it) at each offered rate. Each is run 3 times, interleaved: "
-                "shown is the median run (closed loop: by throughput; open loop: by p99), then every run in "
-                "brackets. decide = the server's own `decide()` time in the reported closed-loop run (what "
-                "`picker_decision_duration_seconds` observes).", "",
-            "| through gRPC | mode | closed decisions/s | closed p50 / p99 ms | decide p99 ms | server CPU ms/decision | "
-            + " | ".join(f"open {r_:,.0f}/s p99 ms" for r_ in rates) + " | p99 <= 5 ms at every rate up to | errors |",
-            "|---" * (8 + len(rates)) + "|"]
+    rows = []
     for x in grpc:
         c = x.get("closed_loop") or {}
         opens = {o["offered_per_s"]: o for o in x.get("open_loops", [])}
@@ -84,18 +86,25 @@ def picker_section(d: dict | None) -> list[str]:
         decide = (c.get("decide") or {}).get("p99_ms")
         best = x.get("max_rate_p99_within_target")
         errors = (c.get("errors") or 0) + sum(o.get("errors") or 0 for o in opens.values())
-        out.append(f"| {label} | {x.get('mode', '')} | {_spread(c, 'decisions_per_s', 0)} | "
-                   f"{_f(c.get('p50_ms'), 1)} / {_f(c.get('p99_ms'), 1)} | {_f(decide, 2) if decide else '-'} | "
-                   f"{_f(c.get('server_cpu_ms_per_request'), 2)} | "
-                   + " | ".join(_spread(opens.get(r_), "p99_ms", 1) for r_ in rates)
-                   + f" | {_f(best) + '/s' if best else 'none'} | {errors} |")
+        rows.append([label, x.get("mode", ""), _spread(c, "decisions_per_s", 0),
+                     f"{_f(c.get('p50_ms'), 1)} / {_f(c.get('p99_ms'), 1)}", _f(decide, 2) if decide else "-",
+                     _f(c.get("server_cpu_ms_per_request"), 2), *(_spread(opens.get(r_), "p99_ms", 1) for r_ in rates),
+                     _f(best) + "/s" if best else "none", errors])
+    out += ["", "Through gRPC: closed loop = 64 streams back to back; open loop = p99 round trip (stream opened "
+                "-> routing answer, as the client sees it) at each offered rate. Each is run 3 times, interleaved: "
+                "shown is the median run (closed loop: by throughput; open loop: by p99), then every run in "
+                "brackets. decide = the server's own `decide()` time in the reported closed-loop run (what "
+                "`picker_decision_duration_seconds` observes).", ""]
+    out += _table(["through gRPC", "mode", "closed decisions/s", "closed p50 / p99 ms", "decide p99 ms",
+                   "server CPU ms/decision", *(f"open {r_:,.0f}/s p99 ms" for r_ in rates),
+                   "p99 <= 5 ms at every rate up to", "errors"], rows)
     out += _picker_target(grpc)
     s = r.get("scrape")
     if s:
         out += ["", f"Scraping {s.get('endpoints')} endpoints every {s.get('interval_s')} s: "
                     f"{_f(s.get('scrapes_per_s'))} scrapes/s, {_f(s.get('cpu_cores'), 2)} CPU cores, "
                     f"{_f(s.get('cpu_ms_per_scrape'), 2)} ms CPU per scrape."]
-    return out + [""]
+    return out
 
 
 def _spread(run: dict | None, key: str, digits: int) -> str:
@@ -127,18 +136,13 @@ def _picker_target(grpc: list[dict]) -> list[str]:
 
 
 def _lab_table(summary: dict, article: bool) -> list[str]:
-    policies = summary["policies"]
-    out = ["| policy | " + " | ".join(label for _, label in LAB_KEYS) + " |", "|---" * (len(LAB_KEYS) + 1) + "|"]
-    for name, stats in policies.items():
-        cells = [f"{_f(stats[k]['mean'], 1 if 'tpot' in k or 'throughput' in k else 0)} ± "
-                 f"{_f(stats[k]['std'], 1 if 'tpot' in k or 'throughput' in k else 0)}" for k, _ in LAB_KEYS]
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    digits = lambda k: 1 if "tpot" in k or "throughput" in k else 0  # noqa: E731
+    rows = [[name, *(f"{_f(stats[k]['mean'], digits(k))} ± {_f(stats[k]['std'], digits(k))}" for k, _ in LAB_KEYS)]
+            for name, stats in summary["policies"].items()]
     if article:
-        for name, port in (("least-request", "8080"), ("picker", "8081")):
-            a = ARTICLE[name]
-            out.append(f"| article {port} | " + " | ".join(_f(a[k], 1 if 'tpot' in k or 'throughput' in k else 0)
-                                                          for k, _ in LAB_KEYS) + " |")
-    return out
+        rows += [[f"article {port}", *(_f(ARTICLE[name][k], digits(k)) for k, _ in LAB_KEYS)]
+                 for name, port in (("least-request", "8080"), ("picker", "8081"))]
+    return _table(["policy", *(label for _, label in LAB_KEYS)], rows)
 
 
 CALIBRATION_TOLERANCE_PCT = 25.0  # the simulator's calibration target against the article's 8080 run
@@ -241,12 +245,23 @@ def _cpu_minutes(m: dict) -> float:
 
 
 def lab_matrix_section(d: dict | None) -> list[str]:
-    out = ["## Routing lab: scenario matrix", ""]
-    if not d:
-        return out + ["(not run)", ""]
+    return _section("Routing lab: scenario matrix", d, _lab_matrix_body)
+
+
+def _lab_matrix_body(d: dict) -> list[str]:
     m = d["matrix"]
     seeds = " ".join(map(str, m["seeds"]))
-    out += [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
+    rows = []
+    for s in m["scenarios"]:
+        a, p = s["assessment"], s["policies"]
+        c = a.get("change_pct", {})
+        gap = a.get("gap_closed_pct")
+        rows.append([f"{s['name']}: {s['description']}", s["factor"],
+                     *(_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES),
+                     f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %" if c else "-",
+                     _f(-a["oracle_gain_pct"], 1) + " %" if "oracle_gain_pct" in a else "-",
+                     _f(gap) + " %" if gap is not None else "-"])
+    return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
             f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
             f"**{d['wall_s'] / 60:.1f} min wall**, target 15 min; 1-minute load average "
             f"{d['load_average_start']:.1f} at the start, {d['load_average_end']:.1f} at the end, on a machine "
@@ -260,122 +275,94 @@ def lab_matrix_section(d: dict | None) -> list[str]:
             "The oracle is clairvoyant (lab/oracle.py): it knows every engine's exact state and every request's "
             "output length, plays each candidate group forward and sends the request where its first token "
             "comes soonest. Gap closed = (least request - default) / (least request - oracle) in mean TTFT.", "",
-            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", "",
-            "| scenario | varied | " + " | ".join(label for _, label in MATRIX_POLICIES)
-            + " | default vs least request (mean, P99, tok/s) | oracle vs least request | gap closed |",
-            "|---" * (len(MATRIX_POLICIES) + 5) + "|"]
-    for s in m["scenarios"]:
-        a, p = s["assessment"], s["policies"]
-        c = a.get("change_pct", {})
-        cells = [_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES]
-        gap = a.get("gap_closed_pct")
-        out.append(f"| {s['name']}: {s['description']} | {s['factor']} | " + " | ".join(cells) + " | "
-                   + (f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %"
-                      if c else "-")
-                   + f" | {_f(-a['oracle_gain_pct'], 1) + ' %' if 'oracle_gain_pct' in a else '-'}"
-                   + f" | {_f(gap) + ' %' if gap is not None else '-'} |")
-    out += [""] + _matrix_targets(m["scenarios"]) + [""]
-    return out
+            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""] + _table(
+        ["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
+         "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed"], rows) \
+        + [""] + _matrix_targets(m["scenarios"])
 
 
 def crosscheck_section(d: dict | None) -> list[str]:
-    out = ["## Scaled HTTP comparison and the lab cross-check", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    out += [f"Command: `{d['command']}`: the HTTP part is `python -m local.stack demo` (what `make demo` runs: "
-            "3 simulator processes, the picker, Envoy Gateway + Envoy, `loadtest compare` of both listeners); the lab "
-            "part runs the same prompts through the same engine model in virtual time. HTTP took "
-            f"{d['http_wall_s']:.0f} s wall, the lab {d['lab_wall_s']:.0f} s. HTTP results: "
-            f"`{d['http_results_dir'].replace(str(REPO) + '/', '')}/report.md`.", "",
-            crosscheck.report(d), ""]
-    return out
+    return _section("Scaled HTTP comparison and the lab cross-check", d, lambda d: [
+        f"Command: `{d['command']}`: the HTTP part is `python -m local.stack demo` (what `make demo` runs: "
+        "3 simulator processes, the picker, Envoy Gateway + Envoy, `loadtest compare` of both listeners); the lab "
+        "part runs the same prompts through the same engine model in virtual time. HTTP took "
+        f"{d['http_wall_s']:.0f} s wall, the lab {d['lab_wall_s']:.0f} s. HTTP results: "
+        f"`{d['http_results_dir'].replace(str(REPO) + '/', '')}/report.md`.", "",
+        crosscheck.report(d)])
 
 
 def phases_section(d: dict | None) -> list[str]:
-    out = ["## What the picker is sent: request phase only or the response phase too", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    return out + phases.report(d) + [""]
+    return _section("What the picker is sent: request phase only or the response phase too", d, phases.report)
 
 
 def coldstart_section(d: dict | None) -> list[str]:
-    out = ["## Cold start: a burst sharing a new prefix at a fresh router", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    return out + coldstart.report(d) + [""]
+    return _section("Cold start: a burst sharing a new prefix at a fresh router", d, coldstart.report)
 
 
 def soak_section(d: dict | None) -> list[str]:
-    out = ["## The picker under hostile traffic (soak)", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    return out + robustness.soak_report(d) + [""]
+    return _section("The picker under hostile traffic (soak)", d, robustness.soak_report)
 
 
 def dead_backend_section(d: dict | None) -> list[str]:
-    out = ["## A dead or stalled backend on both listeners", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    return out + robustness.dead_backend_report(d) + [""]
+    return _section("A dead or stalled backend on both listeners", d, robustness.dead_backend_report)
 
 
 def demo_section(d: dict | None) -> list[str]:
-    out = ["## `make demo` on the real data plane", ""]
-    if not d:
-        return out + ["(not run)", ""]
+    return _section("`make demo` on the real data plane", d, _demo_body)
+
+
+def _demo_body(d: dict) -> list[str]:
     dp = d["dataplane"]
-    out += [f"Command: `{d['command']}`, {d['wall_s']:.0f} s wall (Go tools already built): 3 simulator processes, "
-            "the picker, Envoy Gateway v1.9.0 (standalone) and Envoy 1.39.0, `loadtest compare` of listener `http` "
-            f"(least request) vs `llm-gw` (picker) on the `{dp['workload']}` workload, speedup {dp['speedup']:g} "
-            "(times are wall-clock ms at that speedup). Results: "
-            f"`{d['results_dir']}/report.md`.", "",
-            "| listener | mean TTFT ms | median TTFT ms | P99 TTFT ms | mean TPOT ms | output tok/s | completed | failed |",
-            "|---|---|---|---|---|---|---|---|"]
-    for name, r in d["results"].items():
-        out.append(f"| {name} ({dp['listeners'][name]}) | {r['mean_ttft_ms']:,.0f} | {r['median_ttft_ms']:,.0f} | "
-                   f"{r['p99_ttft_ms']:,.0f} | {r['mean_tpot_ms']:.1f} | {r['output_throughput']:.1f} | "
-                   f"{r['completed']} | {r['failed']} |")
+    out = [f"Command: `{d['command']}`, {d['wall_s']:.0f} s wall (Go tools already built): 3 simulator processes, "
+           "the picker, Envoy Gateway v1.9.0 (standalone) and Envoy 1.39.0, `loadtest compare` of listener `http` "
+           f"(least request) vs `llm-gw` (picker) on the `{dp['workload']}` workload, speedup {dp['speedup']:g} "
+           "(times are wall-clock ms at that speedup). Results: "
+           f"`{d['results_dir']}/report.md`.", ""]
+    out += _table(["listener", "mean TTFT ms", "median TTFT ms", "P99 TTFT ms", "mean TPOT ms", "output tok/s",
+                   "completed", "failed"],
+                  [[f"{name} ({dp['listeners'][name]})", f"{r['mean_ttft_ms']:,.0f}", f"{r['median_ttft_ms']:,.0f}",
+                    f"{r['p99_ttft_ms']:,.0f}", f"{r['mean_tpot_ms']:.1f}", f"{r['output_throughput']:.1f}",
+                    r["completed"], r["failed"]] for name, r in d["results"].items()])
     lr, pk = d["results"].get("http"), d["results"].get("llm-gw")
     if lr and pk:
         out += ["", f"llm-gw vs http: mean TTFT {_pct(pk['mean_ttft_ms'], lr['mean_ttft_ms'])}, P99 TTFT "
                     f"{_pct(pk['p99_ttft_ms'], lr['p99_ttft_ms'])}, output throughput "
                     f"{_pct(pk['output_throughput'], lr['output_throughput'])}."]
-    out += ["", f"CPU of every process during the comparison ({dp['wall_s']:.0f} s, {dp['cores']} cores):", "",
-            "| process | CPU s | cores |", "|---|---|---|"]
-    for name, cpu in dp["cpu_s"].items():
-        out.append(f"| {name} | {cpu:.1f} | {cpu / dp['wall_s']:.2f} |")
-    out += ["", "Envoy's own counters per listener during the comparison:", "",
-            "| listener | " + " | ".join(s.replace("downstream_", "") for s in next(iter(dp["envoy_listener_stats"].values()))) + " |",
-            "|---|" + "---|" * len(next(iter(dp["envoy_listener_stats"].values())))]
-    for name, stats in dp["envoy_listener_stats"].items():
-        out.append(f"| {name} | " + " | ".join(str(v) for v in stats.values()) + " |")
-    return out + [""]
+    out += ["", f"CPU of every process during the comparison ({dp['wall_s']:.0f} s, {dp['cores']} cores):", ""]
+    out += _table(["process", "CPU s", "cores"],
+                  [[name, f"{cpu:.1f}", f"{cpu / dp['wall_s']:.2f}"] for name, cpu in dp["cpu_s"].items()])
+    stats = dp["envoy_listener_stats"]
+    out += ["", "Envoy's own counters per listener during the comparison:", ""]
+    out += _table(["listener", *(s.replace("downstream_", "") for s in next(iter(stats.values())))],
+                  [[name, *values.values()] for name, values in stats.items()])
+    return out
 
 
 def picker_scale_section(d: dict | None) -> list[str]:
-    out = ["## Picker at scale: pool size, scraping, worker processes", ""]
-    if not d:
-        return out + ["(not run)", ""]
+    return _section("Picker at scale: pool size, scraping, worker processes", d, _picker_scale_body)
+
+
+def _picker_scale_body(d: dict) -> list[str]:
     r = d["result"]
-    out += ["Command: `make bench-picker-scale` (`python -m bench.picker.scale`, see picker/README.md "
-            "\"Scale\"). CPU = the deciding thread's CPU time per decision (on a shared machine the "
-            "wall-time tail is mostly preemption by other processes); wall = perf_counter."
-            + (f" 1-minute load average {r['machine']['load_avg_1m_start']:.1f} at the start and "
-               f"{r['machine'].get('load_avg_1m_end', 0):.1f} at the end, on {r['machine']['cpus']} CPUs: "
-               "throughput and wall times here are what was left of a shared machine."
-               if r.get("machine") else ""), ""]
+    out = ["Command: `make bench-picker-scale` (`python -m bench.picker.scale`, see picker/README.md "
+           "\"Scale\"). CPU = the deciding thread's CPU time per decision (on a shared machine the "
+           "wall-time tail is mostly preemption by other processes); wall = perf_counter."
+           + (f" 1-minute load average {r['machine']['load_avg_1m_start']:.1f} at the start and "
+              f"{r['machine'].get('load_avg_1m_end', 0):.1f} at the end, on {r['machine']['cpus']} CPUs: "
+              "throughput and wall times here are what was left of a shared machine."
+              if r.get("machine") else ""), ""]
     for part, how in (r.get("runs") or {}).items():
         out[-1:-1] = [f"- {part}: {how}"]
     if r.get("runs"):
         out.insert(-1, "")
     inp = r.get("inprocess") or []
     if inp:
-        out += ["| in process | prefilter | decisions/s | wall p50 / p99 ms | CPU p50 / p99 ms | CPU ms/decision |",
-                "|---|---|---|---|---|---|"]
-        for x in inp:
-            out.append(f"| {x['endpoints']:,} endpoints | {'on' if x['prefilter'] else 'off (every candidate scored)'} | "
-                       f"{_f(x['decisions_per_s'])} | {x['p50_ms']:.3f} / {x['p99_ms']:.3f} | "
-                       f"{x['cpu_p50_ms']:.3f} / {x['cpu_p99_ms']:.3f} | {x['cpu_ms_per_decision']:.3f} |")
+        out += _table(["in process", "prefilter", "decisions/s", "wall p50 / p99 ms", "CPU p50 / p99 ms",
+                       "CPU ms/decision"],
+                      [[f"{x['endpoints']:,} endpoints", "on" if x["prefilter"] else "off (every candidate scored)",
+                        _f(x["decisions_per_s"]), f"{x['p50_ms']:.3f} / {x['p99_ms']:.3f}",
+                        f"{x['cpu_p50_ms']:.3f} / {x['cpu_p99_ms']:.3f}", f"{x['cpu_ms_per_decision']:.3f}"]
+                       for x in inp])
         big = [x for x in inp if x["prefilter"] and x["endpoints"] >= 1024]
         if big:
             x = big[0]
@@ -383,69 +370,69 @@ def picker_scale_section(d: dict | None) -> list[str]:
                         f"{'met' if x['cpu_p99_ms'] <= 1 else 'not met'} (wall p99 {x['p99_ms']:.3f} ms)."]
     grpc = r.get("grpc") or []
     if grpc:
-        out += ["", "Through gRPC, one worker, buffered, 64 streams closed loop and one open-loop rate "
-                    "(median of the repeats, every repeat in brackets):", "",
-                "| through gRPC | closed decisions/s | decide p99 ms | server CPU ms/decision | open-loop rate | open p99 ms |",
-                "|---|---|---|---|---|---|"]
+        rows = []
         for x in grpc:
             c = x.get("closed_loop") or {}
             o = (x.get("open_loops") or [{}])[0]
             decide = (c.get("decide") or {}).get("p99_ms")
-            out.append(f"| {x['endpoints']:,} endpoints | {_spread(c, 'decisions_per_s', 0)} | "
-                       f"{_f(decide, 2) if decide else '-'} | {_f(c.get('server_cpu_ms_per_request'), 2)} | "
-                       f"{_f(o.get('offered_per_s'))}/s | {_spread(o, 'p99_ms', 1)} |")
+            rows.append([f"{x['endpoints']:,} endpoints", _spread(c, "decisions_per_s", 0),
+                         _f(decide, 2) if decide else "-", _f(c.get("server_cpu_ms_per_request"), 2),
+                         f"{_f(o.get('offered_per_s'))}/s", _spread(o, "p99_ms", 1)])
+        out += ["", "Through gRPC, one worker, buffered, 64 streams closed loop and one open-loop rate "
+                    "(median of the repeats, every repeat in brackets):", ""]
+        out += _table(["through gRPC", "closed decisions/s", "decide p99 ms", "server CPU ms/decision",
+                       "open-loop rate", "open p99 ms"], rows)
     sl = r.get("scrape_load") or []
     if sl:
         x0 = sl[0]
-        out += ["", f"Decisions at {_f(x0['offered_per_s'])}/s (open loop) on {x0['endpoints']:,} endpoints "
-                    f"whose /metrics pages are really scraped (every {x0['scrape_interval_s']:g} s, the "
-                    "interval adapted to the pool); latency = when the decision was due -> decided, so "
-                    "event-loop time spent scraping counts:", "",
-                "| scraping | p50 ms | p99 ms [repeats] | decided within 3 x the run | decide() CPU p99 ms | refused (503: no endpoint ready) | deciding process cores | scraping cost |",
-                "|---|---|---|---|---|---|---|---|"]
+        labels = {"none": "none (metrics fed once)", "in-loop": "on the deciding event loop",
+                  "signals-process": "signals process (the picker's design)"}
+        rows = []
         for x in sl:
             cost = ("-" if x["mode"] == "none" else
                     f"{_f(x.get('scrapes_per_s'))} scrapes/s on the deciding loop" if x["mode"] == "in-loop"
                     else f"{_f(x.get('signals_process_cpu_cores'), 2)} cores in the signals process")
-            label = {"none": "none (metrics fed once)", "in-loop": "on the deciding event loop",
-                     "signals-process": "signals process (the picker's design)"}[x["mode"]]
-            out.append(f"| {label} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} "
-                       f"[{' '.join(f'{v:.2f}' for v in x['repeats'])}] | "
-                       f"{x.get('completed', x['decisions'])} of {x['decisions']} | {x.get('decide_cpu_p99_ms', 0):.3f} | "
-                       f"{x.get('refused_503', 0)} of "
-                       f"{x['decisions']} | {x['decider_cpu_cores']:.2f} | {cost} |")
+            rows.append([labels[x["mode"]], f"{x['p50_ms']:.2f}",
+                         f"{x['p99_ms']:.2f} [{' '.join(f'{v:.2f}' for v in x['repeats'])}]",
+                         f"{x.get('completed', x['decisions'])} of {x['decisions']}",
+                         f"{x.get('decide_cpu_p99_ms', 0):.3f}", f"{x.get('refused_503', 0)} of {x['decisions']}",
+                         f"{x['decider_cpu_cores']:.2f}", cost])
+        out += ["", f"Decisions at {_f(x0['offered_per_s'])}/s (open loop) on {x0['endpoints']:,} endpoints "
+                    f"whose /metrics pages are really scraped (every {x0['scrape_interval_s']:g} s, the "
+                    "interval adapted to the pool); latency = when the decision was due -> decided, so "
+                    "event-loop time spent scraping counts:", ""]
+        out += _table(["scraping", "p50 ms", "p99 ms [repeats]", "decided within 3 x the run", "decide() CPU p99 ms",
+                       "refused (503: no endpoint ready)", "deciding process cores", "scraping cost"], rows)
     wk = r.get("workers") or []
     if wk:
         out += ["", "`python -m picker --workers N` (16 endpoints, closed loop, 64 streams over 4 connections; "
-                    "CPU of the whole process tree: workers and the signals process):", "",
-                "| workers | decisions/s [repeats] | vs 1 worker | p99 ms | server cores | server CPU ms/decision |",
-                "|---|---|---|---|---|---|"]
-        for x in wk:
-            out.append(f"| {x['workers']} | {_f(x['decisions_per_s'])} "
-                       f"[{' '.join(_f(v['decisions_per_s']) for v in x['repeats'])}] | "
-                       f"x{x['speedup_vs_first']:.2f} | {_f(x['p99_ms'], 1)} | {x['server_cpu_cores']:.2f} | "
-                       f"{x['server_cpu_ms_per_request']:.2f} |")
-    return out + [""]
+                    "CPU of the whole process tree: workers and the signals process):", ""]
+        out += _table(["workers", "decisions/s [repeats]", "vs 1 worker", "p99 ms", "server cores",
+                       "server CPU ms/decision"],
+                      [[x["workers"], f"{_f(x['decisions_per_s'])} [{' '.join(_f(v['decisions_per_s']) for v in x['repeats'])}]",
+                        f"x{x['speedup_vs_first']:.2f}", _f(x["p99_ms"], 1), f"{x['server_cpu_cores']:.2f}",
+                        f"{x['server_cpu_ms_per_request']:.2f}"] for x in wk])
+    return out
 
 
 def replicas_section(d: dict | None) -> list[str]:
-    out = ["## Picker replicas: routing quality with 1, 2 and 4 replicas", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    out += ["Command: `python -m bench replicas` (`python -m lab.replicas`, see lab/README.md): the "
-            "lab's workloads on 16 simulated groups at concurrency 160 (the 3-group runs' load per "
-            "group); each request goes to one picker replica "
-            "drawn at random. Shared: the replicas exchange in-flight counts and prefix additions (what "
-            "`--peer-store` does through Redis) every 20 ms, or before every decision; `--peer-store` "
-            "sends changes as they happen (about a Redis round trip behind) and the whole table every "
-            "20 ms, so these two rows bound it. Independent: nothing shared (plain `replicas: N`). Mean "
-            "TTFT, mean ± std over the seeds, and its change against one replica.", ""]
+    return _section("Picker replicas: routing quality with 1, 2 and 4 replicas", d, _replicas_body)
+
+
+def _replicas_body(d: dict) -> list[str]:
+    out = ["Command: `python -m bench replicas` (`python -m lab.replicas`, see lab/README.md): the "
+           "lab's workloads on 16 simulated groups at concurrency 160 (the 3-group runs' load per "
+           "group); each request goes to one picker replica "
+           "drawn at random. Shared: the replicas exchange in-flight counts and prefix additions (what "
+           "`--peer-store` does through Redis) every 20 ms, or before every decision; `--peer-store` "
+           "sends changes as they happen (about a Redis round trip behind) and the whole table every "
+           "20 ms, so these two rows bound it. Independent: nothing shared (plain `replicas: N`). Mean "
+           "TTFT, mean ± std over the seeds, and its change against one replica.", ""]
     labels = {"shared-prefix": "shared-prefix workload", "article": "article workload"}
     names = []
     for run in d["runs"].values():
         names += [n for n in run["policies"] if n not in names]
-    out += ["| replicas | " + " | ".join(labels.get(k, k) for k in d["runs"]) + " |",
-            "|---" * (len(d["runs"]) + 1) + "|"]
+    rows = []
     for name in names:
         cells = []
         for run in d["runs"].values():
@@ -455,21 +442,16 @@ def replicas_section(d: dict | None) -> list[str]:
                 continue
             m, base = p[name]["mean_ttft_ms"], p["picker"]["mean_ttft_ms"]["mean"]
             cells.append(f"{_f(m['mean'])} ± {_f(m['std'])} ({_pct(m['mean'], base)})")
-        label = _replica_label(name)
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
-    return out + [""]
+        rows.append([_replica_label(name), *cells])
+    return out + _table(["replicas", *(labels.get(k, k) for k in d["runs"])], rows)
 
 
 def prefilter_section(d: dict | None) -> list[str]:
-    out = ["## Picker candidate prefilter: routing quality", ""]
-    if not d:
-        return out + ["(not run)", ""]
-    out += ["Command: `python -m bench prefilter`: the lab on 16 simulated groups at concurrency 160, "
-            "least request, the default profile (all 16 candidates scored) and "
-            "`bench/picker/prefilter-16.yaml` (the same scorers with the prefilter forced on: prefix "
-            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", "",
-            "| workload | policy | mean TTFT ms | P99 TTFT ms | output tok/s | vs full scoring (mean TTFT) |",
-            "|---|---|---|---|---|---|"]
+    return _section("Picker candidate prefilter: routing quality", d, _prefilter_body)
+
+
+def _prefilter_body(d: dict) -> list[str]:
+    rows = []
     for workload, summary in d["runs"].items():
         p = summary["policies"]
         full = p.get("picker")
@@ -479,10 +461,14 @@ def prefilter_section(d: dict | None) -> list[str]:
                 f"{_pct(m['mean'], full['mean_ttft_ms']['mean'])}; within the seed spread: "
                 f"{'yes' if abs(m['mean'] - full['mean_ttft_ms']['mean']) <= max(m['std'], full['mean_ttft_ms']['std']) else 'no'}")
             label = "prefilter forced on" if name.startswith("picker:") else name
-            out.append(f"| {workload} | {label} | {_f(m['mean'])} ± {_f(m['std'])} | "
-                       f"{_f(stats['p99_ttft_ms']['mean'])} ± {_f(stats['p99_ttft_ms']['std'])} | "
-                       f"{_f(stats['output_throughput']['mean'], 1)} | {vs} |")
-    return out + [""]
+            rows.append([workload, label, f"{_f(m['mean'])} ± {_f(m['std'])}",
+                         f"{_f(stats['p99_ttft_ms']['mean'])} ± {_f(stats['p99_ttft_ms']['std'])}",
+                         _f(stats["output_throughput"]["mean"], 1), vs])
+    return ["Command: `python -m bench prefilter`: the lab on 16 simulated groups at concurrency 160, "
+            "least request, the default profile (all 16 candidates scored) and "
+            "`bench/picker/prefilter-16.yaml` (the same scorers with the prefilter forced on: prefix "
+            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", ""] + _table(
+        ["workload", "policy", "mean TTFT ms", "P99 TTFT ms", "output tok/s", "vs full scoring (mean TTFT)"], rows)
 
 
 def _replica_label(policy: str) -> str:

@@ -15,6 +15,39 @@ from bench.common import PY, REPO, RESULTS, load_average, run, save, shown, stam
 LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
 
 
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _suite(name: str, cmd: list[str], loader, log: Path | None = None, command: str | None = None,
+           **fields) -> dict:
+    """Run `cmd` once, timed (output to `log`, or shown), and save results/bench/<name>.json: the
+    command (`command`, else as typed), `fields`, the wall time, the load average before and after,
+    and what `loader()` reads from the run's output (a dict)."""
+    load_start = load_average()
+    wall = run(cmd, log=log)
+    data = {"command": command or shown(cmd), **fields, "wall_s": wall, "load_average_start": load_start,
+            **loader(), **stamp()}
+    save(name, data)
+    return data
+
+
+def _suite_runs(name: str, runs: dict[str, tuple[list[str], Path]]) -> dict:
+    """Several commands timed one after the other (`runs`: key -> (command, the JSON it writes);
+    output to results/bench/<name>-<key>.log), saved as results/bench/<name>.json: each command and
+    result by key, the total wall time, the load average before and after."""
+    load_start = load_average()
+    results, commands, wall = {}, {}, 0.0
+    for key, (cmd, result) in runs.items():
+        wall += run(cmd, log=RESULTS / f"{name}-{key}.log")
+        results[key] = _json(result)
+        commands[key] = shown(cmd)
+    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": results,
+            **stamp()}
+    save(name, data)
+    return data
+
+
 def validation(runs: int = 3) -> dict:
     """`python -m validation` (every overlay, Argo CD app path, loadtest/k8s), warm: one run fills
     the caches, then `runs` timed runs."""
@@ -35,13 +68,9 @@ def validation(runs: int = 3) -> dict:
 
 def picker() -> dict:
     """`make bench-picker` (builds the Go load client, writes results/bench-picker.json)."""
-    load_start = load_average()
-    wall = run(["make", "--no-print-directory", "bench-picker"], log=RESULTS / "picker.log")
-    result = json.loads((REPO / "results" / "bench-picker.json").read_text())
-    data = {"command": "make bench-picker", "wall_s": wall, "load_average_start": load_start,
-            "result": result, **stamp()}
-    save("picker", data)
-    return data
+    return _suite("picker", ["make", "--no-print-directory", "bench-picker"],
+                  lambda: {"result": _json(REPO / "results" / "bench-picker.json")},
+                  log=RESULTS / "picker.log", command="make bench-picker")
 
 
 def lab(workload: str, seeds: list[int] | None = None) -> dict:
@@ -52,14 +81,9 @@ def lab(workload: str, seeds: list[int] | None = None) -> dict:
         shutil.rmtree(out)
     cmd = [PY, "-m", "lab", "run", "--workload", workload, *(a for p in LAB_POLICIES for a in ("--policy", p)),
            "--seeds", *map(str, seeds), "--out", str(out), "--plots"]
-    load_start = load_average()
-    wall = run(cmd, log=RESULTS / f"lab-{workload}.log")
-    summary = json.loads((out / "summary.json").read_text())
-    data = {"command": shown(cmd), "workload": workload,
-            "seeds": seeds, "wall_s": wall, "load_average_start": load_start, "summary": summary,
-            "results_dir": str(out.relative_to(REPO)), **stamp()}
-    save(f"lab-{workload}", data)
-    return data
+    return _suite(f"lab-{workload}", cmd, lambda: {"summary": _json(out / "summary.json")},
+                  log=RESULTS / f"lab-{workload}.log", workload=workload, seeds=seeds,
+                  results_dir=str(out.relative_to(REPO)))
 
 
 def lab_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -> dict:
@@ -69,27 +93,22 @@ def lab_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -
     seeds = seeds or [0, 1, 2, 3, 4]
     out = RESULTS / "lab-matrix"
     cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds), *extra]
-    load_start = load_average()
-    wall = run(cmd)          # output inherited: one progress line per scenario and seed
-    data = {"command": shown(cmd), "seeds": seeds, "wall_s": wall, "load_average_start": load_start,
-            "matrix": json.loads((out / "matrix.json").read_text()), **stamp()}
-    save("lab-matrix", data)
-    return data
+    # no log: output inherited, one progress line per scenario and seed
+    return _suite("lab-matrix", cmd, lambda: {"matrix": _json(out / "matrix.json")}, seeds=seeds)
 
 
 def demo() -> dict:
     """`make demo` as a user runs it: the stack on the real data plane, both listeners compared,
     with the CPU of every process and Envoy's own listener counters (local/stack.py demo)."""
     out = RESULTS / "demo"
-    load_start = load_average()
     cmd = [PY, "-m", "local.stack", "demo", "--name", "bench-demo", "--out", str(out)]
-    wall = run(cmd, log=RESULTS / "demo.log")
-    ports = json.loads((out / "dataplane.json").read_text())
-    results = {name: json.loads((out / f"{port}.json").read_text()) for name, port in ports["listeners"].items()}
-    data = {"command": "make demo (" + shown(cmd) + ")", "wall_s": wall, "load_average_start": load_start,
-            "dataplane": ports, "results": results, "results_dir": str(out.relative_to(REPO)), **stamp()}
-    save("demo", data)
-    return data
+
+    def results() -> dict:
+        ports = _json(out / "dataplane.json")
+        return {"dataplane": ports, "results": {name: _json(out / f"{port}.json")
+                                                for name, port in ports["listeners"].items()}}
+    return _suite("demo", cmd, results, log=RESULTS / "demo.log", command="make demo (" + shown(cmd) + ")",
+                  results_dir=str(out.relative_to(REPO)))
 
 
 def git_revision() -> str:
@@ -101,13 +120,9 @@ def git_revision() -> str:
 
 def picker_scale() -> dict:
     """`make bench-picker-scale` (writes results/bench-picker-scale.json)."""
-    load_start = load_average()
-    wall = run(["make", "--no-print-directory", "bench-picker-scale"], log=RESULTS / "picker-scale.log")
-    result = json.loads((REPO / "results" / "bench-picker-scale.json").read_text())
-    data = {"command": "make bench-picker-scale", "wall_s": wall, "load_average_start": load_start,
-            "result": result, **stamp()}
-    save("picker-scale", data)
-    return data
+    return _suite("picker-scale", ["make", "--no-print-directory", "bench-picker-scale"],
+                  lambda: {"result": _json(REPO / "results" / "bench-picker-scale.json")},
+                  log=RESULTS / "picker-scale.log", command="make bench-picker-scale")
 
 
 # The replica experiment: both lab workloads on 16 groups at the same load per group as the
@@ -119,19 +134,12 @@ REPLICA_RUNS = {"shared-prefix": ["--workload", "shared-prefix"], "article": ["-
 def replicas(seeds: list[int] | None = None) -> dict:
     """`python -m lab.replicas`: routing quality of 1, 2 and 4 picker replicas, shared or not."""
     seeds = seeds or [0, 1, 2, 3, 4]
-    load_start = load_average()
-    runs, commands, wall = {}, {}, 0.0
+    runs = {}
     for name, extra in REPLICA_RUNS.items():
         path = RESULTS / f"replicas-{name}.json"
-        cmd = [PY, "-m", "lab.replicas", "--engines", "16",
-               "--replicas", "1", "2", "4", "--seeds", *map(str, seeds), *extra, "--json", str(path)]
-        wall += run(cmd, log=RESULTS / f"replicas-{name}.log")
-        runs[name] = json.loads(path.read_text())
-        commands[name] = shown(cmd)
-    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": runs,
-            **stamp()}
-    save("replicas", data)
-    return data
+        runs[name] = ([PY, "-m", "lab.replicas", "--engines", "16", "--replicas", "1", "2", "4",
+                       "--seeds", *map(str, seeds), *extra, "--json", str(path)], path)
+    return _suite_runs("replicas", runs)
 
 
 PREFILTER_PROFILE = REPO / "bench" / "picker" / "prefilter-16.yaml"
@@ -141,17 +149,11 @@ def prefilter(seeds: list[int] | None = None) -> dict:
     """Routing quality with the candidate prefilter: the lab on 16 groups (concurrency 160), the
     default profile (all 16 scored) against the same profile with the prefilter forced on."""
     seeds = seeds or [0, 1, 2, 3, 4]
-    load_start = load_average()
-    runs, commands, wall = {}, {}, 0.0
+    runs = {}
     for workload in ("shared-prefix", "article"):
         out = RESULTS / f"prefilter-{workload}"
-        cmd = [PY, "-m", "lab", "run", "--workload", workload, "--engines", "16", "--concurrency", "160",
-               "--policy", "least-request", "--policy", "picker", "--policy",
-               f"picker:{PREFILTER_PROFILE.relative_to(REPO)}", "--seeds", *map(str, seeds), "--out", str(out)]
-        wall += run(cmd, log=RESULTS / f"prefilter-{workload}.log")
-        runs[workload] = json.loads((out / "summary.json").read_text())
-        commands[workload] = shown(cmd)
-    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": runs,
-            **stamp()}
-    save("prefilter", data)
-    return data
+        runs[workload] = ([PY, "-m", "lab", "run", "--workload", workload, "--engines", "16", "--concurrency", "160",
+                           "--policy", "least-request", "--policy", "picker", "--policy",
+                           f"picker:{PREFILTER_PROFILE.relative_to(REPO)}", "--seeds", *map(str, seeds),
+                           "--out", str(out)], out / "summary.json")
+    return _suite_runs("prefilter", runs)

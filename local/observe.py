@@ -22,11 +22,13 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,6 +227,32 @@ class Prometheus:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{len(targets)} of {expected} targets scraped after {timeout:g}s")
             time.sleep(0.5)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports nobody listens on now (all bound at once, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextmanager
+def observed_stack(name: str, run_root: Path, interval: str = "1s", **config):
+    """A local stack on free loopback ports (StackConfig `config`) and a Prometheus scraping it,
+    every target scraped once: `with observed_stack(...) as (stack, prom):`."""
+    groups = config.get("groups", StackConfig.groups)
+    http, llm, grpc, health, metrics, prom_port, *sims = free_ports(6 + groups)
+    config = StackConfig(name=name, run_root=Path(run_root), sim_ports=sims, http_port=http, llm_port=llm,
+                         picker_grpc_port=grpc, picker_health_port=health, picker_metrics_port=metrics, **config)
+    with Stack(config) as stack:
+        with Prometheus(config.run_dir, stack_config(stack, interval), prom_port) as prom:
+            prom.wait_scraped()
+            yield stack, prom
 
 
 def running_stack(name: str, run_root: Path = REPO / "runs") -> Stack:

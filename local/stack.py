@@ -848,18 +848,34 @@ def kv_scale_args(config: StackConfig) -> list[str]:
     return ["--num-gpu-blocks", str(get_engine_model(engine_model).num_gpu_blocks // config.kv_scale)]
 
 
-def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str], warm: bool = False) -> int:
+DEMO_ORDERS = ("http-first", "picker-first")  # which listener loadtest compare runs first
+
+
+def demo_command(config: StackConfig, listeners: dict[str, int], metrics_endpoints: list[str], out: Path,
+                 workload: str, compare_args: list[str], warm: bool = False, order: str = "http-first") -> list[str]:
+    """The `loadtest compare` command of the demo: both listeners (`listeners`: name -> port), http
+    (least request) then llm-gw (picker) or, with order picker-first, llm-gw then http."""
+    if order not in DEMO_ORDERS:
+        raise ValueError(f"order {order!r}: expected one of {', '.join(DEMO_ORDERS)}")
+    names = ["http", "llm-gw"] if order == "http-first" else ["llm-gw", "http"]
+    cmd = [sys.executable, "-m", "loadtest", "compare", "--host", config.host,
+           "--ports", *(str(listeners[n]) for n in names), "--workload", workload,
+           "--seed", str(config.seed), "--out", str(out), "--repetitions", "2",  # A B, B A
+           "--metrics-endpoints", *metrics_endpoints, *compare_args]
+    if not warm:  # every run cold: its own caches and prefix index, whatever ran before
+        cmd += ["--before-each-run", f"{shlex.quote(sys.executable)} -m local.stack reset --name {config.name} "
+                                     f"--run-root {shlex.quote(str(config.run_root))}"]
+    return cmd
+
+
+def demo(config: StackConfig, out: Path | None, workload: str, compare_args: list[str], warm: bool = False,
+         order: str = "http-first") -> int:
     out = out or REPO / "results" / time.strftime("demo-%Y%m%d-%H%M%S")
     with Stack(config) as stack:
         print(describe(stack), flush=True)
         before, t0 = stack.cpu_seconds(), time.monotonic()
-        cmd = [sys.executable, "-m", "loadtest", "compare", "--host", config.host,
-               "--ports", str(stack.http_port), str(stack.llm_port), "--workload", workload,
-               "--seed", str(config.seed), "--out", str(out), "--repetitions", "2",  # A B, B A
-               "--metrics-endpoints", *(s.address for s in stack.topology.sims), *compare_args]
-        if not warm:  # every run cold: its own caches and prefix index, whatever ran before
-            cmd += ["--before-each-run", f"{shlex.quote(sys.executable)} -m local.stack reset --name {config.name} "
-                                         f"--run-root {shlex.quote(str(config.run_root))}"]
+        cmd = demo_command(config, stack.listener_ports(), [s.address for s in stack.topology.sims], out,
+                           workload, compare_args, warm, order)
         print("$ python " + " ".join(cmd[1:]), flush=True)
         client_before = _children_cpu()
         envoy_before = dataplane.listener_stats(stack.envoy_admin(), stack.listener_ports())
@@ -972,6 +988,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--warm", action="store_true",
                            help="keep the simulators' caches and the picker's state between runs (default: "
                                 "restart both before every run, so no run depends on the one before)")
+            s.add_argument("--order", choices=DEMO_ORDERS, default="http-first",
+                           help="which listener loadtest compare loads first: http (least request, the "
+                                "default) or llm-gw (through the picker); the repetition then swaps them")
     return p
 
 
@@ -995,6 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser().parse_known_args(argv)
     if rest and args.command != "demo":
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "demo" and any(a == "--ports" or a.startswith("--ports=") for a in rest):
+        parser().error("demo compares both listeners: choose which goes first with --order, not --ports")
     if args.command == "down":
         return down(args.name, args.run_root)
     if args.command == "status":
@@ -1009,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)  # also when started in the background (SIGINT ignored)
     try:
         if args.command == "demo":
-            return demo(config, args.out, args.workload, rest, warm=args.warm)
+            return demo(config, args.out, args.workload, rest, warm=args.warm, order=args.order)
         stack = Stack(config).start()
         print(describe(stack), flush=True)
         if args.foreground:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,23 +21,12 @@ import time
 from pathlib import Path
 
 from local import observe
-from local.stack import DEMO_SCALE, REPO, Stack, StackConfig, python_env, read_api_keys
+from local.stack import DEMO_SCALE, REPO, StackConfig, python_env, read_api_keys
 from monitoring import dashboards
 
 DEFAULT_OUT = REPO / "monitoring/routing-dashboard.png"
 RATE_WINDOW = "30s"
 STEP = 2.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def legend(fmt: str, labels: dict) -> str:
@@ -118,19 +106,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     doc = json.loads((dashboards.OUT / f"{args.dashboard}.json").read_text())
     with tempfile.TemporaryDirectory(prefix="picture-") as tmp:
-        ports = free_ports(10)
-        config = StackConfig(name="picture", run_root=Path(tmp), groups=3, speedup=args.speedup,
-                             seed=args.seed, kv_scale=DEMO_SCALE, sim_ports=ports[6:9], http_port=ports[0],
-                             llm_port=ports[1], picker_grpc_port=ports[3],
-                             picker_health_port=ports[4], picker_metrics_port=ports[5])
-        with Stack(config) as stack:
-            prom_config = observe.stack_config(stack, interval="1s")
-            with observe.Prometheus(config.run_dir, prom_config, ports[9]) as prom:
-                prom.wait_scraped()
-                start = time.time()
-                spans = run_load(config, Path(tmp) / "results", args.num_prompts, args.seed)
-                time.sleep(2)
-                panels = collect(prom, doc["panels"], start - 10, time.time())
+        with observe.observed_stack("picture", Path(tmp), groups=3, speedup=args.speedup, seed=args.seed,
+                                    kv_scale=DEMO_SCALE) as (stack, prom):
+            start = time.time()
+            spans = run_load(stack.config, Path(tmp) / "results", args.num_prompts, args.seed)
+            time.sleep(2)
+            panels = collect(prom, doc["panels"], start - 10, time.time())
     draw(f"{doc['title']}: demo workload on 8080, then 8081 (local stack, speedup {args.speedup:g})",
          panels, spans, start, args.out)
     print(args.out)

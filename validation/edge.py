@@ -10,7 +10,7 @@ import base64
 import datetime
 import functools
 
-from validation.manifests import name_of, ns_of, of_kind
+from validation.manifests import gateway_listeners, name_of, ns_of, of_kind, routes_on_listener
 from validation.problems import describe
 
 GATEWAY = "inference-gateway"
@@ -24,8 +24,7 @@ def _gateway(objs):
 
 
 def _listeners(objs) -> list[str]:
-    gw = _gateway(objs)
-    return [l.get("name") for l in ((gw or {}).get("spec") or {}).get("listeners") or []]
+    return [listener.get("name") for listener in gateway_listeners(objs, GATEWAY)]
 
 
 def _covers(policy, listener: str) -> bool:
@@ -35,12 +34,6 @@ def _covers(policy, listener: str) -> bool:
                 and ref.get("sectionName") in (None, listener):
             return True
     return False
-
-
-def _routes_on(objs, listener: str) -> list[dict]:
-    return [r for r in of_kind(objs, "HTTPRoute")
-            if any(p.get("name") == GATEWAY and p.get("sectionName") == listener
-                   for p in (r.get("spec") or {}).get("parentRefs") or [])]
 
 
 def _route_policy(objs, kind: str, route: dict):
@@ -153,7 +146,7 @@ def _route_backend_policies(objs) -> list[tuple[str, dict]]:
     """(where, BackendTrafficPolicy spec) of every route on every listener ({} when it has none)."""
     out = []
     for listener in _listeners(objs):
-        for route in _routes_on(objs, listener):
+        for route in routes_on_listener(objs, listener, GATEWAY):
             btp = _route_policy(objs, "BackendTrafficPolicy", route)
             where = describe(btp) if btp else f"{describe(route)} (no BackendTrafficPolicy)"
             out.append((where, (btp or {}).get("spec") or {}))
@@ -162,11 +155,10 @@ def _route_backend_policies(objs) -> list[tuple[str, dict]]:
 
 def listeners_use_tls(objs):
     problems = []
-    gw = _gateway(objs)
-    for i, l in enumerate(((gw or {}).get("spec") or {}).get("listeners") or []):
+    for i, l in enumerate(gateway_listeners(objs, GATEWAY)):
         refs = ((l.get("tls") or {}).get("certificateRefs")) or []
         if l.get("protocol") != "HTTPS" or not refs:
-            problems.append(f"{describe(gw)}: spec.listeners[{i}] ({l.get('name')}) must be HTTPS with "
+            problems.append(f"{describe(_gateway(objs))}: spec.listeners[{i}] ({l.get('name')}) must be HTTPS with "
                             f"tls.certificateRefs (components/gateway-tls)")
     return problems
 

@@ -107,6 +107,14 @@ def status_problems(target: str, translated: list[dict], ours: set[tuple[str, st
     def add(obj, message, field):
         problems.append(Problem(target, message, describe(obj), field, source=_SOURCE))
 
+    def add_bad_refs(obj, entries: list[dict], ref_key: str, what: str, field: str):
+        """The bad conditions of each status.parents / status.ancestors entry, named by its ref."""
+        for i, entry in enumerate(entries):
+            ref = entry.get(ref_key) or {}
+            for c in _bad_conditions(entry.get("conditions")):
+                add(obj, f"{what} {ref.get('name')}/{ref.get('sectionName', '*')}: {_condition_text(c)}",
+                    f"{field}[{i}]")
+
     seen = set()
     for obj in translated:
         meta = obj.get("metadata") or {}
@@ -133,21 +141,13 @@ def status_problems(target: str, translated: list[dict], ours: set[tuple[str, st
             parents = status.get("parents") or []
             if not parents:
                 add(obj, "Envoy Gateway gave it no status: it is attached to no Gateway listener", "status.parents")
-            for i, parent in enumerate(parents):
-                ref = parent.get("parentRef") or {}
-                for c in _bad_conditions(parent.get("conditions")):
-                    add(obj, f"parent {ref.get('name')}/{ref.get('sectionName', '*')}: {_condition_text(c)}",
-                        f"status.parents[{i}]")
+            add_bad_refs(obj, parents, "parentRef", "parent", "status.parents")
         if kind in POLICY_KINDS:
             ancestors = status.get("ancestors") or []
             if not ancestors:
                 add(obj, "Envoy Gateway gave it no status: its targetRefs match nothing, so it applies to nothing",
                     "spec.targetRefs")
-            for i, ancestor in enumerate(ancestors):
-                ref = ancestor.get("ancestorRef") or {}
-                for c in _bad_conditions(ancestor.get("conditions")):
-                    add(obj, f"ancestor {ref.get('name')}/{ref.get('sectionName', '*')}: {_condition_text(c)}",
-                        f"status.ancestors[{i}]")
+            add_bad_refs(obj, ancestors, "ancestorRef", "ancestor", "status.ancestors")
     for kind, ns, name in sorted(ours - seen):
         problems.append(Problem(target, "missing from Envoy Gateway's output (not accepted as input)",
                                 f"{kind} {ns + '/' if ns else ''}{name}", source=_SOURCE))

@@ -112,13 +112,15 @@ def gpu_limit(container) -> int | None:
     return int(value) if value is not None else None
 
 
+def gateway_listeners(objs, gateway_name) -> list[dict]:
+    """spec.listeners of the Gateway named `gateway_name` (none without such a Gateway)."""
+    return [listener for gw in of_kind(objs, "Gateway") if name_of(gw) == gateway_name
+            for listener in (gw.get("spec") or {}).get("listeners") or []]
+
+
 def listener_port(objs, gateway_name, section):
-    for gw in of_kind(objs, "Gateway"):
-        if name_of(gw) == gateway_name:
-            for listener in (gw.get("spec") or {}).get("listeners") or []:
-                if listener.get("name") == section:
-                    return listener.get("port")
-    return None
+    return next((listener.get("port") for listener in gateway_listeners(objs, gateway_name)
+                 if listener.get("name") == section), None)
 
 
 def routes_on_port(objs, port):
@@ -156,11 +158,24 @@ def served_model_names(objs) -> dict[str, list[str]]:
     return out
 
 
-def routes_on_listener(objs, section: str) -> list[dict]:
-    """HTTPRoutes attached to the listener named `section` (parentRefs[].sectionName)."""
+def routes_on_listener(objs, section: str, gateway: str | None = None) -> list[dict]:
+    """HTTPRoutes attached to the listener named `section` (parentRefs[].sectionName), of the
+    Gateway named `gateway` when given."""
     return [r for r in of_kind(objs, "HTTPRoute")
-            if any(p.get("sectionName") == section for p in (r.get("spec") or {}).get("parentRefs") or [])]
+            if any(p.get("sectionName") == section and gateway in (None, p.get("name"))
+                   for p in (r.get("spec") or {}).get("parentRefs") or [])]
+
+
+def spec_rules(obj: dict) -> list[dict]:
+    """spec.rules of an HTTPRoute or an InferenceModelRewrite."""
+    return (obj.get("spec") or {}).get("rules") or []
+
+
+def rule_backend_refs(route: dict) -> list[tuple[str, list[dict]]]:
+    """(`spec.rules[i].backendRefs`, that rule's backendRefs) for each rule of an HTTPRoute."""
+    return [(f"spec.rules[{i}].backendRefs", rule.get("backendRefs") or []) for i, rule in enumerate(spec_rules(route))]
 
 
 def backend_refs(route: dict) -> list[dict]:
-    return [ref for rule in (route.get("spec") or {}).get("rules") or [] for ref in rule.get("backendRefs") or []]
+    """Every backendRef of an HTTPRoute, rule after rule."""
+    return [ref for _, refs in rule_backend_refs(route) for ref in refs]

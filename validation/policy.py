@@ -14,8 +14,8 @@ from kubernetes.utils import parse_quantity
 
 from validation.manifests import (GPU, PodTemplate, argv, flag_values, gpu_limit, has_flag,  # noqa: F401
                                   listener_port, matches, name_of, ns_of, of_kind, picker_container,
-                                  pod_templates, routes_on_port, served_model_names, services_selecting,
-                                  vllm_container)
+                                  pod_templates, routes_on_port, rule_backend_refs, served_model_names,
+                                  services_selecting, spec_rules, vllm_container)
 from validation.problems import describe
 
 ENDPOINT_HEADER = "x-gateway-destination-endpoint"
@@ -184,7 +184,7 @@ def served_names_cover_rewrites(objs):
     served = {n for names in served_model_names(objs).values() for n in names}
     problems = []
     for rw in of_kind(objs, "InferenceModelRewrite"):
-        for i, rule in enumerate((rw.get("spec") or {}).get("rules") or []):
+        for i, rule in enumerate(spec_rules(rw)):
             for j, target in enumerate(rule.get("targets") or []):
                 if target.get("modelRewrite") not in served:
                     problems.append(f"{describe(rw)}: spec.rules[{i}].targets[{j}].modelRewrite "
@@ -197,12 +197,12 @@ def route_backends_exist(objs):
     problems = []
     services = {(ns_of(s), name_of(s)): s for s in of_kind(objs, "Service")}
     for route in of_kind(objs, "HTTPRoute"):
-        for i, rule in enumerate((route.get("spec") or {}).get("rules") or []):
-            for j, ref in enumerate(rule.get("backendRefs") or []):
+        for path, refs in rule_backend_refs(route):
+            for j, ref in enumerate(refs):
                 if ref.get("kind", "Service") != "Service" or ref.get("group", "") != "":
                     continue
                 key = (ref.get("namespace") or ns_of(route), ref.get("name"))
-                where = f"{describe(route)}: spec.rules[{i}].backendRefs[{j}]"
+                where = f"{describe(route)}: {path}[{j}]"
                 svc = services.get(key)
                 if svc is None:
                     problems.append(f"{where}: Service {key[0]}/{key[1]} does not exist")
@@ -351,12 +351,11 @@ def canary_weights_agree(objs):
             if t.role == "leader" and matches(selector, t.labels) and served.get(name_of(t.owner)):
                 service_model[name_of(svc)] = served[name_of(t.owner)][0]
     for rw in of_kind(objs, "InferenceModelRewrite"):
-        for i, rule in enumerate((rw.get("spec") or {}).get("rules") or []):
+        for i, rule in enumerate(spec_rules(rw)):
             rewrite = _shares({t["modelRewrite"]: t.get("weight", 1) for t in rule.get("targets") or []})
             for port in (8080,):   # 8081 has a single backend: see llm_route_holds_whole_pool
                 for route in routes_on_port(objs, port):
-                    for k, rrule in enumerate((route.get("spec") or {}).get("rules") or []):
-                        refs = rrule.get("backendRefs") or []
+                    for path, refs in rule_backend_refs(route):
                         if len(refs) < 2 and len(rewrite) < 2:
                             continue
                         by_model = defaultdict(int)
@@ -365,7 +364,7 @@ def canary_weights_agree(objs):
                         route_shares = _shares(dict(by_model))
                         if route_shares != rewrite:
                             show = lambda s: {m: f"{float(v):.0%}" for m, v in sorted(s.items())}
-                            problems.append(f"{describe(route)} (port {port}): spec.rules[{k}].backendRefs weights "
+                            problems.append(f"{describe(route)} (port {port}): {path} weights "
                                             f"{show(route_shares)} != {describe(rw)} spec.rules[{i}].targets "
                                             f"{show(rewrite)}")
     return problems
@@ -380,9 +379,8 @@ def llm_route_holds_whole_pool(objs):
     services = {(ns_of(s), name_of(s)): s for s in of_kind(objs, "Service")}
     templates = [t for t in pod_templates(objs)]
     for route in routes_on_port(objs, 8081):
-        for i, rule in enumerate((route.get("spec") or {}).get("rules") or []):
-            refs = rule.get("backendRefs") or []
-            where = f"{describe(route)}: spec.rules[{i}].backendRefs"
+        for path, refs in rule_backend_refs(route):
+            where = f"{describe(route)}: {path}"
             if len(refs) != 1:
                 problems.append(f"{where}: {len(refs)} backends; the 8081 route needs exactly one holding "
                                 f"every leader of the pool (split versions with the InferenceModelRewrite)")

@@ -149,20 +149,14 @@ def _decide_under_scrape(ports: list[int], mode: str, rate: float, seconds: floa
 def scrape_load(n: int, rate: float, seconds: float, repeat: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    fleet = ctx.Process(target=service._fake_vllm_fleet, args=(n, q), daemon=True)
-    fleet.start()
     runs: dict[str, list[dict]] = {m: [] for m in ("none", "in-loop", "signals-process")}
-    try:
-        ports = q.get(timeout=120)
+    with service.fake_vllm_fleet(ctx, n) as ports:
         for _ in range(repeat):
             for mode in runs:
                 child = ctx.Process(target=_decide_under_scrape, args=(ports, mode, rate, seconds, q))
                 child.start()
                 runs[mode].append(q.get(timeout=seconds + 180))
                 child.join(10)
-    finally:
-        fleet.terminate()
-        fleet.join()
     return [_median(rs, "p99_ms") for rs in runs.values()]
 
 
@@ -217,42 +211,37 @@ def _wait_serving(port: int, bodies: str, workers: int) -> None:
 
 def workers_bench(n: int, counts: list[int], seconds: float, repeat: int, bodies: str,
                   conns: int = 4, streams: int = 64) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fleet = ctx.Process(target=service._fake_vllm_fleet, args=(n, q), daemon=True)
-    fleet.start()
     pickers: dict[int, tuple[subprocess.Popen, int]] = {}
     runs: dict[int, list[dict]] = {w: [] for w in counts}
-    try:
-        endpoints = [f"127.0.0.1:{p}" for p in q.get(timeout=60)]
-        for w in counts:
-            pickers[w] = _start_picker(endpoints, w)
-        for w, (proc, port) in pickers.items():
-            _wait_serving(port, bodies, w)
-        time.sleep(1.0)
-        for _ in range(repeat):  # interleaved: a slow spell of the machine hits every count alike
+    with service.fake_vllm_fleet(mp.get_context("spawn"), n) as ports:
+        endpoints = [f"127.0.0.1:{p}" for p in ports]
+        try:
+            for w in counts:
+                pickers[w] = _start_picker(endpoints, w)
             for w, (proc, port) in pickers.items():
-                cpu0, t0 = _tree_cpu(proc.pid), time.perf_counter()
+                _wait_serving(port, bodies, w)
+            time.sleep(1.0)
+            for _ in range(repeat):  # interleaved: a slow spell of the machine hits every count alike
+                for w, (proc, port) in pickers.items():
+                    cpu0, t0 = _tree_cpu(proc.pid), time.perf_counter()
+                    try:
+                        r = service._load_client(port, bodies, "buffered", seconds, streams=streams,
+                                                 conns=conns)
+                    except subprocess.TimeoutExpired:  # counted as a failed run, not fatal
+                        r = {"requests": 0, "errors": 1, "decisions_per_s": 0.0, "p50_ms": None,
+                             "p99_ms": None, "first_error": "load client timed out"}
+                    cpu, wall = _tree_cpu(proc.pid) - cpu0, time.perf_counter() - t0
+                    r.update(workers=w, endpoints=n, server_cpu_cores=cpu / wall,
+                             server_cpu_ms_per_request=1000 * cpu / max(1, r["requests"]))
+                    runs[w].append(r)
+        finally:
+            for proc, _ in pickers.values():
+                proc.terminate()
+            for proc, _ in pickers.values():
                 try:
-                    r = service._load_client(port, bodies, "buffered", seconds, streams=streams,
-                                             conns=conns)
-                except subprocess.TimeoutExpired:  # counted as a failed run, not fatal
-                    r = {"requests": 0, "errors": 1, "decisions_per_s": 0.0, "p50_ms": None,
-                         "p99_ms": None, "first_error": "load client timed out"}
-                cpu, wall = _tree_cpu(proc.pid) - cpu0, time.perf_counter() - t0
-                r.update(workers=w, endpoints=n, server_cpu_cores=cpu / wall,
-                         server_cpu_ms_per_request=1000 * cpu / max(1, r["requests"]))
-                runs[w].append(r)
-    finally:
-        for proc, _ in pickers.values():
-            proc.terminate()
-        for proc, _ in pickers.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        fleet.terminate()
-        fleet.join()
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     out = []
     for w, rs in runs.items():
         m = _median(rs, "decisions_per_s")

@@ -35,6 +35,7 @@ import resource
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 
 # The load generator is compiled (bench/picker/loadclient, built by `make tools`): a
 # Python client costs as much CPU per request as the server and would share its 2 cores.
@@ -331,6 +332,20 @@ def _fake_vllm_fleet(n: int, port_queue) -> None:
     asyncio.run(main())
 
 
+@contextmanager
+def fake_vllm_fleet(ctx, n: int, timeout: float = 120.0):
+    """`n` fake vLLM /metrics servers in a process of their own (multiprocessing context `ctx`):
+    `with fake_vllm_fleet(ctx, n) as ports:`; the process is stopped on leaving."""
+    q = ctx.Queue()
+    fleet = ctx.Process(target=_fake_vllm_fleet, args=(n, q), daemon=True)
+    fleet.start()
+    try:
+        yield q.get(timeout=timeout)
+    finally:
+        fleet.terminate()
+        fleet.join()
+
+
 def _scrape_child(ports: list[int], interval: float, seconds: float, out_queue) -> None:
     from picker.scraper import Scraper
 
@@ -355,17 +370,11 @@ def _scrape_child(ports: list[int], interval: float, seconds: float, out_queue) 
 def bench_scrape(n: int, interval: float, seconds: float) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    fleet = ctx.Process(target=_fake_vllm_fleet, args=(n, q), daemon=True)
-    fleet.start()
-    try:
-        ports = q.get(timeout=60)
+    with fake_vllm_fleet(ctx, n) as ports:
         child = ctx.Process(target=_scrape_child, args=(ports, interval, seconds, q))
         child.start()
         out = q.get(timeout=seconds + 60)
         child.join()
-    finally:
-        fleet.terminate()
-        fleet.join()
     return out
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from bench import common, crosscheck, report
+from bench import common, crosscheck, report, suites
 from bench.picker.service import latency_bounded_rate
 from loadtest.metrics import REPORT_KEYS
 
@@ -53,6 +54,29 @@ def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):
     assert "## Validation time\n\n(not run)" in text
     assert "## `make demo` on the real data plane\n\n(not run)" in text
     assert (tmp_path / "BENCHMARKS.md").read_text() == text
+
+
+def test_suites_save_each_command_its_wall_time_and_what_it_wrote(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    monkeypatch.setattr(suites, "RESULTS", tmp_path)
+
+    def writes(path, value) -> list[str]:
+        return [sys.executable, "-c", f"import json; json.dump({{'v': {value}}}, open({str(path)!r}, 'w'))"]
+
+    one = suites._suite("one", writes(tmp_path / "r.json", 1), lambda: {"result": suites._json(tmp_path / "r.json")},
+                        log=tmp_path / "one.log", seeds=[3])
+    assert json.loads((tmp_path / "one.json").read_text()) == one
+    assert one["result"] == {"v": 1} and one["seeds"] == [3] and one["command"].startswith("python -c ")
+    assert one["wall_s"] > 0 and {"load_average_start", "load_average_end", "finished_at"} <= one.keys()
+    runs = suites._suite_runs("two", {"a": (writes(tmp_path / "a.json", 2), tmp_path / "a.json"),
+                                      "b": (writes(tmp_path / "b.json", 3), tmp_path / "b.json")})
+    assert json.loads((tmp_path / "two.json").read_text()) == runs
+    assert runs["runs"] == {"a": {"v": 2}, "b": {"v": 3}} and list(runs["commands"]) == ["a", "b"]
+    assert (tmp_path / "two-a.log").exists() and (tmp_path / "two-b.log").exists()
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        suites._suite("fails", [sys.executable, "-c", "raise SystemExit(3)"], dict, log=tmp_path / "f.log")
+    assert not (tmp_path / "fails.json").exists()
 
 
 def grpc_run(endpoints, closed_per_s: float, decide_p99: float, open_p99: dict[float, float]) -> dict:

@@ -165,6 +165,28 @@ def test_demo_defaults_scale_the_article_workload():
     assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]
 
 
+def test_demo_order_sets_which_listener_loadtest_compare_loads_first(tmp_path, capsys):
+    listeners = {"http": 18080, "llm-gw": 18081}
+
+    def ports(argv):
+        args, rest = st.parser().parse_known_args(["demo", *argv])
+        cmd = st.demo_command(st.config_from(args), listeners, ["127.0.0.1:8101"], tmp_path, args.workload,
+                              rest, args.warm, args.order)
+        after = cmd[cmd.index("--ports") + 1:]
+        return after[:after.index("--workload")], cmd
+
+    assert ports([])[0] == ["18080", "18081"]
+    assert ports(["--order", "http-first"])[0] == ["18080", "18081"]
+    picker_first, cmd = ports(["--order", "picker-first", "--warm", "--num-prompts", "12"])
+    assert picker_first == ["18081", "18080"]
+    assert cmd.count("--ports") == 1 and cmd[-2:] == ["--num-prompts", "12"] and "--before-each-run" not in cmd
+    with pytest.raises(SystemExit):
+        st.parser().parse_args(["demo", "--order", "llm-first"])
+    with pytest.raises(SystemExit):   # refused before any stack starts
+        st.main(["demo", "--run-root", str(tmp_path), "--ports", "18081", "18080"])
+    assert "--order" in capsys.readouterr().err
+
+
 def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path):
     """Envoy Gateway binds fixed ports: with one of them taken, nothing starts and the error says why."""
     from local import dataplane

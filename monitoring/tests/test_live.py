@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import yaml
 
 from local import observe
-from local.stack import REPO, Stack, StackConfig
+from local.stack import REPO, Stack
 from monitoring import dashboards, rules
 
 SAMPLES = REPO.parent / "shared" / "metrics-samples"
@@ -29,17 +28,6 @@ RATE_WINDOW = "30s"            # $__rate_interval for the dashboards' queries (s
 LOAD_SECONDS = 12.0            # before and after one simulator is stopped
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -107,30 +95,23 @@ async def load(stack: Stack, seconds: float, tally: dict) -> None:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     run_root = tmp_path_factory.mktemp("observe")
-    ports = free_ports(10)
-    config = StackConfig(
-        name="observe", run_root=run_root, groups=3, speedup=100.0, seed=3, sim_ports=ports[6:9],
-        http_port=ports[0], llm_port=ports[1], picker_grpc_port=ports[3],
-        picker_health_port=ports[4], picker_metrics_port=ports[5],
-        profile=str(sheddable_profile(run_root / "shed-early.yaml")),
-        sim_args=["--max-num-seqs", "2"], picker_args=["--scrape-interval", "0.2"])
     tally: dict = {}
-    with Stack(config) as stack:
-        prom_config = observe.stack_config(stack, interval="1s")
-        with observe.Prometheus(config.run_dir, prom_config, port=ports[9]) as prom:
-            prom.wait_scraped()
-            asyncio.run(load(stack, LOAD_SECONDS, tally))
-            stack.stop_process(f"sim-{stack.topology.sims[-1].port}")
-            asyncio.run(load(stack, LOAD_SECONDS, tally))
-            time.sleep(3)   # two more scrapes of everything
-            during_load = time.time()
-            # The whole pool down: the picker has no ready endpoint and answers 503.
-            for sim in stack.topology.sims[:-1]:
-                stack.stop_process(f"sim-{sim.port}")
-            time.sleep(2)   # > the picker's staleness (1 s)
-            asyncio.run(load(stack, 2.0, tally))
-            time.sleep(3)
-            yield prom, during_load, time.time(), tally
+    with observe.observed_stack(
+            "observe", run_root, groups=3, speedup=100.0, seed=3,
+            profile=str(sheddable_profile(run_root / "shed-early.yaml")),
+            sim_args=["--max-num-seqs", "2"], picker_args=["--scrape-interval", "0.2"]) as (stack, prom):
+        asyncio.run(load(stack, LOAD_SECONDS, tally))
+        stack.stop_process(f"sim-{stack.topology.sims[-1].port}")
+        asyncio.run(load(stack, LOAD_SECONDS, tally))
+        time.sleep(3)   # two more scrapes of everything
+        during_load = time.time()
+        # The whole pool down: the picker has no ready endpoint and answers 503.
+        for sim in stack.topology.sims[:-1]:
+            stack.stop_process(f"sim-{sim.port}")
+        time.sleep(2)   # > the picker's staleness (1 s)
+        asyncio.run(load(stack, 2.0, tally))
+        time.sleep(3)
+        yield prom, during_load, time.time(), tally
 
 
 def test_load_reached_both_listeners_and_was_shed(live):

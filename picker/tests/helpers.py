@@ -1,8 +1,13 @@
-"""Shared test helpers: vLLM-like metrics text, a fake clock, a router on a fixed endpoint set."""
+"""Shared test helpers: vLLM-like metrics text, a fake clock, a router on a fixed endpoint set,
+a fake vLLM server (/metrics and /v1/models) on 127.0.0.1, free ports."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import socket
+
+from aiohttp import web
 
 from picker.core import Router, RouterSettings
 from picker.scheduling.profile import load_profile
@@ -58,3 +63,59 @@ def make_router(profile="upstream-default", n=3, clock=None, seed=1, objectives=
 
 def body(model="qwq", prompt="hello world", **extra) -> bytes:
     return json.dumps({"model": model, "prompt": prompt, **extra}).encode()
+
+
+class FakeVllm:
+    """/metrics answers `text` with `status`; /v1/models answers `models` (a JSON document; None:
+    no such route, 404). `hits` and `model_hits` count the requests."""
+
+    def __init__(self, text: str | None = None, models: dict | None = None):
+        self.text = metrics_text(waiting=2, running=1, kv=0.3) if text is None else text
+        self.status = 200
+        self.hits = 0
+        self.models = models
+        self.model_hits = 0
+
+    async def metrics(self, request):
+        self.hits += 1
+        return web.Response(text=self.text, status=self.status)
+
+    async def list_models(self, request):
+        self.model_hits += 1
+        if self.models is None:
+            return web.Response(status=404)
+        return web.json_response(self.models)
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.list_models)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+async def until(pred, timeout=5.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end
+        await asyncio.sleep(0.01)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports nobody listens on now on 127.0.0.1 (all bound at once, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -27,10 +27,9 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from aiohttp import web
 
 import extproc_client as c
-from helpers import body, metrics_text
+from helpers import FakeVllm, body, free_ports, metrics_text
 
 SOAK_SECONDS = float(os.environ.get("PICKER_SOAK_SECONDS", "0"))
 MIB = 1024 * 1024
@@ -41,36 +40,6 @@ BIG_BODIES = 24          # x 2 MiB, against a 16 MiB body budget
 GOOD_SAMPLES = 150
 
 pytestmark = pytest.mark.soak
-
-
-class FakeVllm:
-    async def metrics(self, request):
-        return web.Response(text=metrics_text(waiting=1, running=2, kv=0.2))
-
-    async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": "qwq"}]})
-
-    async def start(self):
-        app = web.Application()
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/v1/models", self.models)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-
-def free_ports(n):
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def rss_mib(pid: int) -> float:
@@ -239,7 +208,8 @@ async def wait_for_picker(stub, deadline=20.0):
 
 
 async def test_abuse_keeps_memory_series_and_good_latency_flat(tmp_path, record_property):
-    vllms = [await FakeVllm().start() for _ in range(2)]
+    vllms = [await FakeVllm(metrics_text(waiting=1, running=2, kv=0.2),
+                           {"object": "list", "data": [{"id": "qwq"}]}).start() for _ in range(2)]
     picker = Picker([v.address for v in vllms], tmp_path / "picker.log")
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}",
                                    options=[("grpc.max_send_message_length", 64 * MIB)])
@@ -300,4 +270,4 @@ async def test_abuse_keeps_memory_series_and_good_latency_flat(tmp_path, record_
         await ch.close()
         picker.stop()
         for v in vllms:
-            await v.runner.cleanup()
+            await v.stop()

@@ -1,6 +1,5 @@
 """The whole service from its command line: static discovery, scraping, health, ext_proc, /metrics."""
 import asyncio
-import socket
 import urllib.request
 
 import grpc
@@ -11,8 +10,7 @@ from picker.app import App
 from picker.config import parse_args
 
 import extproc_client as c
-from helpers import body
-from test_scraper import FakeVllm, until
+from helpers import FakeVllm, body, free_ports, until
 
 OBJECTIVES = """\
 apiVersion: llm-d.ai/v1alpha2
@@ -20,12 +18,6 @@ kind: InferenceObjective
 metadata: {name: batch}
 spec: {priority: -1, poolRef: {name: reasoning-pool}}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_validation(capsys):
@@ -44,7 +36,7 @@ def test_cli_validation(capsys):
 async def test_static_service_end_to_end(tmp_path, secure):
     vllm = await FakeVllm().start()
     (tmp_path / "objectives.yaml").write_text(OBJECTIVES)
-    metrics_port = free_port()
+    metrics_port, = free_ports(1)
     args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port", str(metrics_port),
                        "--bind", "127.0.0.1", "--discovery", "static", "--endpoints", vllm.address,
                        "--objects", str(tmp_path), "--scrape-interval", "0.05",

@@ -13,8 +13,7 @@ from picker.scheduling.profile import load_profile, profile_from_dict
 from picker.signals.state import EndpointState
 from picker.signals.metrics import parse_vllm_metrics
 
-from helpers import body, make_router, metrics_text
-from test_scraper import FakeVllm, until
+from helpers import FakeVllm, body, free_ports, make_router, metrics_text, until
 
 PROMPT = "tenant seven system prompt: be brief and exact. " * 40
 
@@ -185,12 +184,11 @@ async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
     import urllib.request
 
     import extproc_client as c
-    from test_app import free_port
     vllm = await FakeVllm().start()
-    port, metrics_port = free_port(), free_port()
+    port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", vllm.address,
-         "--grpc-port", str(port), "--health-port", str(free_port()), "--metrics-port",
+         "--grpc-port", str(port), "--health-port", str(health_port), "--metrics-port",
          str(metrics_port), "--bind", "127.0.0.1", "--workers", "2", "--scrape-interval", "0.05"],
         stderr=subprocess.PIPE, text=True)
     channels = []
@@ -243,10 +241,9 @@ async def redis_url(tmp_path):
     """A real redis-server on a free loopback port, stopped after the test."""
     import shutil
     import subprocess
-    from test_app import free_port
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is missing: `make tools` installs it (Debian package redis-server)")
-    port = free_port()
+    port, = free_ports(1)
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,54 +1,11 @@
 """The scraper against fake vLLM /metrics servers started in-test on 127.0.0.1."""
 import asyncio
 
-from aiohttp import web
-
 from picker.scraper import Scraper
 
 from picker.core import RequestInfo
 
-from helpers import body, make_router, metrics_text
-
-
-class FakeVllm:
-    def __init__(self):
-        self.text = metrics_text(waiting=2, running=1, kv=0.3)
-        self.status = 200
-        self.hits = 0
-        self.models = None  # /v1/models answer (a JSON document); None: no such route (404)
-        self.model_hits = 0
-
-    async def metrics(self, request):
-        self.hits += 1
-        return web.Response(text=self.text, status=self.status)
-
-    async def list_models(self, request):
-        self.model_hits += 1
-        if self.models is None:
-            return web.Response(status=404)
-        return web.json_response(self.models)
-
-    async def start(self):
-        app = web.Application()
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/v1/models", self.list_models)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def stop(self):
-        await self.runner.cleanup()
-
-
-async def until(pred, timeout=5.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end
-        await asyncio.sleep(0.01)
+from helpers import FakeVllm, body, make_router, metrics_text, until
 
 
 async def test_scrapes_on_interval_and_follows_endpoint_changes():

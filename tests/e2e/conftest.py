@@ -9,6 +9,7 @@ import json
 import re
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -138,6 +139,31 @@ async def read_sse(response: aiohttp.ClientResponse) -> list:
             data = line[6:].decode()
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def stream_load(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, results: list, *,
+                workers: int = 6, max_tokens: int = 6, request_id: str = "load",
+                timeout: float | None = None) -> list[asyncio.Future]:
+    """`workers` clients sending streamed completions to `url` back to back until `stop` is set
+    (await the returned tasks after setting it). Each request appends (sent, ok, seconds) to
+    `results`: ok = a 200 whose stream ended with [DONE]; `timeout`: the client's limit per request
+    (None: the session's)."""
+    options = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+
+    async def worker(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            sent, i = time.time(), i + 1
+            body = completion(prompt=f"client {w} request {i} " * 10, max_tokens=max_tokens, stream=True)
+            try:
+                async with session.post(url, json=body, headers={"x-request-id": f"{request_id}-{uuid.uuid4()}"},
+                                        **options) as r:
+                    events = await read_sse(r) if r.status == 200 else []
+                    ok = r.status == 200 and events[-1:] == ["[DONE]"]
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            results.append((sent, ok, time.time() - sent))
+    return [asyncio.ensure_future(worker(w)) for w in range(workers)]
 
 
 @pytest.fixture

@@ -12,12 +12,10 @@ import json
 import os
 import signal
 import time
-import uuid
 
-import aiohttp
 import pytest
 
-from tests.e2e.conftest import completion, read_sse, start_stack, wait_for
+from tests.e2e.conftest import start_stack, stream_load, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -40,30 +38,11 @@ def url(stack, listener: str) -> str:
     return f"http://127.0.0.1:{port}/v1/completions"
 
 
-async def load(stack, listener: str, session, stop: asyncio.Event, results: list, workers: int = 6):
-    """Streamed completions from `workers` clients until stop; (sent, ok, seconds) per request."""
-    async def worker(w: int) -> None:
-        i = 0
-        while not stop.is_set():
-            sent, i = time.time(), i + 1
-            body = completion(prompt=f"client {w} request {i} " * 10, max_tokens=6, stream=True)
-            try:
-                async with session.post(url(stack, listener), json=body,
-                                        timeout=aiohttp.ClientTimeout(total=5),
-                                        headers={"x-request-id": f"dead-{uuid.uuid4()}"}) as r:
-                    events = await read_sse(r) if r.status == 200 else []
-                    ok = r.status == 200 and events[-1:] == ["[DONE]"]
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                ok = False
-            results.append((sent, ok, time.time() - sent))
-    return [asyncio.ensure_future(worker(w)) for w in range(workers)]
-
-
 async def run_fault(stack, session, listener: str, fault) -> dict:
     victim = stack.topology.sims[0]
     results: list = []
     stop = asyncio.Event()
-    tasks = await load(stack, listener, session, stop, results)
+    tasks = stream_load(session, url(stack, listener), stop, results, request_id="dead", timeout=5)
     await wait_for(lambda: sum(ok for _, ok, _ in results) >= 12, timeout=30)
     at = time.time()
     fault(victim)

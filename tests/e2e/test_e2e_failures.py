@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-import uuid
 
-import aiohttp
 import pytest
 
-from tests.e2e.conftest import completion, json_lines, read_sse, start_stack, wait_for
+from tests.e2e.conftest import completion, json_lines, start_stack, stream_load, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +33,14 @@ def http(stack, path="/v1/completions"):
     return f"http://127.0.0.1:{stack.http_port}{path}"
 
 
+async def llm_serves_again(stack, session, timeout: float) -> None:
+    """Wait until a completion through 8081 answers 200 again."""
+    async def served():
+        async with session.post(llm(stack), json=completion()) as r:
+            return r.status == 200
+    await wait_for(served, timeout=timeout)
+
+
 def decision_times(stack, endpoint: str) -> list[float]:
     out = []
     for r in json_lines(stack.proc("picker").log):
@@ -46,35 +52,21 @@ def decision_times(stack, endpoint: str) -> list[float]:
 
 async def test_killed_simulator_is_dropped_within_two_scrape_intervals(stack, session):
     victim = stack.topology.sims[0]
-    results: list[tuple[float, bool]] = []
+    results: list[tuple[float, bool, float]] = []
     stop = asyncio.Event()
-
-    async def worker(w: int) -> None:
-        i = 0
-        while not stop.is_set():
-            sent, i = time.time(), i + 1
-            body = completion(prompt=f"worker {w} request {i} " * 10, max_tokens=8, stream=True)
-            try:
-                async with session.post(llm(stack), json=body, headers={"x-request-id": f"kill-{uuid.uuid4()}"}) as r:
-                    events = await read_sse(r)
-                    ok = r.status == 200 and events[-1:] == ["[DONE]"]
-                    results.append((sent, ok))
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                results.append((sent, False))
-
-    workers = [asyncio.ensure_future(worker(w)) for w in range(6)]
-    await wait_for(lambda: len(decision_times(stack, victim.address)) >= 3 and sum(ok for _, ok in results) >= 6,
+    workers = stream_load(session, llm(stack), stop, results, max_tokens=8, request_id="kill")
+    await wait_for(lambda: len(decision_times(stack, victim.address)) >= 3 and sum(ok for _, ok, _ in results) >= 6,
                    timeout=20)
     killed_at = time.time()
     stack.kill_process(f"sim-{victim.port}")
     bound = killed_at + 2 * SCRAPE
-    await wait_for(lambda: sum(1 for sent, _ in results if sent > bound) >= 30, timeout=30)
+    await wait_for(lambda: sum(1 for sent, _, _ in results if sent > bound) >= 30, timeout=30)
     stop.set()
     await asyncio.gather(*workers)
 
     last_pick = max(decision_times(stack, victim.address))
     assert last_pick <= bound, f"picker still chose the dead endpoint {last_pick - killed_at:.2f}s after the kill"
-    late = [ok for sent, ok in results if sent > bound]
+    late = [ok for sent, ok, _ in results if sent > bound]
     assert late and all(late), f"{late.count(False)} of {len(late)} late requests failed"
     stack.restart_process(f"sim-{victim.port}")
 
@@ -93,11 +85,7 @@ async def test_no_ready_endpoint_is_503_from_the_picker(stack, session):
     async with session.post(http(stack), json=completion()) as r:
         assert r.status == 503  # the gateway cannot connect to any leader
     stack.restart_process(*(f"sim-{sim.port}" for sim in stack.topology.sims))
-
-    async def served():
-        async with session.post(llm(stack), json=completion()) as r:
-            return r.status == 200
-    await wait_for(served, timeout=10)
+    await llm_serves_again(stack, session, timeout=10)
 
 
 async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
@@ -112,11 +100,7 @@ async def test_picker_stopped_fails_close_while_8080_serves(stack, session):
             await r.read()
     # a restarted picker (new self-signed certificate) is picked up again
     stack.restart_process("picker")
-
-    async def served():
-        async with session.post(llm(stack), json=completion()) as r:
-            return r.status == 200
-    await wait_for(served, timeout=10)
+    await llm_serves_again(stack, session, timeout=10)
 
 
 async def test_reset_starts_the_next_run_cold(stack, session):
@@ -139,8 +123,4 @@ async def test_reset_starts_the_next_run_cold(stack, session):
     assert sum([await successes(session, a) for a in sims]) == 0  # new simulator processes
     cpu_after = stack.cpu_seconds()  # the replaced processes' CPU still counts
     assert all(cpu_after[name] >= cpu_before[name] for name in cpu_before), (cpu_before, cpu_after)
-
-    async def served():
-        async with session.post(llm(stack), json=completion()) as r:
-            return r.status == 200
-    await wait_for(served, timeout=15)
+    await llm_serves_again(stack, session, timeout=15)
