@@ -82,3 +82,22 @@ def load(name: str) -> dict | None:
 
 def stamp() -> dict:
     return {"finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average_end": load_average()}
+
+
+def run_suite(name: str, cmd: list[str], loader, log: Path | None = None, command: str | None = None,
+              env: dict[str, str] | None = None, **fields) -> dict:
+    """Run `cmd` once, timed (output to `log`, or shown), and save results/bench/<name>.json: the
+    command (`command`, else as typed), `fields`, the wall time, the load average before and after,
+    and what `loader()` reads from the run's output (a dict). `env`: added to the environment."""
+    load_start = load_average()
+    wall = run(cmd, log=log, env=env)
+    data = {"command": command or shown(cmd), **fields, "wall_s": wall, "load_average_start": load_start,
+            **loader(), **stamp()}
+    save(name, data)
+    return data
+
+
+def md_table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table: the header, its rule, one line a row."""
+    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
+    return [line(header), "|---" * len(header) + "|"] + [line(row) for row in rows]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from bench import coldstart, crosscheck, phases, robustness
-from bench.common import REPO, load, machine
+from bench.common import REPO, load, machine, md_table
 from bench.suites import git_revision
 from lab.article import ARTICLE
 from loadtest.metrics import REPORT_KEYS, percent_change
@@ -27,12 +27,6 @@ def _pct(new, old) -> str:
 def _section(title: str, d: dict | None, body) -> list[str]:
     """A `## title` section: the lines `body(d)` writes, or "(not run)" without results."""
     return [f"## {title}", ""] + (body(d) if d else ["(not run)"]) + [""]
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    """A Markdown table: the header, its rule, one line a row."""
-    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
-    return [line(header), "|---" * len(header) + "|"] + [line(row) for row in rows]
 
 
 def header(m: dict, loads: list[float]) -> list[str]:
@@ -73,7 +67,7 @@ def _picker_body(d: dict) -> list[str]:
            "process; the real gRPC server driven by a compiled ext_proc load client (closed loop: streams back "
            "to back; open loop: a fixed rate of new streams; offered above what the server can decide, the "
            "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", ""]
-    out += _table(["in process", "decisions/s", "p50 ms", "p99 ms"],
+    out += md_table(["in process", "decisions/s", "p50 ms", "p99 ms"],
                   [[f"{x['endpoints']} endpoints", _f(x["decisions_per_s"]), f"{x['p50_ms']:.3f}", f"{x['p99_ms']:.3f}"]
                    for x in r.get("inprocess", [])])
     grpc = r.get("grpc", [])
@@ -95,7 +89,7 @@ def _picker_body(d: dict) -> list[str]:
                 "shown is the median run (closed loop: by throughput; open loop: by p99), then every run in "
                 "brackets. decide = the server's own `decide()` time in the reported closed-loop run (what "
                 "`picker_decision_duration_seconds` observes).", ""]
-    out += _table(["through gRPC", "mode", "closed decisions/s", "closed p50 / p99 ms", "decide p99 ms",
+    out += md_table(["through gRPC", "mode", "closed decisions/s", "closed p50 / p99 ms", "decide p99 ms",
                    "server CPU ms/decision", *(f"open {r_:,.0f}/s p99 ms" for r_ in rates),
                    "p99 <= 5 ms at every rate up to", "errors"], rows)
     out += _picker_target(grpc)
@@ -142,7 +136,7 @@ def _lab_table(summary: dict, article: bool) -> list[str]:
     if article:
         rows += [[f"article {port}", *(_f(ARTICLE[name][k], digits(k)) for k, _ in LAB_KEYS)]
                  for name, port in (("least-request", "8080"), ("picker", "8081"))]
-    return _table(["policy", *(label for _, label in LAB_KEYS)], rows)
+    return md_table(["policy", *(label for _, label in LAB_KEYS)], rows)
 
 
 CALIBRATION_TOLERANCE_PCT = 25.0  # the simulator's calibration target against the article's 8080 run
@@ -275,7 +269,7 @@ def _lab_matrix_body(d: dict) -> list[str]:
             "The oracle is clairvoyant (lab/oracle.py): it knows every engine's exact state and every request's "
             "output length, plays each candidate group forward and sends the request where its first token "
             "comes soonest. Gap closed = (least request - default) / (least request - oracle) in mean TTFT.", "",
-            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""] + _table(
+            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""] + md_table(
         ["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
          "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed"], rows) \
         + [""] + _matrix_targets(m["scenarios"])
@@ -318,7 +312,7 @@ def _demo_body(d: dict) -> list[str]:
            f"(least request) vs `llm-gw` (picker) on the `{dp['workload']}` workload, speedup {dp['speedup']:g} "
            "(times are wall-clock ms at that speedup). Results: "
            f"`{d['results_dir']}/report.md`.", ""]
-    out += _table(["listener", "mean TTFT ms", "median TTFT ms", "P99 TTFT ms", "mean TPOT ms", "output tok/s",
+    out += md_table(["listener", "mean TTFT ms", "median TTFT ms", "P99 TTFT ms", "mean TPOT ms", "output tok/s",
                    "completed", "failed"],
                   [[f"{name} ({dp['listeners'][name]})", f"{r['mean_ttft_ms']:,.0f}", f"{r['median_ttft_ms']:,.0f}",
                     f"{r['p99_ttft_ms']:,.0f}", f"{r['mean_tpot_ms']:.1f}", f"{r['output_throughput']:.1f}",
@@ -329,11 +323,11 @@ def _demo_body(d: dict) -> list[str]:
                     f"{_pct(pk['p99_ttft_ms'], lr['p99_ttft_ms'])}, output throughput "
                     f"{_pct(pk['output_throughput'], lr['output_throughput'])}."]
     out += ["", f"CPU of every process during the comparison ({dp['wall_s']:.0f} s, {dp['cores']} cores):", ""]
-    out += _table(["process", "CPU s", "cores"],
+    out += md_table(["process", "CPU s", "cores"],
                   [[name, f"{cpu:.1f}", f"{cpu / dp['wall_s']:.2f}"] for name, cpu in dp["cpu_s"].items()])
     stats = dp["envoy_listener_stats"]
     out += ["", "Envoy's own counters per listener during the comparison:", ""]
-    out += _table(["listener", *(s.replace("downstream_", "") for s in next(iter(stats.values())))],
+    out += md_table(["listener", *(s.replace("downstream_", "") for s in next(iter(stats.values())))],
                   [[name, *values.values()] for name, values in stats.items()])
     return out
 
@@ -357,7 +351,7 @@ def _picker_scale_body(d: dict) -> list[str]:
         out.insert(-1, "")
     inp = r.get("inprocess") or []
     if inp:
-        out += _table(["in process", "prefilter", "decisions/s", "wall p50 / p99 ms", "CPU p50 / p99 ms",
+        out += md_table(["in process", "prefilter", "decisions/s", "wall p50 / p99 ms", "CPU p50 / p99 ms",
                        "CPU ms/decision"],
                       [[f"{x['endpoints']:,} endpoints", "on" if x["prefilter"] else "off (every candidate scored)",
                         _f(x["decisions_per_s"]), f"{x['p50_ms']:.3f} / {x['p99_ms']:.3f}",
@@ -380,7 +374,7 @@ def _picker_scale_body(d: dict) -> list[str]:
                          f"{_f(o.get('offered_per_s'))}/s", _spread(o, "p99_ms", 1)])
         out += ["", "Through gRPC, one worker, buffered, 64 streams closed loop and one open-loop rate "
                     "(median of the repeats, every repeat in brackets):", ""]
-        out += _table(["through gRPC", "closed decisions/s", "decide p99 ms", "server CPU ms/decision",
+        out += md_table(["through gRPC", "closed decisions/s", "decide p99 ms", "server CPU ms/decision",
                        "open-loop rate", "open p99 ms"], rows)
     sl = r.get("scrape_load") or []
     if sl:
@@ -401,13 +395,13 @@ def _picker_scale_body(d: dict) -> list[str]:
                     f"whose /metrics pages are really scraped (every {x0['scrape_interval_s']:g} s, the "
                     "interval adapted to the pool); latency = when the decision was due -> decided, so "
                     "event-loop time spent scraping counts:", ""]
-        out += _table(["scraping", "p50 ms", "p99 ms [repeats]", "decided within 3 x the run", "decide() CPU p99 ms",
+        out += md_table(["scraping", "p50 ms", "p99 ms [repeats]", "decided within 3 x the run", "decide() CPU p99 ms",
                        "refused (503: no endpoint ready)", "deciding process cores", "scraping cost"], rows)
     wk = r.get("workers") or []
     if wk:
         out += ["", "`python -m picker --workers N` (16 endpoints, closed loop, 64 streams over 4 connections; "
                     "CPU of the whole process tree: workers and the signals process):", ""]
-        out += _table(["workers", "decisions/s [repeats]", "vs 1 worker", "p99 ms", "server cores",
+        out += md_table(["workers", "decisions/s [repeats]", "vs 1 worker", "p99 ms", "server cores",
                        "server CPU ms/decision"],
                       [[x["workers"], f"{_f(x['decisions_per_s'])} [{' '.join(_f(v['decisions_per_s']) for v in x['repeats'])}]",
                         f"x{x['speedup_vs_first']:.2f}", _f(x["p99_ms"], 1), f"{x['server_cpu_cores']:.2f}",
@@ -443,7 +437,7 @@ def _replicas_body(d: dict) -> list[str]:
             m, base = p[name]["mean_ttft_ms"], p["picker"]["mean_ttft_ms"]["mean"]
             cells.append(f"{_f(m['mean'])} ± {_f(m['std'])} ({_pct(m['mean'], base)})")
         rows.append([_replica_label(name), *cells])
-    return out + _table(["replicas", *(labels.get(k, k) for k in d["runs"])], rows)
+    return out + md_table(["replicas", *(labels.get(k, k) for k in d["runs"])], rows)
 
 
 def prefilter_section(d: dict | None) -> list[str]:
@@ -467,7 +461,7 @@ def _prefilter_body(d: dict) -> list[str]:
     return ["Command: `python -m bench prefilter`: the lab on 16 simulated groups at concurrency 160, "
             "least request, the default profile (all 16 candidates scored) and "
             "`bench/picker/prefilter-16.yaml` (the same scorers with the prefilter forced on: prefix "
-            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", ""] + _table(
+            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", ""] + md_table(
         ["workload", "policy", "mean TTFT ms", "P99 TTFT ms", "output tok/s", "vs full scoring (mean TTFT)"], rows)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from bench.common import PY, RESULTS, load_average, run, save, shown, stamp
+from bench.common import PY, RESULTS, md_table, run_suite, shown
 
 SOAK_TEST = "picker/tests/test_abuse.py"
 DEAD_BACKEND_TEST = "tests/e2e/test_e2e_dead_backend.py"
@@ -29,32 +29,25 @@ def recorded(junit_xml) -> dict[str, dict[str, str]]:
     return out
 
 
-def _pytest(name: str, test: str, extra: list[str], env: dict[str, str] | None = None) -> tuple[dict, float, list]:
+def _pytest(name: str, test: str, extra: list[str], read, command: str = "", env: dict[str, str] | None = None,
+            **fields) -> dict:
+    """Run `test` with pytest, then save what `read(recorded properties)` makes of its figures."""
     xml = RESULTS / f"{name}.junit.xml"
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, *extra, f"--junitxml={xml}"]
-    wall = run(cmd, log=RESULTS / f"{name}.log", env=env)
-    return recorded(xml), wall, cmd
+    return run_suite(name, cmd, lambda: read(recorded(xml)), log=RESULTS / f"{name}.log",
+                     command=command + shown(cmd), env=env, **fields)
 
 
 def soak(seconds: float = 180.0) -> dict:
-    load_start = load_average()
-    props, wall, cmd = _pytest("soak", SOAK_TEST, ["-m", "soak", "--timeout", str(int(seconds) + 600)],
-                               {"PICKER_SOAK_SECONDS": f"{seconds:g}"})
-    rounds = json.loads(next(iter(props.values()))["rounds"])
-    data = {"command": f"PICKER_SOAK_SECONDS={seconds:g} {shown(cmd)}", "seconds": seconds, "wall_s": wall,
-            "rounds": rounds, "load_average_start": load_start, "load_average_end": load_average(), **stamp()}
-    save("soak", data)
-    return data
+    return _pytest("soak", SOAK_TEST, ["-m", "soak", "--timeout", str(int(seconds) + 600)],
+                   lambda props: {"rounds": json.loads(next(iter(props.values()))["rounds"])},
+                   command=f"PICKER_SOAK_SECONDS={seconds:g} ", env={"PICKER_SOAK_SECONDS": f"{seconds:g}"},
+                   seconds=seconds)
 
 
 def dead_backend() -> dict:
-    load_start = load_average()
-    props, wall, cmd = _pytest("dead-backend", DEAD_BACKEND_TEST, [])
-    runs = [json.loads(p["figures"]) for p in props.values()]
-    data = {"command": shown(cmd), "wall_s": wall, "runs": runs, "load_average_start": load_start,
-            "load_average_end": load_average(), **stamp()}
-    save("dead-backend", data)
-    return data
+    return _pytest("dead-backend", DEAD_BACKEND_TEST, [],
+                   lambda props: {"runs": [json.loads(p["figures"]) for p in props.values()]})
 
 
 # -- BENCHMARKS.md -------------------------------------------------------------------------------
@@ -66,20 +59,19 @@ def soak_report(d: dict) -> list[str]:
            "two fake vLLM endpoints; each round sends 1,500 requests with distinct unknown model names, 300 "
            "forged `x-request-id`s on streams cut after the decision, 24 unfinished 2 MiB bodies in each body "
            "mode (against a 16 MiB budget), 1 MiB model names and repeated headers, while a well-behaved "
-           "client keeps asking for decisions. Figures after each round (round 0: before any abuse):", "",
-           "| round | RSS MiB | /metrics series | /metrics bytes | good client ms (after) | good client ms (during) | "
-           "in flight | big bodies refused (buffered / full-duplex) |",
-           "|---|---|---|---|---|---|---|---|"]
-    shown = rounds if len(rounds) <= 8 else [*rounds[:4], None, *rounds[-3:]]
-    for r in shown:
+           "client keeps asking for decisions. Figures after each round (round 0: before any abuse):", ""]
+    rows = []
+    for r in rounds if len(rounds) <= 8 else [*rounds[:4], None, *rounds[-3:]]:
         if r is None:
-            out.append(f"| ... {len(rounds) - 7} more rounds | | | | | | | |")
+            rows.append([f"... {len(rounds) - 7} more rounds", *[""] * 7])
             continue
         bodies = r.get("big_bodies") or {}
         during = f"{r['good_during_ms']:.2f}" if "good_during_ms" in r else ""
         refused = f"{bodies.get('buffered 503', 0)} / {bodies.get('full-duplex 503', 0)}" if bodies else ""
-        out.append(f"| {r['round']} | {r['rss_mib']:.0f} | {r['series']} | {r['page_bytes']:,} | {r['good_ms']:.2f} | "
-                   f"{during} | {r.get('inflight', 0):.0f} | {refused} |")
+        rows.append([r["round"], f"{r['rss_mib']:.0f}", r["series"], f"{r['page_bytes']:,}", f"{r['good_ms']:.2f}",
+                     during, f"{r.get('inflight', 0):.0f}", refused])
+    out += md_table(["round", "RSS MiB", "/metrics series", "/metrics bytes", "good client ms (after)",
+                     "good client ms (during)", "in flight", "big bodies refused (buffered / full-duplex)"], rows)
     rss = [r["rss_mib"] for r in abused]
     during = sorted(r.get("good_during_ms", 0.0) for r in abused)
     out += ["", f"Across all {len(abused)} rounds: RSS {min(rss):.0f}-{max(rss):.0f} MiB (before: {base['rss_mib']:.0f}), series "
@@ -95,11 +87,9 @@ def dead_backend_report(d: dict) -> list[str]:
            "`overlays/a10` with its health checks, outlier detection and connect-failure retries) under six "
            "closed-loop clients per listener; one group is killed (SIGKILL) or stalled (SIGSTOP: it accepts "
            "connections and never answers; clients give up after 5 s). \"Late\" = sent more than 15 s after "
-           "the fault.", "",
-           "| fault | listener | requests after the fault | failed | last failure (s after the fault) | "
-           "late requests | late failed |", "|---|---|---|---|---|---|---|"]
-    for r in d["runs"]:
-        last = "" if r["last_failure_s"] is None else f"{r['last_failure_s']:.1f}"
-        out.append(f"| {r['fault']} | {r['listener']} | {r['requests_after_fault']} | {r['failed']} | {last} | "
-                   f"{r['late_requests']} | {r['late_failed']} |")
-    return out
+           "the fault.", ""]
+    rows = [[r["fault"], r["listener"], r["requests_after_fault"], r["failed"],
+             "" if r["last_failure_s"] is None else f"{r['last_failure_s']:.1f}", r["late_requests"], r["late_failed"]]
+            for r in d["runs"]]
+    return out + md_table(["fault", "listener", "requests after the fault", "failed",
+                           "last failure (s after the fault)", "late requests", "late failed"], rows)

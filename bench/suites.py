@@ -9,7 +9,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from bench.common import PY, REPO, RESULTS, load_average, run, save, shown, stamp
+from bench.common import PY, REPO, RESULTS, load_average, run, run_suite, save, shown, stamp
 
 # The lab benchmark's policies: least request (the 8080 route) against the picker's two profiles.
 LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
@@ -17,19 +17,6 @@ LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
 
 def _json(path: Path) -> dict:
     return json.loads(path.read_text())
-
-
-def _suite(name: str, cmd: list[str], loader, log: Path | None = None, command: str | None = None,
-           **fields) -> dict:
-    """Run `cmd` once, timed (output to `log`, or shown), and save results/bench/<name>.json: the
-    command (`command`, else as typed), `fields`, the wall time, the load average before and after,
-    and what `loader()` reads from the run's output (a dict)."""
-    load_start = load_average()
-    wall = run(cmd, log=log)
-    data = {"command": command or shown(cmd), **fields, "wall_s": wall, "load_average_start": load_start,
-            **loader(), **stamp()}
-    save(name, data)
-    return data
 
 
 def _suite_runs(name: str, runs: dict[str, tuple[list[str], Path]]) -> dict:
@@ -68,7 +55,7 @@ def validation(runs: int = 3) -> dict:
 
 def picker() -> dict:
     """`make bench-picker` (builds the Go load client, writes results/bench-picker.json)."""
-    return _suite("picker", ["make", "--no-print-directory", "bench-picker"],
+    return run_suite("picker", ["make", "--no-print-directory", "bench-picker"],
                   lambda: {"result": _json(REPO / "results" / "bench-picker.json")},
                   log=RESULTS / "picker.log", command="make bench-picker")
 
@@ -81,7 +68,7 @@ def lab(workload: str, seeds: list[int] | None = None) -> dict:
         shutil.rmtree(out)
     cmd = [PY, "-m", "lab", "run", "--workload", workload, *(a for p in LAB_POLICIES for a in ("--policy", p)),
            "--seeds", *map(str, seeds), "--out", str(out), "--plots"]
-    return _suite(f"lab-{workload}", cmd, lambda: {"summary": _json(out / "summary.json")},
+    return run_suite(f"lab-{workload}", cmd, lambda: {"summary": _json(out / "summary.json")},
                   log=RESULTS / f"lab-{workload}.log", workload=workload, seeds=seeds,
                   results_dir=str(out.relative_to(REPO)))
 
@@ -94,7 +81,7 @@ def lab_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -
     out = RESULTS / "lab-matrix"
     cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds), *extra]
     # no log: output inherited, one progress line per scenario and seed
-    return _suite("lab-matrix", cmd, lambda: {"matrix": _json(out / "matrix.json")}, seeds=seeds)
+    return run_suite("lab-matrix", cmd, lambda: {"matrix": _json(out / "matrix.json")}, seeds=seeds)
 
 
 def demo() -> dict:
@@ -107,7 +94,7 @@ def demo() -> dict:
         ports = _json(out / "dataplane.json")
         return {"dataplane": ports, "results": {name: _json(out / f"{port}.json")
                                                 for name, port in ports["listeners"].items()}}
-    return _suite("demo", cmd, results, log=RESULTS / "demo.log", command="make demo (" + shown(cmd) + ")",
+    return run_suite("demo", cmd, results, log=RESULTS / "demo.log", command="make demo (" + shown(cmd) + ")",
                   results_dir=str(out.relative_to(REPO)))
 
 
@@ -120,7 +107,7 @@ def git_revision() -> str:
 
 def picker_scale() -> dict:
     """`make bench-picker-scale` (writes results/bench-picker-scale.json)."""
-    return _suite("picker-scale", ["make", "--no-print-directory", "bench-picker-scale"],
+    return run_suite("picker-scale", ["make", "--no-print-directory", "bench-picker-scale"],
                   lambda: {"result": _json(REPO / "results" / "bench-picker-scale.json")},
                   log=RESULTS / "picker-scale.log", command="make bench-picker-scale")
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from validation import manifests
+
 REPO = Path(__file__).resolve().parent.parent
 EG_VERSION = "v1.9.0"
 ENVOY_VERSION = "1.39.0"  # what Envoy Gateway v1.9.0 runs by default
@@ -75,17 +77,16 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
                 name = listener["name"]
                 listener["port"] = (listener_ports or {}).get(name) or local_listener_port(listener["port"], offset)
         elif kind == "HTTPRoute":
-            for rule in obj["spec"].get("rules", []):
-                for ref in rule.get("backendRefs", []):
-                    if ref.get("kind", "Service") != "Service" or ref.get("group", "") != "":
-                        continue
-                    name = ref["name"]
-                    if name not in service_endpoints:
-                        raise DataPlaneError(f"HTTPRoute {meta.get('name')}: backendRef Service {name!r} "
-                                             "selects no simulated leader")
-                    ref.update(group=BACKEND_GROUP, kind="Backend")
-                    ns = meta.get("namespace", "")
-                    backends[(ns, name)] = backend(name, ns, service_endpoints[name])
+            for ref in manifests.backend_refs(obj):  # the route's own ref dicts, changed in place
+                if ref.get("kind", "Service") != "Service" or ref.get("group", "") != "":
+                    continue
+                name = ref["name"]
+                if name not in service_endpoints:
+                    raise DataPlaneError(f"HTTPRoute {meta.get('name')}: backendRef Service {name!r} "
+                                         "selects no simulated leader")
+                ref.update(group=BACKEND_GROUP, kind="Backend")
+                ns = meta.get("namespace", "")
+                backends[(ns, name)] = backend(name, ns, service_endpoints[name])
         elif kind == "Backend" and is_picker_backend(obj):
             obj["spec"]["endpoints"] = [{"ip": {"address": picker[0], "port": picker[1]}}]
     return out + list(backends.values())

@@ -260,7 +260,7 @@ def picker_isolated(objs):
             problems += _peer_problems(r, f"the picker's ports {r.ports or 'all'}", [is_envoy],
                                        f"the {GATEWAY} Envoy pods")
         elif r.ports == [PICKER_METRICS_PORT]:
-            problems += _peer_problems(r, f"the picker's /metrics port", [is_monitoring],
+            problems += _peer_problems(r, "the picker's /metrics port", [is_monitoring],
                                        f"namespace {MONITORING_NAMESPACE!r}")
     if not _reaches(rules, PICKER_GRPC_PORTS[0], is_envoy):
         problems.append(f"{describe(deployment)}: the {GATEWAY} Envoy pods cannot reach ext_proc "

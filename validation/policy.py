@@ -13,7 +13,7 @@ from fractions import Fraction
 from kubernetes.utils import parse_quantity
 
 from validation.manifests import (GPU, PodTemplate, argv, flag_values, gpu_limit, has_flag,  # noqa: F401
-                                  listener_port, matches, name_of, ns_of, of_kind, picker_container,
+                                  matches, name_of, ns_of, of_kind, picker_container,
                                   pod_templates, routes_on_port, rule_backend_refs, served_model_names,
                                   services_selecting, spec_rules, vllm_container)
 from validation.problems import describe

@@ -425,7 +425,7 @@ def main() -> None:
     print(f"  open   = {a.rates} new streams/s, each held open {a.hold:g} s after its answer "
           f"({'with' if a.response_phase else 'without'} a response phase); {a.repeat} runs per "
           "rate, interleaved: the median-p99 run, [every run's p99]")
-    print(f"  decide = the server's own decide() time (picker_decision_duration_seconds) in that run")
+    print("  decide = the server's own decide() time (picker_decision_duration_seconds) in that run")
     with tempfile.TemporaryDirectory() as tmp:
         bodies = os.path.join(tmp, "bodies.jsonl")
         _write_bodies(bodies)

@@ -64,7 +64,7 @@ def test_suites_save_each_command_its_wall_time_and_what_it_wrote(tmp_path, monk
     def writes(path, value) -> list[str]:
         return [sys.executable, "-c", f"import json; json.dump({{'v': {value}}}, open({str(path)!r}, 'w'))"]
 
-    one = suites._suite("one", writes(tmp_path / "r.json", 1), lambda: {"result": suites._json(tmp_path / "r.json")},
+    one = common.run_suite("one", writes(tmp_path / "r.json", 1), lambda: {"result": suites._json(tmp_path / "r.json")},
                         log=tmp_path / "one.log", seeds=[3])
     assert json.loads((tmp_path / "one.json").read_text()) == one
     assert one["result"] == {"v": 1} and one["seeds"] == [3] and one["command"].startswith("python -c ")
@@ -75,7 +75,7 @@ def test_suites_save_each_command_its_wall_time_and_what_it_wrote(tmp_path, monk
     assert runs["runs"] == {"a": {"v": 2}, "b": {"v": 3}} and list(runs["commands"]) == ["a", "b"]
     assert (tmp_path / "two-a.log").exists() and (tmp_path / "two-b.log").exists()
     with pytest.raises(RuntimeError, match="exited with 3"):
-        suites._suite("fails", [sys.executable, "-c", "raise SystemExit(3)"], dict, log=tmp_path / "f.log")
+        common.run_suite("fails", [sys.executable, "-c", "raise SystemExit(3)"], dict, log=tmp_path / "f.log")
     assert not (tmp_path / "fails.json").exists()
 
 

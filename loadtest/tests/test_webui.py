@@ -6,7 +6,6 @@ stops the run and downloads the result JSON from the download tab. Options come 
 places locust reads them: flags, LOCUST_* environment variables and a locust.conf.
 """
 import json
-import os
 import socket
 import subprocess
 import sys

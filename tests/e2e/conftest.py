@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -15,23 +14,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from local.observe import free_ports
 from local.stack import Stack, StackConfig
 
 SPEEDUP = 100.0
 SCRAPE_INTERVAL = 0.2  # picker --scrape-interval in the e2e stacks (seconds)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def start_stack(run_root: Path, name: str, groups: int = 3, canary: bool = False,

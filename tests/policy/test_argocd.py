@@ -1,7 +1,6 @@
 """Argo CD: every app path exists and renders, charts are pinned, waves and sync options are set."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 from lupa import LuaRuntime
 
 from tests.policy.conftest import find, rendered

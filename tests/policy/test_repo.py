@@ -44,7 +44,6 @@ def test_secret_file_is_caught(tmp_path):
 def test_split_is_written_once():
     """The split's numbers live in split.yaml only: every other weight in the component is the
     placeholder 1 that the replacements overwrite."""
-    split = split_weights(ROOT)
     assert split_problems(ROOT) == []
     for path in (ROOT / "components/canary").rglob("*.yaml"):
         if path.name == "split.yaml":

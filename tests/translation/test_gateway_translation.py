@@ -3,7 +3,6 @@ objects: the shipped overlays pass, and each broken fixture fails with a message
 target, the object and the field."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
