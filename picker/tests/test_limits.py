@@ -15,7 +15,7 @@ from picker.protocol.limits import ServerLimits
 from picker.protocol.server import start_servers
 
 import extproc_client as c
-from helpers import body, make_router
+from helpers import body, make_router, until
 
 MIB = 1024 * 1024
 
@@ -67,6 +67,8 @@ class Held:
 async def test_body_budget_refuses_with_reason_then_recovers(small_budget, mode):
     router, servers, stub, metrics = small_budget
     held = await Held(stub, MIB + MIB // 2).start()
+    # the picker has read the held body (all but its first 64 KiB count against the budget)
+    await until(lambda: servers.budget.buffered == held.sent - 64 * 1024)
     prompt = body(prompt="y" * (MIB + MIB // 2))  # 1.5 MiB each: within the per-request limit
     if mode == "buffered":
         send = c.send_buffered
@@ -92,12 +94,12 @@ async def test_refused_and_finished_streams_release_their_bytes(small_budget):
     router, servers, stub, _ = small_budget
     budget = servers.budget
     held = await Held(stub, MIB).start()
-    await wait_until(lambda: budget.buffered == held.sent - 64 * 1024)  # the first 64 KiB: its own
+    await until(lambda: budget.buffered == held.sent - 64 * 1024)  # the first 64 KiB: its own
     held.call.cancel()  # the stream goes away before its body ended
-    await wait_until(lambda: budget.buffered == 0 and budget.streams == 0)
+    await until(lambda: budget.buffered == 0 and budget.streams == 0)
     call, answers = await c.send_buffered(stub, c.post_headers(), body(prompt="z" * (2 * MIB + 9)))
     assert error_of(answers[-1])[1]["code"] == "body_too_large"
-    await wait_until(lambda: budget.buffered == 0 and budget.streams == 0)
+    await until(lambda: budget.buffered == 0 and budget.streams == 0)
 
 
 async def test_stream_limit_refuses_with_reason_and_grpc_ceiling_is_above_it():
@@ -109,7 +111,7 @@ async def test_stream_limit_refuses_with_reason_and_grpc_ceiling_is_above_it():
             call = stub.Process()
             await call.write(c.request_headers(c.post_headers(), mode=c.FULL_DUPLEX))
             open_calls.append(call)
-        await wait_until(lambda: servers.budget.streams == 4)
+        await until(lambda: servers.budget.streams == 4)
         refused = []
         for _ in range(2):
             call, answers = await c.send_buffered(stub, c.post_headers(), body())
@@ -121,7 +123,7 @@ async def test_stream_limit_refuses_with_reason_and_grpc_ceiling_is_above_it():
         blockers = [stub.Process(), stub.Process()]
         for call in blockers:
             await call.wait_for_connection()
-        await wait_until(lambda: servers.budget.streams == 4)
+        await until(lambda: servers.budget.streams == 4)
         extra = stub.Process()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await extra.write(c.request_headers(c.post_headers(), mode=c.BUFFERED))
@@ -131,7 +133,7 @@ async def test_stream_limit_refuses_with_reason_and_grpc_ceiling_is_above_it():
             call.cancel()
         # a finished request frees its slot
         open_calls[0].cancel()
-        await wait_until(lambda: servers.budget.streams == 3)
+        await until(lambda: servers.budget.streams == 3)
         call, answers = await c.send_buffered(stub, c.post_headers(), body())
         assert not answers[-1].HasField("immediate_response")
         for call in open_calls[1:]:
@@ -153,7 +155,7 @@ async def test_repeated_request_headers_route_once(small_budget, mode):
     status, err = error_of(await call.read())
     assert (status, err["code"]) == (400, "protocol_error")
     assert await call.read() == grpc.aio.EOF
-    await wait_until(lambda: not router.inflight)
+    await until(lambda: not router.inflight)
     assert sum(e.inflight for e in router.endpoints.values()) == 0
 
 
@@ -181,19 +183,10 @@ def test_log_fields_are_clipped():
     assert out["model"].endswith(f"...({1024 * 1024} chars)") and out["msg"].endswith("(5000 chars)")
 
 
-async def wait_until(pred, timeout=5.0):
-    import asyncio
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def test_ordinary_prompts_pass_while_the_shared_buffer_is_full(small_budget):
     router, servers, stub, _ = small_budget
     held = [await Held(stub, 2 * MIB - 100).start()]
-    await wait_until(lambda: servers.budget.buffered > MIB + MIB // 2)
+    await until(lambda: servers.budget.buffered > MIB + MIB // 2)
     call, answers = await c.send_buffered(stub, c.post_headers(), body(prompt="y" * (MIB // 2)))
     assert error_of(answers[-1])[1]["code"] == "body_buffer_full"
     call, answers = await c.send_buffered(stub, c.post_headers(), body(prompt="short " * 5000))
