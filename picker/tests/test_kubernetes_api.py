@@ -22,7 +22,10 @@ OBJECTIVE = {"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
 
 
 class FakeApiServer:
-    def __init__(self):
+    def __init__(self, watch_gate=lambda: True):
+        # the pod watch holds its events until watch_gate() is true, so that the state listed
+        # first is published before the events change it, however the threads are scheduled
+        self.watch_gate = watch_gate
         # per path: the list answers (in order; the last repeats) and the watch scripts
         self.lists = {
             "pool": [([POOL], "1")],
@@ -51,6 +54,8 @@ class FakeApiServer:
                                       "items": items})
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
+        while not self.watch_gate():
+            await asyncio.sleep(0.01)
         script = self.watches[kind].pop(0) if self.watches[kind] else []
         for event in script:
             await resp.write(json.dumps(event).encode() + b"\n")
@@ -72,7 +77,8 @@ class FakeApiServer:
 
 
 async def test_watches_against_fake_api_server(tmp_path, monkeypatch):
-    api = await FakeApiServer().start()
+    published = []
+    api = await FakeApiServer(watch_gate=lambda: any(p[0] == ["10.1.0.1:8000"] for p in published)).start()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(f"""\
 apiVersion: v1
@@ -84,7 +90,6 @@ current-context: fake
 """)
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    published = []
     state = PoolState("reasoning-pool", lambda eps, objs, rws: published.append((eps, objs)))
     stop = threading.Event()
     threads = start_threads(api_watches(state, "default", timeout_seconds=5), stop)
