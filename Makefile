@@ -8,6 +8,9 @@ PY          := $(VENV)/bin/python
 TOOLS       := .tools/bin
 KUBECONFORM_VERSION := v0.7.0
 KUBECONFORM := $(TOOLS)/kubeconform
+# The web UI test drives Debian's chromium with playwright (no browser download). Defined here,
+# before the rules that list it as a prerequisite (make expands those when it reads them).
+CHROMIUM    := /usr/bin/chromium
 # CRDs for offline validation: the shared test data when it is there, else the cache `make crds` fills.
 CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/crds)
 # CRDs that ship in pinned Go modules (the Prometheus Operator's, for components/monitoring).
@@ -160,10 +163,8 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 	$(PY) -m loadtest sweep --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/sweep-$$(date +%Y%m%d-%H%M%S) $(SWEEP_ARGS)
 
-# The web UI test drives Debian's chromium with playwright (no browser download).
-CHROMIUM := /usr/bin/chromium
 $(CHROMIUM):
-	apt-get update -qq && apt-get install -y -qq chromium
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null
 
 bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench

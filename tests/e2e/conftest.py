@@ -128,28 +128,41 @@ async def read_sse(response: aiohttp.ClientResponse) -> list:
     return events
 
 
+# requests per second that stream_load sends at most: below the refill of the `loadtest` key's
+# rate limit (6000 a minute, components/edge-security), so the edge never answers 429 to a test
+# that measures the backends
+LOAD_RATE = 60.0
+
+
 def stream_load(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, results: list, *,
                 workers: int = 6, max_tokens: int = 6, request_id: str = "load",
-                timeout: float | None = None) -> list[asyncio.Future]:
-    """`workers` clients sending streamed completions to `url` back to back until `stop` is set
-    (await the returned tasks after setting it). Each request appends (sent, ok, seconds) to
-    `results`: ok = a 200 whose stream ended with [DONE]; `timeout`: the client's limit per request
-    (None: the session's)."""
+                timeout: float | None = None, statuses: dict[int, int] | None = None) -> list[asyncio.Future]:
+    """`workers` clients sending streamed completions to `url` back to back, LOAD_RATE a second
+    at most in all, until `stop` is set (await the returned tasks after setting it). Each request
+    appends (sent, ok, seconds) to `results`: ok = a 200 whose stream ended with [DONE]; `statuses`
+    counts the HTTP statuses (0: no answer); `timeout`: the client's limit per request (None: the
+    session's)."""
     options = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+    gap = workers / LOAD_RATE  # s between two sends of one worker
 
     async def worker(w: int) -> None:
-        i = 0
+        i, next_send = 0, time.monotonic() + w * gap / workers
         while not stop.is_set():
-            sent, i = time.time(), i + 1
+            await asyncio.sleep(max(0.0, next_send - time.monotonic()))
+            next_send += gap
+            sent, i, status = time.time(), i + 1, 0
             body = completion(prompt=f"client {w} request {i} " * 10, max_tokens=max_tokens, stream=True)
             try:
                 async with session.post(url, json=body, headers={"x-request-id": f"{request_id}-{uuid.uuid4()}"},
                                         **options) as r:
+                    status = r.status
                     events = await read_sse(r) if r.status == 200 else []
                     ok = r.status == 200 and events[-1:] == ["[DONE]"]
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 ok = False
             results.append((sent, ok, time.time() - sent))
+            if statuses is not None:
+                statuses[status] = statuses.get(status, 0) + 1
     return [asyncio.ensure_future(worker(w)) for w in range(workers)]
 
 
