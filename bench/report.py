@@ -29,22 +29,36 @@ def _section(title: str, d: dict | None, body) -> list[str]:
     return [f"## {title}", ""] + (body(d) if d else ["(not run)"]) + [""]
 
 
-def header(m: dict, loads: list[float]) -> list[str]:
-    busy = max(loads) if loads else None
-    shared = (f"The machine was shared with other work while these ran (1-minute load average "
-              f"{min(loads):.1f}-{max(loads):.1f} on {m['nproc']} cores at the start and end of the benchmarks), "
-              "so times and the HTTP figures carry that noise." if busy and busy > 0.5 * m["nproc"]
-              else "The machine was otherwise idle (load average below half the cores).")
+def header() -> list[str]:
     return [
         "# Benchmarks", "",
         f"Written by `python -m bench report` on {time.strftime('%Y-%m-%d %H:%M %Z')} from the runs in "
         f"`results/bench/` (repository at {git_revision()}). Regenerate everything with `make bench` "
         "(30-40 minutes + the lab matrix); each benchmark runs alone with `python -m bench <name>` "
         "(`validation`, `picker`, `lab`, `matrix`, `crosscheck`, `phases`, `coldstart`, `demo`, `picker-scale`, "
-        "`prefilter`, `replicas`, `soak`, `dead-backend`), then `python -m bench report`.", "",
-        "## Machine", "",
-        f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
-        f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}", ""]
+        "`prefilter`, `replicas`, `soak`, `dead-backend`), then `python -m bench report`.", ""]
+
+
+def machine_lines(m: dict, loads: list[float]) -> list[str]:
+    """The bullets that say where the runs of this report ran and how busy the machine was."""
+    busy = max(loads) if loads else None
+    shared = (f"The machine was shared with other work while these ran (1-minute load average "
+              f"{min(loads):.1f}-{max(loads):.1f} on {m['nproc']} cores at the start and end of the benchmarks), "
+              "so times and the HTTP figures carry that noise." if busy and busy > 0.5 * m["nproc"]
+              else "The machine was otherwise idle (load average below half the cores).")
+    return [f"- {m['nproc']} CPUs: {m['cpu_model']}", f"- memory: {m['memory_gb']} GB",
+            f"- Python {m['python']}, Linux {m['kernel']}", f"- {shared}"]
+
+
+def machine_section(m: dict, loads: list[float], old: list[str] | None, fresh: list[str]) -> list[str]:
+    """`## Machine`. When some sections are kept from the previous report, its machine section
+    stays (those figures were measured there) and the sections run now are named with their own
+    machine, so that no figure is credited to a machine it did not run on."""
+    now = machine_lines(m, loads)
+    if old is None:
+        return ["## Machine", ""] + now + [""]
+    kept = old[:-1] if old and not old[-1].strip() else old
+    return kept + ["", f"Since then, {', '.join(fresh)} ran again on:", ""] + now + [""]
 
 
 def validation_section(d: dict | None) -> list[str]:
@@ -492,7 +506,7 @@ def _old_sections(text: str) -> dict[str, list[str]]:
 
 def _keep_old(lines: list[str], old: dict[str, list[str]]) -> list[str]:
     """A benchmark without results here keeps its section from the current BENCHMARKS.md."""
-    if "(not run)" in lines and lines and lines[0] in old:
+    if "(not run)" in lines and lines and "(not run)" not in old.get(lines[0], ["(not run)"]):
         return old[lines[0]] + ([""] if old[lines[0]][-1] else [])
     return lines
 
@@ -505,7 +519,7 @@ def write() -> str:
              if v is not None]
     path = REPO / "BENCHMARKS.md"
     old = _old_sections(path.read_text()) if path.exists() else {}
-    lines = header(machine(), loads)
+    sections, fresh, kept_any = [], [], False
     for section in (validation_section(data["validation"]), picker_section(data["picker"]),
                     lab_section(data["lab-article"], data["lab-shared-prefix"]),
                     lab_matrix_section(data["lab-matrix"]), crosscheck_section(data["crosscheck"]),
@@ -513,7 +527,13 @@ def write() -> str:
                     demo_section(data["demo"]), picker_scale_section(data["picker-scale"]),
                     prefilter_section(data["prefilter"]), replicas_section(data["replicas"]),
                     soak_section(data["soak"]), dead_backend_section(data["dead-backend"])):
-        lines += _keep_old(section, old)
+        kept = _keep_old(section, old)
+        kept_any |= kept is not section
+        if kept is section and "(not run)" not in section:
+            fresh.append(f'"{section[0][3:]}"')
+        sections += kept
+    previous_machine = old.get("## Machine") if kept_any else None
+    lines = header() + machine_section(machine(), loads, previous_machine, fresh) + sections
     text = "\n".join(lines).rstrip() + "\n"
     path.write_text(text)
     print(f"wrote {REPO / 'BENCHMARKS.md'}")

@@ -83,9 +83,11 @@ def soak_report(d: dict) -> list[str]:
 
 
 def dead_backend_report(d: dict) -> list[str]:
+    rate = d["runs"][0].get("load_rate")
+    load = f"six clients sending {rate:.0f} requests a second in all" if rate else "six closed-loop clients"
     out = [f"Command: `{d['command']}` ({d['wall_s']:.0f} s wall). The local stack (3 simulated groups, "
-           "`overlays/a10` with its health checks, outlier detection and connect-failure retries) under six "
-           "closed-loop clients per listener; one group is killed (SIGKILL) or stalled (SIGSTOP: it accepts "
+           "`overlays/a10` with its health checks, outlier detection and connect-failure retries) under "
+           f"{load}, on each listener in turn; one group is killed (SIGKILL) or stalled (SIGSTOP: it accepts "
            "connections and never answers; clients give up after 5 s). \"Late\" = sent more than 15 s after "
            "the fault.", ""]
     rows = [[r["fault"], r["listener"], r["requests_after_fault"], r["failed"],

@@ -56,6 +56,28 @@ def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):
     assert (tmp_path / "BENCHMARKS.md").read_text() == text
 
 
+def test_a_partial_rerun_keeps_the_machine_of_the_sections_it_keeps(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    monkeypatch.setattr(report, "machine", lambda: {"nproc": 2, "cpu_model": "New CPU", "memory_gb": 8,
+                                                    "python": "3", "kernel": "6"})
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\n## Machine\n\n- 2 CPUs: Old CPU\n\n"
+                                            "## Validation time\n\nold figures\n")
+    runs = [{"fault": "killed", "listener": "http", "requests_after_fault": 9, "failed": 0,
+             "last_failure_s": None, "late_requests": 5, "late_failed": 0, "load_rate": 60.0}]
+    (tmp_path / "dead-backend.json").write_text(json.dumps({"command": "c", "wall_s": 1, "runs": runs}))
+    text = report.write()
+    assert "## Validation time\n\nold figures" in text
+    machine = text[text.index("## Machine"):text.index("## Validation time")]
+    assert machine.index("- 2 CPUs: Old CPU") < machine.index(
+        'Since then, "A dead or stalled backend on both listeners" ran again on:') < machine.index("New CPU")
+    assert "six clients sending 60 requests a second in all" in text
+    # without an earlier report there is nothing to keep: one machine
+    (tmp_path / "BENCHMARKS.md").unlink()
+    text = report.write()
+    assert "Old CPU" not in text and "Since then" not in text
+
+
 def test_suites_save_each_command_its_wall_time_and_what_it_wrote(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setattr(common, "REPO", tmp_path)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import start_stack, stream_load, wait_for
+from tests.e2e.conftest import LOAD_RATE, start_stack, stream_load, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ async def run_fault(stack, session, listener: str, fault) -> dict:
     late = [ok for sent, ok, _ in after if sent > at + TAKEN_OUT]
     figures = {"fault": fault.__name__, "listener": listener, "requests_after_fault": len(after), "failed": len(failed),
                "last_failure_s": round(max(failed), 2) if failed else None,
-               "late_requests": len(late), "late_failed": late.count(False), "statuses": statuses}
+               "late_requests": len(late), "late_failed": late.count(False), "statuses": statuses, "load_rate": LOAD_RATE}
     print("dead-backend", fault.__name__, figures)
     assert 429 not in statuses, f"the edge's rate limit answered, not the backends: {figures}"
     return figures
