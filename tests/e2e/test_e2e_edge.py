@@ -16,6 +16,7 @@ import openai
 import pytest
 import yaml
 
+from loadtest.openai_api import error_reason
 from tests.e2e.conftest import completion, envoy_stats, envoy_upstream_requests, picker_decisions, start_stack, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -96,13 +97,13 @@ def test_the_official_openai_client_works_with_its_api_key(stack, listener):
         openai.OpenAI(base_url=url(stack, listener, "/v1"), api_key="not-a-key", max_retries=0).models.list()
 
 
-async def burst(session, stack, listener: str, key: str, count: int) -> list[tuple[int, dict]]:
-    """`count` small requests at once with `key`: (status, response headers) of each."""
+async def burst(session, stack, listener: str, key: str, count: int) -> list[tuple[int, dict, bytes]]:
+    """`count` small requests at once with `key`: (status, response headers, body) of each."""
     async def one(i: int):
         async with session.post(url(stack, listener), json=completion(prompt=f"limit {i}", max_tokens=1),
                                 headers={"Authorization": f"Bearer {key}"}) as r:
-            await r.read()
-            return r.status, {k.lower(): v for k, v in r.headers.items()}
+            body = await r.read()
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, body
     return await asyncio.gather(*(one(i) for i in range(count)))
 
 
@@ -115,11 +116,14 @@ async def test_a_client_over_its_rate_limit_gets_429_before_the_picker_counts_it
     upstream = sum((await envoy_upstream_requests(session, stack)).values())
     # the bucket refills `limit` tokens a minute: within one minute at most 2 x limit pass
     results = await burst(session, stack, listener, stack.api_key("user"), limit + 20)
-    codes = [status for status, _ in results]
+    codes = [status for status, _, _ in results]
     assert set(codes) <= {200, 429}, codes
-    refused = [headers for status, headers in results if status == 429]
+    refused = [headers for status, headers, _ in results if status == 429]
     assert refused and len(codes) - len(refused) <= limit
     assert all(h.get("x-ratelimit-limit", "").startswith(str(limit)) for h in refused), refused[0]
+    # what a load test reports for each of them
+    assert {error_reason(status, body) for status, _, body in results if status == 429} == {
+        "HTTP 429: local_rate_limited"}
     stats = await envoy_stats(session, stack, "http_local_rate_limiter")
     assert stats["http_local_rate_limiter.http_local_rate_limit.rate_limited"] - limited_before == len(refused)
     # only the admitted requests reached a backend, and (8081) only they were routed by the picker
@@ -131,7 +135,7 @@ async def test_a_client_over_its_rate_limit_gets_429_before_the_picker_counts_it
     # the load generators' key has its own, larger bucket on the same route
     loadtest = await burst(session, stack, listener, stack.api_key("loadtest"), limit + 20)
     assert rate_limit(stack, route, "loadtest") > limit + 20
-    assert [s for s, _ in loadtest] == [200] * (limit + 20)
+    assert [s for s, _, _ in loadtest] == [200] * (limit + 20)
 
 
 async def _sum_upstream(session, stack, at_least: int) -> bool:
