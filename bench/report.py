@@ -53,12 +53,16 @@ def machine_lines(m: dict, loads: list[float]) -> list[str]:
 def machine_section(m: dict, loads: list[float], old: list[str] | None, fresh: list[str]) -> list[str]:
     """`## Machine`. When some sections are kept from the previous report, its machine section
     stays (those figures were measured there) and the sections run now are named with their own
-    machine, so that no figure is credited to a machine it did not run on."""
+    machine, so that no figure is credited to a machine it did not run on. Rewriting the report
+    from the same runs adds nothing."""
     now = machine_lines(m, loads)
     if old is None:
         return ["## Machine", ""] + now + [""]
     kept = old[:-1] if old and not old[-1].strip() else old
-    return kept + ["", f"Since then, {', '.join(fresh)} ran again on:", ""] + now + [""]
+    since = ["", f"Since then, {', '.join(fresh)} ran again on:", ""] + now
+    if not fresh or "\n".join(since) in "\n".join(kept):
+        return kept + [""]
+    return kept + since + [""]
 
 
 def validation_section(d: dict | None) -> list[str]:
@@ -504,11 +508,12 @@ def _old_sections(text: str) -> dict[str, list[str]]:
     return sections
 
 
-def _keep_old(lines: list[str], old: dict[str, list[str]]) -> list[str]:
-    """A benchmark without results here keeps its section from the current BENCHMARKS.md."""
-    if "(not run)" in lines and lines and "(not run)" not in old.get(lines[0], ["(not run)"]):
-        return old[lines[0]] + ([""] if old[lines[0]][-1] else [])
-    return lines
+def _previous(lines: list[str], old: dict[str, list[str]]) -> list[str] | None:
+    """The previous report's section for a benchmark without results here, if it had figures."""
+    previous = old.get(lines[0])
+    if "(not run)" in lines and previous and "(not run)" not in previous:
+        return previous + ([""] if previous[-1] else [])
+    return None
 
 
 def write() -> str:
@@ -527,11 +532,11 @@ def write() -> str:
                     demo_section(data["demo"]), picker_scale_section(data["picker-scale"]),
                     prefilter_section(data["prefilter"]), replicas_section(data["replicas"]),
                     soak_section(data["soak"]), dead_backend_section(data["dead-backend"])):
-        kept = _keep_old(section, old)
-        kept_any |= kept is not section
-        if kept is section and "(not run)" not in section:
+        previous = _previous(section, old)
+        kept_any |= previous is not None
+        if "(not run)" not in section:
             fresh.append(f'"{section[0][3:]}"')
-        sections += kept
+        sections += previous or section
     previous_machine = old.get("## Machine") if kept_any else None
     lines = header() + machine_section(machine(), loads, previous_machine, fresh) + sections
     text = "\n".join(lines).rstrip() + "\n"

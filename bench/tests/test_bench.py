@@ -72,6 +72,8 @@ def test_a_partial_rerun_keeps_the_machine_of_the_sections_it_keeps(tmp_path, mo
     assert machine.index("- 2 CPUs: Old CPU") < machine.index(
         'Since then, "A dead or stalled backend on both listeners" ran again on:') < machine.index("New CPU")
     assert "six clients sending 60 requests a second in all" in text
+    again = report.write()  # from the same runs: nothing added
+    assert again[again.index("## Machine"):again.index("## Validation time")] == machine
     # without an earlier report there is nothing to keep: one machine
     (tmp_path / "BENCHMARKS.md").unlink()
     text = report.write()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 import re
 import time
 import uuid
@@ -129,14 +130,14 @@ async def read_sse(response: aiohttp.ClientResponse) -> list:
 
 
 # requests per second that stream_load sends at most: below the refill of the `loadtest` key's
-# rate limit (6000 a minute, components/edge-security), so the edge never answers 429 to a test
-# that measures the backends
+# rate limit (components/edge-security/backend-traffic.yaml), so the edge never answers 429 to a
+# test that measures the backends
 LOAD_RATE = 60.0
 
 
 def stream_load(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, results: list, *,
                 workers: int = 6, max_tokens: int = 6, request_id: str = "load",
-                timeout: float | None = None, statuses: dict[int, int] | None = None) -> list[asyncio.Future]:
+                timeout: float | None = None, statuses: Counter | None = None) -> list[asyncio.Future]:
     """`workers` clients sending streamed completions to `url` back to back, LOAD_RATE a second
     at most in all, until `stop` is set (await the returned tasks after setting it). Each request
     appends (sent, ok, seconds) to `results`: ok = a 200 whose stream ended with [DONE]; `statuses`
@@ -162,7 +163,7 @@ def stream_load(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, r
                 ok = False
             results.append((sent, ok, time.time() - sent))
             if statuses is not None:
-                statuses[status] = statuses.get(status, 0) + 1
+                statuses[status] += 1
     return [asyncio.ensure_future(worker(w)) for w in range(workers)]
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 
 import pytest
 
@@ -41,7 +42,7 @@ def url(stack, listener: str) -> str:
 async def run_fault(stack, session, listener: str, fault) -> dict:
     victim = stack.topology.sims[0]
     results: list = []
-    statuses: dict[int, int] = {}
+    statuses: Counter = Counter()
     stop = asyncio.Event()
     tasks = stream_load(session, url(stack, listener), stop, results, request_id="dead", timeout=5,
                         statuses=statuses)
@@ -56,7 +57,7 @@ async def run_fault(stack, session, listener: str, fault) -> dict:
     late = [ok for sent, ok, _ in after if sent > at + TAKEN_OUT]
     figures = {"fault": fault.__name__, "listener": listener, "requests_after_fault": len(after), "failed": len(failed),
                "last_failure_s": round(max(failed), 2) if failed else None,
-               "late_requests": len(late), "late_failed": late.count(False), "statuses": statuses, "load_rate": LOAD_RATE}
+               "late_requests": len(late), "late_failed": late.count(False), "statuses": dict(statuses), "load_rate": LOAD_RATE}
     print("dead-backend", fault.__name__, figures)
     assert 429 not in statuses, f"the edge's rate limit answered, not the backends: {figures}"
     return figures
