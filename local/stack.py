@@ -196,7 +196,7 @@ BODY_MODES = {"Buffered": "buffered", "FullDuplexStreamed": "full-duplex"}
 
 
 def _body_mode(docs: list[dict]) -> str:
-    policy = next((d for d in docs if d.get("kind") == "EnvoyExtensionPolicy"), None)
+    policy = next((d for d in docs if d.get("kind") == "EnvoyExtensionPolicy" and d["spec"].get("extProc")), None)
     if policy is None:
         raise StackError("the rendered manifests have no EnvoyExtensionPolicy (the picker's ext_proc)")
     mode = ((policy["spec"]["extProc"][0].get("processingMode") or {}).get("request") or {}).get("body")
