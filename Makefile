@@ -19,8 +19,9 @@ RUN_DIR     ?= runs/local
 GROUPS      ?= 3
 SPEEDUP     ?= 20
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
-# `demo` is the article's workload / 6, so its simulators get KV / 6 (as `make demo` does).
-KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
+# `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
+# KV / DEMO_SCALE (as `make demo` does).
+KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),$(shell sed -n 's/^DEMO_SCALE = //p' loadtest/workloads.py),1)
 # on: the cluster's edge (API keys, rate limits) with throw-away keys; off: open listeners
 EDGE_SECURITY ?= on
 

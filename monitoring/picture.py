@@ -1,6 +1,6 @@
 """`python -m monitoring.picture`: a dashboard's queries graphed from a real Prometheus during a demo-like run.
 
-Starts the local stack on free loopback ports with the demo's simulators (KV / 6), a Prometheus
+Starts the local stack on free loopback ports with the demo's simulators (KV / DEMO_SCALE), a Prometheus
 scraping it (monitoring/local_prometheus.py), sends the demo workload to 8080 and then to 8081 (as `make demo`
 does, with `python -m loadtest compare`), then asks Prometheus for every query of the dashboard
 over the run and draws the panels where the dashboard places them (matplotlib). The shaded spans

@@ -14,7 +14,7 @@ from loadtest.workloads import DEMO_SCALE
 from local.stack import Stack, StackConfig, StackError
 from local.stack.api_keys import api_keys_secret, new_api_keys, read_api_keys
 from local.stack.cli import config_from, main, parser
-from local.stack.config import API_CLIENTS
+from local.stack.config import API_CLIENTS, REPO
 from local.stack.demo import DEMO_SPEEDUP, demo_command
 from local.stack.launcher import down
 from local.stack.plan import MIN_WALL_SCRAPE_INTERVAL, kv_scale_args, picker_timing, picker_timing_args
@@ -173,6 +173,9 @@ def test_demo_defaults_scale_the_article_workload():
     for key in ("prefix_len", "input_len", "output_len"):
         assert demo[key] == article[key] // DEMO_SCALE
     assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]
+    make = subprocess.run(["make", "--no-print-directory", "-s", "--eval", "print-kv: ; @echo $(KV_SCALE)",
+                           "print-kv", "WORKLOAD=demo"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert make.stdout.split()[-1] == str(DEMO_SCALE)  # `make up` for `make compare` of the demo workload
 
 
 def test_demo_order_sets_which_listener_loadtest_compare_loads_first(tmp_path, capsys):
