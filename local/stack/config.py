@@ -30,7 +30,7 @@ class StackConfig:
     body_mode: str | None = None
     canary: bool = False
     # The cluster's edge (components/edge-security) with throw-away API keys; False: no keys, no
-    # rate limits, as overlays/a10 alone.
+    # rate limits, as overlays/a10-open-gateway alone.
     edge_security: bool = True
     host: str = "127.0.0.1"
     sim_base_port: int = 8101
@@ -59,7 +59,7 @@ class StackConfig:
 
     @property
     def overlay(self) -> str:
-        return "overlays/a10-canary" if self.canary else "overlays/a10"
+        return "overlays/a10-canary-open-gateway" if self.canary else "overlays/a10-open-gateway"
 
     @property
     def components(self) -> list[str]:

@@ -1,6 +1,14 @@
 """What the rendered manifests say the local stack should look like: simulated groups from the
-LeaderWorkerSets, the Services and routes over them, the picker's objects, Envoy Gateway's input.
-Reads, renders and checks; starts nothing."""
+LeaderWorkerSets, the Services and routes over them, the picker's objects from its
+InferenceObjectives and InferenceModelRewrite, Envoy Gateway's input from the gateway objects.
+Reads, renders and checks; starts nothing.
+
+Everything comes from one render of the overlay a cluster would deploy, without the parts that
+need cluster Secrets: overlays/a10-open-gateway (overlays/a10-canary-open-gateway with --canary;
+components/buffered-body with --body-mode buffered) plus the cluster's edge
+(components/edge-security: API keys, rate limits, connection limit; plain HTTP, no TLS;
+--no-edge-security leaves it out). overlays/a10 is exactly that plus TLS and the verified picker
+hop."""
 
 from __future__ import annotations
 
