@@ -20,7 +20,7 @@ from picker.core import Router
 from picker.discovery.objects import Objective, Rewrite, load_objects
 from picker.protocol.server import Servers
 from picker.protocol.tls import self_signed
-from picker.runtime import apply_objects, build_router, start_ext_proc, stop_on_signals
+from picker.runtime import apply_objects, build_flow, build_router, start_ext_proc, stop_on_signals
 from picker.workers import SignalsLink, start_signals_process, start_workers
 
 log = logging.getLogger("picker")
@@ -41,6 +41,7 @@ class App:
     def __init__(self, args: Namespace):
         self.args = args
         self.router = build_router(args)
+        self.flow = build_flow(args, self.router)
         self.metrics = self.router.metrics
         self.metrics.watch_router(self.router)
         # Static objects are read before anything starts, so a broken file fails fast and clean.
@@ -90,7 +91,7 @@ class App:
         self.link = SignalsLink(self.router, conns[0],
                                 peers=self.workers > 1 or bool(getattr(a, "peer_store", None)))
         self.link.start()
-        self.servers = await start_ext_proc(self.router, a, a.grpc_port, a.health_port)
+        self.servers = await start_ext_proc(self.router, a, a.grpc_port, a.health_port, self.flow)
         if self.workers > 1:
             self.worker_procs = start_workers(a, self.servers.grpc_port, conns[1:])
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""

@@ -13,9 +13,10 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 import uvloop
 
-from picker.config import server_limits
+from picker.config import flow_settings, server_limits
 from picker.core import Router, RouterSettings
 from picker.discovery.objects import Objective, Rewrite
+from picker.flowcontrol.controller import FlowControl
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import Servers, start_servers
 from picker.scheduling.profile import load_profile
@@ -39,6 +40,12 @@ def build_router(args: Namespace, count_scrape_errors: bool = True) -> Router:
     return router
 
 
+def build_flow(args: Namespace, router: Router) -> FlowControl | None:
+    """Flow control on the router, unless --no-flow-control."""
+    settings = flow_settings(args)
+    return FlowControl(router, settings) if settings is not None else None
+
+
 def apply_objects(router: Router, endpoints: list[str], objectives: list[Objective],
                   rewrites: list[Rewrite]) -> bool:
     """Discovery's endpoints and objects into the Router; True when the endpoint list changed."""
@@ -48,13 +55,13 @@ def apply_objects(router: Router, endpoints: list[str], objectives: list[Objecti
     return changed
 
 
-async def start_ext_proc(router: Router, args: Namespace, grpc_port: int,
-                         health_port: int) -> Servers:
+async def start_ext_proc(router: Router, args: Namespace, grpc_port: int, health_port: int,
+                         flow: FlowControl | None = None) -> Servers:
     """The ext_proc server (and gRPC health on health_port, 0 = none) with the command line's
-    TLS, body mode, bind address and limits."""
+    TLS, body mode, bind address and limits, and the worker's flow control (build_flow)."""
     return await start_servers(router, grpc_port, health_port, args.secure_serving,
                                args.cert_path, args.request_body_mode, args.bind,
-                               limits=server_limits(args))
+                               limits=server_limits(args), flow=flow)
 
 
 def stop_on_signals(stop: Callable[[], None]) -> None:

@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from picker.core import Router
-from picker.runtime import apply_objects, build_router, run_loop, start_ext_proc, stop_on_signals
+from picker.runtime import (apply_objects, build_flow, build_router, run_loop, start_ext_proc,
+                            stop_on_signals)
 
 log = logging.getLogger("picker.workers")
 MAX_MESSAGES_PER_READ = 64
@@ -169,12 +170,13 @@ def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -
 
     async def main():
         router = build_router(args, count_scrape_errors=False)
+        flow = build_flow(args, router)
         stop = asyncio.Event()
         link = SignalsLink(router, conn, peers=True,
                            on_objects=lambda *objects: apply_objects(router, *objects),
                            on_closed=stop.set)
         link.start()
-        servers = await start_ext_proc(router, args, grpc_port, 0)
+        servers = await start_ext_proc(router, args, grpc_port, 0, flow)
         stop_on_signals(stop.set)
         log.info("worker started", extra={"worker": index, "pid": os.getpid()})
         await stop.wait()
