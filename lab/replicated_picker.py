@@ -8,8 +8,8 @@ by one replica drawn at random (Envoy spreads ext_proc streams over the picker's
   PEER_SYNC_INTERVAL, so `sync=0` and the default bound it from both sides) the replicas exchange
   what the picker's signals process relays between workers and replicas
   (picker/src/picker/signals_process.py): each one's in-flight counts per endpoint
-  (`Router.own_loads` -> `Router.set_peer_loads`) and the prefix-index additions of its
-  decisions (`Router.prefix_log` -> `Router.add_peer_prefixes`).
+  (`Router.own_loads` -> `Router.set_peer_loads`, summed by `merge_loads`) and the prefix-index
+  additions of its decisions (`Router.take_prefix_additions` -> `Router.add_peer_prefixes`).
 
 The experiment over 1, 2 and 4 replicas is lab/replicas.py.
 """
@@ -20,6 +20,7 @@ import math
 import random
 
 from picker import defaults
+from picker.signals.state import merge_loads
 
 from lab.picker_policy import PickerPolicy
 from lab.policy_api import Policy
@@ -62,7 +63,7 @@ class ReplicatedPicker(Policy):
         for p in self.parts:
             p.start(endpoints, clock, rng)
             if self.shared:
-                p.router.prefix_log = []
+                p.router.share_with_peers()
         self.rng = random.Random(rng.random())
         self.replica_of: dict[int, int] = {}
         self.next_sync = -math.inf
@@ -78,19 +79,9 @@ class ReplicatedPicker(Policy):
         self.next_sync = now + self.sync_interval
         routers = [p.router for p in self.parts]
         loads = [r.own_loads() for r in routers]
-        adds = []
-        for r in routers:
-            adds.append(r.prefix_log)
-            r.prefix_log = []
+        adds = [r.take_prefix_additions() for r in routers]
         for i, r in enumerate(routers):
-            total: dict[str, tuple] = {}
-            for j, lj in enumerate(loads):
-                if j == i:
-                    continue
-                for addr, load in lj.items():
-                    t = total.get(addr, (0, 0, 0, 0))
-                    total[addr] = tuple(a + b for a, b in zip(t, load))
-            r.set_peer_loads(total)
+            r.set_peer_loads(merge_loads(lj for j, lj in enumerate(loads) if j != i))
             r.add_peer_prefixes(a for j, lst in enumerate(adds) if j != i for a in lst)
 
     def pick(self, request):
