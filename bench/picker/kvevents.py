@@ -180,7 +180,7 @@ def _publisher(n: int, rate: float, seconds: float, ports, ready, done) -> None:
     pools = [[e.batch() for _ in range(64)] for e in engines[:1]]  # unused: fresh batches below
     del pools
     ready.set()
-    time.sleep(1.0)  # the subscriber connects
+    time.sleep(1.0 + n / 256)  # the subscriber connects every socket (the slow joiner)
     seq = [0] * n
     interval = 1.0 / rate
     t_end = time.monotonic() + seconds
@@ -213,7 +213,7 @@ def over_zmq(n: int, rate: float, seconds: float) -> dict:
     sub.start()
     for i, port in enumerate(list(ports)):
         sub.subscribe(f"127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{port}", None)
-    time.sleep(0.9)
+    time.sleep(0.9 + n / 256)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     w0 = time.monotonic()
     proc.join(seconds + 30)
