@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from bench import coldstart, crosscheck, demo, lab_suites, phases, robustness, validation_time
 from bench.markdown import section
+from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
 
 
@@ -57,6 +58,11 @@ BENCHMARKS = [
     Benchmark("picker-scale", "make bench-picker-scale: decide() against pool size, scraping, worker processes",
               lambda a: picker_suites.run_scale(),
               titled("Picker at scale: pool size, scraping, worker processes", picker_suites.scale_report)),
+    Benchmark("kv-events", "precise prefix routing's cost: decoding and indexing KV-cache events per batch, "
+              "over ZMQ at 16/256/1,024 endpoints, memory per endpoint, decide() with and without",
+              lambda a: picker_kvevents.run(),
+              titled("Precise prefix routing: the cost of following the engines' KV-cache events",
+                     picker_kvevents.report)),
     Benchmark("prefilter", "the lab on 16 groups: the default profile vs the prefilter forced on",
               lambda a: lab_suites.run_prefilter(a.seeds),
               titled("Picker candidate prefilter: routing quality", lab_suites.prefilter_report)),
