@@ -226,22 +226,42 @@ SERVER_ENGINE = TINY.with_overrides(num_gpu_blocks=64, max_model_len=512,
                                     max_num_batched_tokens=64, max_num_seqs=8)
 
 
-@pytest.fixture
-async def sim_with_events():
+async def start_sim(stack, tokenizer=None):
     pub, replay = free_port(), free_port()
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{pub}",
                             replay_endpoint=f"tcp://127.0.0.1:{replay}", topic="kv@sim-0")
-    server = SimServer(SERVER_ENGINE, ["qwq"], speedup=1000.0, kv_events=config)
+    server = SimServer(SERVER_ENGINE, ["qwq"], speedup=1000.0, kv_events=config,
+                       tokenizer=tokenizer)
     client = TestClient(TestServer(server.make_app(), host="127.0.0.1"))
     await client.start_server()
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{pub}")
-    yield client, server, sub, ctx, config, replay
-    sub.close(linger=0)
-    await client.close()
-    ctx.term()
+    stack.append((client, sub, ctx))
+    return client, server, sub, ctx, config, replay
+
+
+@pytest.fixture
+async def sims():
+    stack = []
+    yield stack
+    for client, sub, ctx in stack:
+        sub.close(linger=0)
+        await client.close()
+        ctx.term()
+
+
+@pytest.fixture
+async def sim_with_events(sims):
+    return await start_sim(sims)
+
+
+@pytest.fixture(scope="module")
+def model_tokenizer(tmp_path_factory):
+    from local.sim.tokenizer import ModelTokenizer
+    from local.tinymodel.tokenizer import write_tokenizer
+    return ModelTokenizer(write_tokenizer(tmp_path_factory.mktemp("tiny-model")))
 
 
 async def recv(sock, timeout=5.0):
@@ -325,3 +345,35 @@ async def test_reset_prefix_cache_is_published_with_the_next_step(sim_with_event
     batch = DECODER.decode((await recv(sub))[2])
     assert isinstance(batch.events[0], VllmAllBlocksCleared)
     assert isinstance(batch.events[1], VllmBlockStored)
+
+
+async def test_with_the_models_tokenizer_events_carry_its_token_ids(sims, model_tokenizer):
+    """Completions encode with the tokenizer, chat renders its template first; the stored
+    blocks' token ids are the tokenizer's, so a subscriber tokenizing the same text agrees."""
+    client, server, sub, *_ = await start_sim(sims, tokenizer=model_tokenizer)
+    await wait_subscribed(client, sub)
+    prompt = "the model thinks about this step and then answers with a short note on each part"
+    ids = model_tokenizer.tokenizer.encode(prompt).ids
+    assert len(ids) == len(prompt.split())                 # the tiny model: one word, one token
+    body = {"model": "qwq", "prompt": prompt, "max_tokens": 1, "ignore_eos": True}
+    usage = (await (await client.post("/v1/completions", json=body)).json())["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    (stored,) = DECODER.decode((await recv(sub))[2]).events
+    assert stored.token_ids == ids[:len(ids) // 4 * 4]
+
+    messages = [{"role": "system", "content": "answer with a short note"},
+                {"role": "user", "content": [{"type": "text", "text": "the question"}]}]
+    text = model_tokenizer.render_chat(messages)
+    assert text.startswith("<|im_start|>system\nanswer") and text.endswith("<|im_start|>assistant\n")
+    chat_ids = model_tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    body = {"model": "qwq", "messages": messages, "max_tokens": 1, "ignore_eos": True}
+    usage = (await (await client.post("/v1/chat/completions", json=body)).json())["usage"]
+    assert usage["prompt_tokens"] == len(chat_ids)
+    (stored,) = DECODER.decode((await recv(sub))[2]).events
+    assert stored.token_ids == chat_ids[:len(chat_ids) // 4 * 4]
+
+
+def test_a_missing_tokenizer_directory_is_a_clear_error(tmp_path):
+    from local.sim.tokenizer import ModelTokenizer
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        ModelTokenizer(tmp_path)
