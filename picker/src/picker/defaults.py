@@ -44,6 +44,33 @@ PREFILTER_SAMPLE = 8
 PREFILTER_LEAST = 4
 PREFILTER_OWNERS = 8           # at most this many prefix holders are kept
 
+# KV-cache events (precise prefix routing; signals/kvstate.py, kvsubscriber.py).
+KV_EVENTS_PORT = 5557          # each leader's ZMQ publisher (DESIGN.md; vLLM's example ports)
+KV_REPLAY_PORT = 5558          # its replay (ROUTER) socket
+KV_DEFAULT_MAX_BLOCKS = 65536  # blocks tracked per endpoint until its num_gpu_blocks is scraped
+KV_MAX_BLOCKS_PER_ENDPOINT = 1 << 20  # ceiling even if an endpoint reports more capacity
+KV_MAX_PENDING = 1000          # live messages held per endpoint while a replay runs
+KV_MAX_MESSAGE_BYTES = 16 << 20  # larger ZMQ messages are refused by the socket itself
+# A busy engine publishes tens of KB/s (a few bytes per prompt token); 4 MiB/s per endpoint is
+# ~100x that, and keeps a flooding publisher from taking the signals process's CPU.
+KV_MAX_BYTES_PER_SECOND = 4 * 1024 * 1024
+KV_REPLAY_TIMEOUT = 2.0        # seconds for the replay socket's whole answer
+KV_RESYNC_BACKOFF = 5.0        # seconds before an out-of-sync endpoint asks for a replay again
+# Silence: the engine's metrics show at least this many full blocks of prompt computed, and
+# no batch arrived for KV_SILENCE_SECONDS: the publisher is silent, the endpoint falls back.
+KV_SILENT_BLOCKS = 8
+KV_SILENCE_SECONDS = 5.0
+KV_ASSUMED_BLOCK_SIZE = 16     # block size before an event or the metrics tell it
+KV_FLUSH_INTERVAL = 0.01       # seconds: index changes reach the workers within this
+KV_STATUS_INTERVAL = 1.0       # seconds between per-endpoint status updates (metrics)
+# Tokenizer check (scheduling/precise.py): a routed request's first block should appear in its
+# endpoint's events once prefilled; this many in a row not seen within the window (generous:
+# queueing under load) mean the picker's tokenizer is not the engine's.
+KV_VERIFY_WINDOW = 120.0
+KV_VERIFY_MISSES = 32
+KV_VERIFY_PENDING = 1024       # checks remembered at most
+PRECISE_PREFIX = True          # --precise-prefix: on unless turned off (needs --tokenizer)
+
 # Process model.
 WORKERS = 1                    # ext_proc worker processes behind the one gRPC port
 PEER_SYNC_INTERVAL = 0.02      # seconds: Redis exchange between replicas; full-table resend to workers
