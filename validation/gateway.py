@@ -63,11 +63,14 @@ class TranslateError(RuntimeError):
     pass
 
 
-def translate(egctl: Path, objs: list[dict]) -> tuple[list[dict], dict]:
-    """(objects with statuses, xDS config dumps per Gateway) from one `egctl x translate` run."""
+def translate(egctl: Path, objs: list[dict], placeholders: bool = True) -> tuple[list[dict], dict]:
+    """(objects with statuses, xDS config dumps per Gateway) from one `egctl x translate` run.
+    placeholders=False: the Secrets nobody created stay missing, as in a cluster before the first
+    deploy step."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         # + stand-ins for the Secrets the objects reference but the repo never holds (edge.py)
-        f.write(yaml.safe_dump_all(translator_input(objs) + placeholder_secrets(objs), sort_keys=False))
+        extra = placeholder_secrets(objs) if placeholders else []
+        f.write(yaml.safe_dump_all(translator_input(objs) + extra, sort_keys=False))
         path = f.name
     try:
         cmd = [str(egctl), "x", "translate", "--from", "gateway-api", "--to", "gateway-api,xds", "--type", "all",
