@@ -46,7 +46,18 @@ def build_router(args: Namespace, count_scrape_errors: bool = True) -> Router:
                                 default_objective=args.default_objective),
         metrics=metrics)
     router.count_scrape_errors = count_scrape_errors
+    if getattr(args, "precise_prefix", False):
+        from picker.tokenizer import load_tokenizer
+        router.enable_precise(load_tokenizer(args.tokenizer))
     return router
+
+
+def kv_settings(args: Namespace, router: Router) -> dict | None:
+    """What the signals process needs to subscribe to the engines' KV-cache events, or None
+    when precise routing is off or has no tokenizer."""
+    if router.precise is None or not router.precise.active:
+        return None
+    return {"events_port": args.kv_events_port, "replay_port": args.kv_replay_port}
 
 
 class App:
@@ -99,7 +110,8 @@ class App:
         a = self.args
         if self.workers > 1 and a.secure_serving and not a.cert_path:
             self._share_self_signed_certificate()
-        self.signals_proc, conns = start_signals_process(a, self.workers)
+        self.signals_proc, conns = start_signals_process(a, self.workers,
+                                                         kv_settings(a, self.router))
         self.link = SignalsLink(self.router, conns[0],
                                 peers=self.workers > 1 or bool(getattr(a, "peer_store", None)))
         self.link.start()

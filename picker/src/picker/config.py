@@ -63,6 +63,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-store", metavar="URL",
                    help="redis://HOST:PORT[/DB]: share in-flight counts and the prefix index "
                         "with the pool's other picker replicas")
+    p.add_argument("--precise-prefix", action=argparse.BooleanOptionalAction,
+                   default=defaults.PRECISE_PREFIX,
+                   help="route on the engines' KV-cache events (needs --tokenizer); off: the "
+                        "approximate prefix index only")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's tokenizer: a directory with tokenizer.json and "
+                        "tokenizer_config.json (the model volume)")
+    p.add_argument("--kv-events-port", type=int, default=defaults.KV_EVENTS_PORT,
+                   help="each leader's KV-events publisher port, where its /kv_event_sources "
+                        "does not say")
+    p.add_argument("--kv-replay-port", type=int, default=defaults.KV_REPLAY_PORT,
+                   help="each leader's KV-events replay port (0: none)")
     p.add_argument("--bind", default="[::]", help="address the servers listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -77,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--endpoints/--objects are for --discovery static")
     if args.scrape_interval <= 0 or args.staleness <= 0:
         p.error("--scrape-interval and --staleness must be positive")
+    if not 0 < args.kv_events_port < 65536 or not 0 <= args.kv_replay_port < 65536:
+        p.error("--kv-events-port must be a port, --kv-replay-port a port or 0")
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):

@@ -3,7 +3,8 @@
     python -m picker --workers N ...
       worker 0 (the main process): discovery, gRPC health, /metrics, ext_proc on the gRPC port
       workers 1..N-1: ext_proc on the same port (SO_REUSEPORT: the kernel spreads connections)
-      the signals process: scrapes and parses /metrics, relays in-flight counts and prefix-index
+      the signals process: scrapes and parses /metrics, follows the engines' KV-cache events
+                           (kvsubscriber.py), relays in-flight counts and prefix-index
                            additions among the workers and, with --peer-store, with the other
                            replicas through Redis (signals_process.py, peer_store.py)
 
@@ -108,6 +109,8 @@ class SignalsLink:
         elif kind == "models":
             for address, names in msg[1]:
                 r.on_models(address, names)
+        elif kind == "kv":
+            r.on_kv_deltas(msg[1], msg[2])
         elif kind == "peers":
             r.set_peer_loads(msg[1], partial=msg[3])
             r.add_peer_prefixes(msg[2])
@@ -126,8 +129,10 @@ class SignalsLink:
             self.conn.close()
 
 
-def start_signals_process(args: Namespace, workers: int) -> tuple[mp.process.BaseProcess, list[Connection]]:
-    """The signals process and one connection per worker (index = worker number)."""
+def start_signals_process(args: Namespace, workers: int, kv: dict | None = None
+                          ) -> tuple[mp.process.BaseProcess, list[Connection]]:
+    """The signals process and one connection per worker (index = worker number); with `kv`
+    (app.kv_settings) it subscribes to the engines' KV-cache events."""
     from picker import signals_process
     ctx = mp.get_context("spawn")
     ours, theirs = zip(*(ctx.Pipe(duplex=True) for _ in range(workers)))
@@ -135,7 +140,7 @@ def start_signals_process(args: Namespace, workers: int) -> tuple[mp.process.Bas
                        args=(list(theirs), args.scrape_interval, args.staleness, args.log_level,
                              getattr(args, "peer_store", None),
                              f"{getattr(args, 'pool_namespace', 'default')}/"
-                             f"{getattr(args, 'pool_name', 'pool')}"),
+                             f"{getattr(args, 'pool_name', 'pool')}", kv),
                        daemon=True)
     proc.start()
     for c in theirs:

@@ -66,7 +66,9 @@ class PickerMetrics:
                 self.usage_tokens.labels(kind).inc(value)
 
     def watch_router(self, router: "Router", registry: CollectorRegistry | None = None) -> None:
+        from picker.observability.kvmetrics import KVCollector
         (registry or self.registry).register(_RouterCollector(router))
+        (registry or self.registry).register(KVCollector(router))
 
 
 class _RouterCollector:
