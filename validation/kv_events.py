@@ -7,7 +7,10 @@ picker can connect.
   container ports named kv-events and kv-replay; the topic names the pod (`$(VAR)` of an env var
   read from metadata.name); prefix caching is not switched off (no events without it); no Service
   that selects the leaders exposes those ports (the picker connects to each leader pod; a Service
-  port is what a Gateway route can send Envoy to).
+  port is what a Gateway route can send Envoy to); the picker's `--kv-events-port` and
+  `--kv-replay-port` (its fallback when a leader's /kv_event_sources does not answer) are those
+  ports; with `--precise-prefix` (the picker's default) it has `--tokenizer DIR` and DIR lies on
+  a read-only mount of the leaders' model volume (the same PersistentVolumeClaim).
 - `kv_events_isolated`: on each leader, the rules that admit those ports admit the picker pods
   and nobody else (rules of the leader's own group excepted: Ray needs every port there), and
   the picker's egress is closed by a policy that lets it reach the leaders on those ports, with
@@ -87,8 +90,58 @@ def _config_problems(where: str, container, named: dict[str, int]) -> list[str]:
     return problems
 
 
+PICKER_DEFAULTS = {"--kv-events-port": 5557, "--kv-replay-port": 5558}
+PICKER_PORT_FLAGS = {"--kv-events-port": KV_EVENT_PORT_NAMES[0], "--kv-replay-port": KV_EVENT_PORT_NAMES[1]}
+
+
+def _claims(t, container) -> dict[str, str]:
+    """mountPath -> (claimName, readOnly) of a container's PersistentVolumeClaim mounts."""
+    volumes = {v.get("name"): (v.get("persistentVolumeClaim") or {}).get("claimName")
+               for v in t.spec.get("volumes") or []}
+    return {m.get("mountPath", "").rstrip("/"): (volumes.get(m.get("name")), bool(m.get("readOnly")))
+            for m in container.get("volumeMounts") or [] if volumes.get(m.get("name"))}
+
+
+def _picker_problems(objs, leader_ports: dict[str, int], model_claims: set[str]) -> list[str]:
+    deployment, container = picker_container(objs)
+    if deployment is None:
+        return []
+    args, where = argv(container), describe(deployment)
+    problems = []
+    for flag, name in PICKER_PORT_FLAGS.items():
+        values = flag_values(args, flag)
+        port = int(values[0]) if values else PICKER_DEFAULTS[flag]
+        if name in leader_ports and port != leader_ports[name]:
+            problems.append(f"{where}: the picker's {flag} {port} != the leaders' container port "
+                            f"{name!r} {leader_ports[name]}")
+    if has_flag(args, "--no-precise-prefix"):
+        return problems
+    tokenizer = flag_values(args, "--tokenizer")
+    if not tokenizer:
+        return problems + [f"{where}: --precise-prefix without --tokenizer: the picker cannot "
+                           f"compute the engines' token ids and routes on its approximate index "
+                           f"(give it the model volume's directory)"]
+    t = next(t for t in pod_templates(objs) if t.owner is deployment)
+    path = tokenizer[0].rstrip("/")
+    mounts = _claims(t, container)
+    mount = max((m for m in mounts if path == m or path.startswith(m + "/")), key=len, default=None)
+    if mount is None:
+        return problems + [f"{where}: --tokenizer {tokenizer[0]} is on no volume mount of the "
+                           f"model's PersistentVolumeClaim"]
+    claim, read_only = mounts[mount]
+    if model_claims and claim not in model_claims:
+        problems.append(f"{where}: --tokenizer {tokenizer[0]} is on claim {claim!r}, not the "
+                        f"leaders' model volume ({', '.join(sorted(model_claims))})")
+    if not read_only:
+        problems.append(f"{where}: the model volume at {mount} must be mounted readOnly: true "
+                        f"in the picker")
+    return problems
+
+
 def kv_events_config_matches_ports(objs):
     problems = []
+    leader_ports: dict[str, int] = {}
+    model_claims: set[str] = set()
     for t in pod_templates(objs):
         if t.role != "leader":
             continue
@@ -97,6 +150,10 @@ def kv_events_config_matches_ports(objs):
             continue
         named = _named_ports(t)
         problems += _config_problems(f"{t.where}: {path}", container, named)
+        leader_ports.update({n: named[n] for n in KV_EVENT_PORT_NAMES if n in named})
+        model_dirs = [a for a in argv(container) if a.startswith("/")]
+        model_claims.update(claim for mount, (claim, _) in _claims(t, container).items()
+                            if any(d.rstrip("/") == mount for d in model_dirs))
         ports = {named[n] for n in KV_EVENT_PORT_NAMES if n in named}
         for svc in of_kind(objs, "Service"):
             selector = (svc.get("spec") or {}).get("selector") or {}
@@ -110,7 +167,7 @@ def kv_events_config_matches_ports(objs):
                     problems.append(f"{describe(svc)} spec.ports[{i}]: exposes the KV-cache "
                                     f"event port {target} of the leaders; only the picker may "
                                     f"reach it, directly on each pod")
-    return problems
+    return problems + _picker_problems(objs, leader_ports, model_claims)
 
 
 # ---------------------------------------------------------------- isolation

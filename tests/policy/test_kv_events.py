@@ -151,3 +151,58 @@ def test_ray_check_still_flags_other_ports_from_the_picker():
     policy(objs, "distributed-serving-kv-events")["spec"]["ingress"][0]["ports"].append(
         {"port": 6379, "protocol": "TCP"})
     assert any("Ray/NCCL ports" in p for p in isolation.ray_ports_isolated(objs))
+
+
+# ------------------------------------------------------------------ the picker's side
+
+def picker(objs):
+    return find(objs, "Deployment", "inference-gateway-ext-proc")["spec"]["template"]["spec"]
+
+
+def test_the_picker_reads_the_tokenizer_from_the_model_volume():
+    spec = picker(rendered(OVERLAY))
+    args = spec["containers"][0]["args"]
+    assert "--precise-prefix" in args and args[args.index("--tokenizer") + 1] == "/mnt/models"
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/mnt/models")
+    assert mount["readOnly"] is True
+
+
+def test_picker_port_that_differs_from_the_leaders_is_caught():
+    objs = rendered(OVERLAY)
+    args = picker(objs)["containers"][0]["args"]
+    args[args.index("--kv-replay-port") + 1] = "6000"
+    assert any("--kv-replay-port 6000 != the leaders' container port 'kv-replay' 5558" in p
+               for p in kv_events.kv_events_config_matches_ports(objs))
+
+
+def test_picker_default_port_is_checked_when_the_flag_is_absent():
+    objs = rendered(OVERLAY)
+    args = picker(objs)["containers"][0]["args"]
+    i = args.index("--kv-events-port")
+    del args[i:i + 2]
+    leader(objs)["ports"][1]["containerPort"] = 5600
+    set_config(leader(objs), lambda c: c.update(endpoint="tcp://*:5600"))
+    assert any("--kv-events-port 5557 != the leaders' container port 'kv-events' 5600" in p
+               for p in kv_events.kv_events_config_matches_ports(objs))
+
+
+def test_precise_without_tokenizer_is_caught():
+    objs = rendered(OVERLAY)
+    args = picker(objs)["containers"][0]["args"]
+    i = args.index("--tokenizer")
+    del args[i:i + 2]
+    assert any("--precise-prefix without --tokenizer" in p
+               for p in kv_events.kv_events_config_matches_ports(objs))
+    args.append("--no-precise-prefix")
+    assert kv_events.kv_events_config_matches_ports(objs) == []
+
+
+def test_tokenizer_off_the_model_volume_or_writable_is_caught():
+    objs = rendered(OVERLAY)
+    spec = picker(objs)
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/mnt/models")
+    mount["readOnly"] = False
+    assert any("must be mounted readOnly: true" in p for p in kv_events.kv_events_config_matches_ports(objs))
+    spec["containers"][0]["volumeMounts"].remove(mount)
+    assert any("--tokenizer /mnt/models is on no volume mount" in p
+               for p in kv_events.kv_events_config_matches_ports(objs))
