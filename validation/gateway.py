@@ -11,7 +11,6 @@ with the statuses Envoy Gateway would write, plus the xDS it would send Envoy. T
 """
 from __future__ import annotations
 
-import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from validation.edge import placeholder_secrets
+from validation.manifests import seconds  # noqa: F401 - part of this module's API
 from validation.problems import Problem, describe
 
 GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
@@ -166,19 +166,6 @@ def object_keys(objs: list[dict]) -> set[tuple[str, str, str]]:
         namespace = "" if o.get("kind") in CLUSTER_SCOPED else meta["namespace"]
         keys.add((o.get("kind"), namespace, meta.get("name")))
     return keys
-
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-
-
-def seconds(text) -> float | None:
-    """A Gateway API / Envoy duration ('10s', '1h', '250ms', '3600s') in seconds."""
-    if text is None:
-        return None
-    m = _DURATION.match(str(text))
-    if not m:
-        return None
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
 def check_target(egctl: Path, target: str, objs: list[dict]) -> list[Problem]:
