@@ -20,8 +20,9 @@ import uvloop
 from prometheus_client import CollectorRegistry, start_http_server
 
 from picker import defaults
-from picker.config import server_limits
+from picker.config import flow_settings, server_limits
 from picker.core import Router, RouterSettings
+from picker.flowcontrol.controller import FlowControl
 from picker.discovery.objects import Objective, Rewrite, load_objects
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import Servers, start_servers
@@ -52,6 +53,12 @@ def build_router(args: Namespace, count_scrape_errors: bool = True) -> Router:
     return router
 
 
+def build_flow(args: Namespace, router: Router) -> FlowControl | None:
+    """Flow control on the router, unless --no-flow-control."""
+    settings = flow_settings(args)
+    return FlowControl(router, settings) if settings is not None else None
+
+
 def kv_settings(args: Namespace, router: Router) -> dict | None:
     """What the signals process needs to subscribe to the engines' KV-cache events, or None
     when precise routing is off or has no tokenizer."""
@@ -64,6 +71,7 @@ class App:
     def __init__(self, args: Namespace):
         self.args = args
         self.router = build_router(args)
+        self.flow = build_flow(args, self.router)
         self.metrics = self.router.metrics
         self.metrics.watch_router(self.router)
         # Static objects are read before anything starts, so a broken file fails fast and clean.
@@ -117,7 +125,7 @@ class App:
         self.link.start()
         self.servers = await start_servers(self.router, a.grpc_port, a.health_port,
                                            a.secure_serving, a.cert_path, a.request_body_mode,
-                                           a.bind, limits=server_limits(a))
+                                           a.bind, limits=server_limits(a), flow=self.flow)
         if self.workers > 1:
             self.worker_procs = start_workers(a, self.servers.grpc_port, conns[1:])
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""

@@ -95,6 +95,10 @@ class Router:
         self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
         self.changed: set[str] | None = None
         self.on_change: Callable[[], None] | None = None
+        # Flow control (picker.flowcontrol): `gate(ctx, candidates)` keeps the candidates that can
+        # start the request now or raises to hold it; `on_signals()` runs after every scrape.
+        self.gate: Callable[[SchedulingContext, list[EndpointState]], list[EndpointState]] | None = None
+        self.on_signals: Callable[[], None] | None = None
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
         self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
@@ -154,6 +158,8 @@ class Router:
         if not was_ready or old is None or old.models != metrics.models \
                 or old.lora_running != metrics.lora_running or old.lora_waiting != metrics.lora_waiting:
             self._changed()
+        if self.on_signals is not None:
+            self.on_signals()
 
     def on_scrape_failed(self, address: str, now: float | None = None, timed_out: bool = False) -> None:
         """A refused connection, an error status or a bad page takes the endpoint out at once;
@@ -371,7 +377,8 @@ class Router:
         profile = self.profile
         if priority < 0:
             self._mark_stale(candidates, now)
-        if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
+        if priority < 0 and self.gate is None \
+                and pool_saturation(candidates, profile.saturation) >= 1.0:  # flow control queues it
             if self.metrics is not None:
                 self.metrics.shed.labels(self.metric_label(model)).inc()
             raise PickerError(429, "the pool is saturated and this request's objective is "
@@ -392,6 +399,8 @@ class Router:
                 precise.match(ctx, tokens, None if m is None or target in m.models else target)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
+        if self.gate is not None:
+            candidates = self.gate(ctx, candidates)
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = prompt_tokens - cached

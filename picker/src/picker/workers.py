@@ -163,13 +163,14 @@ def start_workers(args: Namespace, grpc_port: int, conns: list[Connection]) -> l
 
 def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -> None:
     """An extra worker: a Router and the ext_proc server, fed by the signals process."""
-    from picker.app import build_router, run_loop
+    from picker.app import build_flow, build_router, run_loop
     from picker.observability.logs import setup_logging
     setup_logging(args.log_level)
 
     async def main():
         from picker.protocol.server import start_servers
         router = build_router(args, count_scrape_errors=False)
+        flow = build_flow(args, router)
 
         def apply(endpoints, objectives, rewrites):
             router.set_endpoints(endpoints)
@@ -180,7 +181,8 @@ def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -
         link.start()
         from picker.config import server_limits
         servers = await start_servers(router, grpc_port, 0, args.secure_serving, args.cert_path,
-                                      args.request_body_mode, args.bind, limits=server_limits(args))
+                                      args.request_body_mode, args.bind, limits=server_limits(args),
+                                      flow=flow)
         loop = asyncio.get_running_loop()
         import signal
         for sig in (signal.SIGTERM, signal.SIGINT):
