@@ -8,8 +8,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (coldstart, crosscheck, demo, kv_suites, lab_suites, phases, robustness,
-                   validation_time)
+from bench import (coldstart, crosscheck, demo, kv_http, kv_suites, lab_suites, phases,
+                   robustness, validation_time)
 from bench.markdown import section
 from bench.picker import suites as picker_suites
 
@@ -78,6 +78,10 @@ BENCHMARKS = [
               "independent replicas with and without KV-cache events",
               lambda a: kv_suites.run_replicas_precise(a.seeds),
               titled("Picker replicas with precise prefix routing", kv_suites.replicas_precise_report)),
+    Benchmark("precise-http", "make demo with the picker on KV-cache events and on its approximate "
+              "index, both listeners; the events' delivery lag (run under flock /tmp/local-stack.lock)",
+              lambda a: kv_http.run(),
+              titled("Precise prefix routing on the real data plane", kv_http.report)),
     Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
               lambda a: robustness.soak(a.soak_seconds),
               titled("The picker under hostile traffic (soak)", robustness.soak_report)),
