@@ -189,9 +189,12 @@ class Router:
         """One batch of an endpoint's KV-cache events, in process: an EventBatch or a list of
         events (picker.signals.kvevents). Without `seq`, every batch since the engine started
         is delivered in order; with it, gaps and restarts are handled as from the wire."""
-        if self.precise is None or address not in self.endpoints:
+        state = self.endpoints.get(address)
+        if self.precise is None or state is None:
             return
-        self.precise.on_batch(address, events, self.clock() if now is None else now, seq, wall_now)
+        m = state.metrics
+        self.precise.on_batch(address, events, self.clock() if now is None else now, seq, wall_now,
+                              m.num_gpu_blocks if m else None, m.block_size if m else None)
 
     def on_kv_deltas(self, deltas, status: dict | None = None) -> None:
         """Index changes made by the signals process's subscriptions."""
@@ -384,8 +387,12 @@ class Router:
             raise PickerError(429, "the pool is saturated and this request's objective is "
                                    "sheddable (negative priority)", "pool_saturated", model, target)
         precise = self.precise if profile.needs_prefix else None
-        tokens = precise.tokens(info.path, parsed) if precise is not None else None
-        prompt_tokens = parsed.prompt_tokens if tokens is None else len(tokens)
+        prep = None
+        if precise is not None:
+            m = candidates[0].metrics
+            prep = precise.prepare(info.path, parsed,
+                                   None if m is None or target in m.models else target)
+        prompt_tokens = parsed.prompt_tokens if prep is None else prep.prompt_tokens
         ctx = SchedulingContext(target, prompt_tokens, parsed.max_tokens, priority, now,
                                 profile.block_size_tokens,
                                 avg_prompt_tokens=self.avg_prompt_tokens)
@@ -394,9 +401,8 @@ class Router:
                                       profile.max_prefix_blocks)
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
-            if tokens is not None:
-                m = candidates[0].metrics
-                precise.match(ctx, tokens, None if m is None or target in m.models else target)
+            if prep is not None:
+                precise.apply_to(ctx, prep)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
         if self.gate is not None:
@@ -404,8 +410,8 @@ class Router:
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = prompt_tokens - cached
-        if tokens is not None:
-            precise.after_decision(ctx, chosen.address, now)
+        if prep is not None:
+            precise.after_decision(prep, chosen.address, now)
         if ctx.hashes:
             # The server holds as many of our blocks as its KV cache has tokens for.
             cap_tokens = chosen.metrics.kv_capacity_tokens if chosen.metrics else None

@@ -86,6 +86,9 @@ class KVSubscriber:
         self.max_message_bytes = max_message_bytes
         self.rcvhwm = rcvhwm
         self.ctx = zmq.Context()
+        # a SUB and its monitor per endpoint, a DEALER while replaying: past libzmq's default
+        # of 1,023 sockets at 1,024 endpoints
+        self.ctx.set(zmq.MAX_SOCKETS, 16384)
         self.subs: dict[str, _Sub] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()

@@ -27,6 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from picker.core import Router
+from picker.runtime import (apply_objects, build_flow, build_router, run_loop, start_ext_proc,
+                            stop_on_signals)
 
 log = logging.getLogger("picker.workers")
 MAX_MESSAGES_PER_READ = 64
@@ -163,30 +165,19 @@ def start_workers(args: Namespace, grpc_port: int, conns: list[Connection]) -> l
 
 def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -> None:
     """An extra worker: a Router and the ext_proc server, fed by the signals process."""
-    from picker.app import build_flow, build_router, run_loop
     from picker.observability.logs import setup_logging
     setup_logging(args.log_level)
 
     async def main():
-        from picker.protocol.server import start_servers
         router = build_router(args, count_scrape_errors=False)
         flow = build_flow(args, router)
-
-        def apply(endpoints, objectives, rewrites):
-            router.set_endpoints(endpoints)
-            router.set_objects(objectives, rewrites)
-
         stop = asyncio.Event()
-        link = SignalsLink(router, conn, peers=True, on_objects=apply, on_closed=stop.set)
+        link = SignalsLink(router, conn, peers=True,
+                           on_objects=lambda *objects: apply_objects(router, *objects),
+                           on_closed=stop.set)
         link.start()
-        from picker.config import server_limits
-        servers = await start_servers(router, grpc_port, 0, args.secure_serving, args.cert_path,
-                                      args.request_body_mode, args.bind, limits=server_limits(args),
-                                      flow=flow)
-        loop = asyncio.get_running_loop()
-        import signal
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        servers = await start_ext_proc(router, args, grpc_port, 0, flow)
+        stop_on_signals(stop.set)
         log.info("worker started", extra={"worker": index, "pid": os.getpid()})
         await stop.wait()
         await servers.stop()
