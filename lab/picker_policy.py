@@ -38,11 +38,13 @@ import random
 from picker import defaults
 from picker.core import RequestInfo, Router, RouterSettings
 from picker.errors import PickerError
+from picker.flowcontrol.controller import FlowControl, FlowSettings
+from picker.flowcontrol.queue import Held
 from picker.scheduling.profile import load_profile
 
 from local.sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from local.sim.metrics import cache_config_labels, render_gauges
-from lab.policy_api import LabRequest, Policy, Rejected
+from lab.policy_api import Deferred, LabRequest, Policy, Rejected
 
 PHASES = ("request", "response")
 # Seconds from the end of an engine step to the picker's index holding its events, measured on
@@ -68,8 +70,9 @@ def picker_events(events: list) -> list:
 
 class PickerPolicy(Policy):
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
-                 staleness: float | None = None, phases: str = "request",
-                 precise: bool = False, kv_delay: float | None = None):
+                 staleness: float | None = None, phases: str = "request", flow: bool = False,
+                 flow_settings: FlowSettings | None = None, precise: bool = False,
+                 kv_delay: float | None = None):
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
         self.phases = phases
@@ -77,6 +80,10 @@ class PickerPolicy(Policy):
         self.name = "picker" if profile == "default" else f"picker:{profile}"
         if phases != "request":
             self.name += f"+{phases}"
+        # flow control: the picker's own FlowControl holds what no endpoint can start now
+        self.flow_settings = flow_settings or (FlowSettings() if flow else None)
+        if self.flow_settings is not None:
+            self.name = self.name.replace("picker", "picker-flow", 1)
         self.kv_events = precise
         self.kv_delay = KV_EVENTS_DELAY if kv_delay is None else kv_delay
         if precise:
@@ -92,6 +99,8 @@ class PickerPolicy(Policy):
                              settings=self.settings)
         self.router.set_endpoints([ep.address for ep in endpoints])
         self.by_address = {ep.address: ep for ep in endpoints}
+        self.flow = FlowControl(self.router, self.flow_settings) if self.flow_settings else None
+        self.out: list = []   # (request, Decision | PickerError) handed out by the queue
         n, iv = len(endpoints), self.scrape_interval
         # Scraping started one interval before the first request, phases spread evenly.
         self.phase = [-iv + i * iv / n for i in range(n)]
@@ -155,13 +164,44 @@ class PickerPolicy(Policy):
         body = json.dumps(request.body(self.endpoints[0].model_name)).encode()
         info = RequestInfo(request.path, {"content-type": "application/json"}, body)
         try:
-            decision = self.router.decide(info)
+            if self.flow is not None:
+                decision = self.flow.submit(info, lambda o: self.out.append((request, o)))
+                if isinstance(decision, Held):
+                    raise Deferred()
+            else:
+                decision = self.router.decide(info)
         except PickerError as err:
             raise Rejected(getattr(err, "status", 500), str(err)) from err
+        return self._bound(request, decision)
+
+    def _bound(self, request: LabRequest, decision):
         request.router_id = decision.request_id
         if self.phases == "request":  # Envoy closes the stream once the request phase is answered
             self.router.on_request_done(decision.request_id)
         return self.by_address[decision.endpoint]
+
+    def next_wakeup(self):
+        """The next scrape tick of any endpoint (new signals), or the queue's next age bound."""
+        if self.flow is None or not (len(self.flow.queue) or self.out):
+            return None
+        now, iv = self.clock(), self.scrape_interval
+        if self.out:
+            return now
+        ticks = []
+        for i, done in enumerate(self.done_tick):
+            tick = self.phase[i] + (math.floor((now - self.phase[i]) / iv) + 1) * iv
+            while tick <= max(now, done) + 1e-9:  # float rounding: always a tick still to come
+                tick += iv
+            ticks.append(tick)
+        deadline = self.flow.next_deadline()
+        return min(ticks + ([deadline] if deadline is not None else []))
+
+    def wake(self):
+        self._catch_up()
+        self.flow.pump()
+        out, self.out = self.out, []
+        return [(r, Rejected(o.status, str(o)) if isinstance(o, PickerError) else self._bound(r, o))
+                for r, o in out]
 
     def on_done(self, request, endpoint):
         self._catch_up()

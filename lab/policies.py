@@ -79,6 +79,13 @@ def make_policy(name: str, **options) -> Policy:
     if name == "oracle":
         from lab.oracle import Oracle
         return Oracle()
+    if name == "oracle-late":
+        from lab.oracle import LateOracle
+        return LateOracle()
+    if name == "picker-flow" or name.startswith("picker-flow:"):
+        from lab.picker_policy import PickerPolicy
+        profile = name.partition(":")[2] or "default"
+        return PickerPolicy(profile, flow=True, **options)
     if name == "picker-upstream":
         name = "picker:upstream-default"
     if name == "picker" or name.startswith("picker:"):
@@ -86,5 +93,5 @@ def make_policy(name: str, **options) -> Policy:
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, **options)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, oracle, "
-                     f"picker[:PROFILE], picker-upstream, replicas:N[:independent], each "
-                     f"with +precise[=SECONDS]")
+                     f"oracle-late, picker[:PROFILE], picker-flow[:PROFILE], picker-upstream, "
+                     f"replicas:N[:independent], each picker or replicas name with +precise[=SECONDS]")

@@ -40,10 +40,10 @@ import numpy as np
 from local.sim.engine import Engine, block_hashes
 from local.sim.engines import A10_QWQ32B, EngineModel
 from lab.tokenizer import prompt_token_ids
-from lab.policy_api import LabEndpoint, LabRequest, Policy, Rejected
+from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
-_ARRIVAL, _DOWN, _STEP_DONE, _UP = 0, 1, 2, 3
+_ARRIVAL, _DOWN, _STEP_DONE, _UP, _WAKE = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -59,6 +59,7 @@ class LabConfig:
     base_port: int = 8101                    # endpoint names 127.0.0.1:<base_port + i>
     engine_models: Optional[Sequence[EngineModel]] = None   # per group (heterogeneous pool)
     outages: Sequence[tuple] = ()            # (group index, down at s, back at s)
+    max_tokens_cap: Optional[int] = None     # clients send this max_tokens (a cap), not the length
 
     @property
     def block_size(self) -> int:
@@ -127,6 +128,10 @@ class Lab:
         self.next_sample = [0.0] * len(self.endpoints)
         self.counts = {ep.address: {"requests": 0} for ep in self.endpoints}
         self.track_history = policy.scrape_interval is not None
+        self.held_since: dict[str, float] = {}   # request id -> send time, while the policy holds it
+        self.wake_at: Optional[float] = None
+        for r in self.requests:  # requests are shared across runs: set it either way
+            r.max_tokens_cap = config.max_tokens_cap
 
     # ----- event plumbing ------------------------------------------------------------------
 
@@ -167,13 +172,41 @@ class Lab:
     def _send(self, req: LabRequest) -> None:
         try:
             ep = self.policy.pick(req)
-        except Rejected as err:
-            self.samples.append(RequestSample(start=self.now, success=False, end=self.now,
-                                              error=str(err), prompt_tokens=len(req.token_ids),
-                                              group=req.group))
+        except Deferred:
+            self.held_since[req.request_id] = self.now
+            self.inflight += 1     # the client waits for it: it holds a concurrency slot
             return
+        except Rejected as err:
+            self._rejected(req, err, self.now)
+            return
+        self._dispatch(req, ep, self.now)
+
+    def _rejected(self, req: LabRequest, err: Exception, sent: float) -> None:
+        self.samples.append(RequestSample(start=sent, success=False, end=self.now,
+                                          error=str(err), prompt_tokens=len(req.token_ids),
+                                          group=req.group))
+
+    def _wake(self) -> None:
+        for req, outcome in self.policy.wake():
+            sent = self.held_since.pop(req.request_id)
+            self.inflight -= 1
+            if isinstance(outcome, Rejected):
+                self._rejected(req, outcome, sent)
+            else:
+                self._dispatch(req, outcome, sent)
+        self._send_pending()
+
+    def _arm_wake(self) -> None:
+        if not self.held_since:
+            return
+        t = self.policy.next_wakeup()
+        if t is not None and (self.wake_at is None or t < self.wake_at):
+            self.wake_at = max(t, self.now)
+            self._push(self.wake_at, _WAKE, self.wake_at)
+
+    def _dispatch(self, req: LabRequest, ep: LabEndpoint, sent: float) -> None:
         req.endpoint = ep
-        client = _Client(req, sent=self.now)
+        client = _Client(req, sent=sent)
         try:
             ep.engine.add_request(req.request_id, req.token_ids, req.max_tokens,
                                   hashes=req.hashes)
@@ -291,9 +324,15 @@ class Lab:
                 self._down(obj)
             elif kind == _UP:
                 self._up(obj)
+            elif kind == _WAKE:
+                if obj != self.wake_at:
+                    continue   # superseded by an earlier wake-up
+                self.wake_at = None
+                self._wake()
             else:
                 self.pending.append(obj)
                 self._send_pending()
+            self._arm_wake()
         return self._result()
 
     def _result(self) -> LabRun:
