@@ -169,3 +169,16 @@ async def test_endpoint_without_events_and_a_missing_tokenizer(tok_dir, tmp_path
         for s in servers:
             await s.stop()
         pub.close()
+
+
+def test_cli_flags_of_precise_routing(tmp_path):
+    base = ["--discovery", "static", "--endpoints", "127.0.0.1:8101"]
+    a = parse_args(base)
+    assert (a.precise_prefix, a.tokenizer, a.kv_events_port, a.kv_replay_port) == (True, None, 5557, 5558)
+    a = parse_args(base + ["--no-precise-prefix", "--tokenizer", str(tmp_path),
+                           "--kv-events-port", "6000", "--kv-replay-port", "0"])
+    assert (a.precise_prefix, a.tokenizer, a.kv_events_port, a.kv_replay_port) == \
+        (False, str(tmp_path), 6000, 0)
+    for bad in (["--kv-events-port", "0"], ["--kv-events-port", "70000"], ["--kv-replay-port", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
