@@ -18,6 +18,7 @@ import numpy as np
 
 from bench.common import load_average, save, stamp
 from lab.stats import mean
+from loadtest.prompts import PromptSpec, random_words
 from local.sim.clock import to_model_seconds
 
 POLICIES = ("least-request", "picker", "picker-upstream")
@@ -28,8 +29,6 @@ OUTPUT_TOKENS = 300
 
 
 def burst(trial: int):
-    from loadtest.workloads import PromptSpec, random_words
-
     rng = np.random.default_rng(1000 + trial)
     prefix = random_words(rng, PREFIX_WORDS)
     return [PromptSpec(f"{prefix} {random_words(rng, QUESTION_WORDS)}", PREFIX_WORDS + QUESTION_WORDS,
@@ -133,7 +132,8 @@ def run_http(trials: int) -> dict:
     picker profile; simulators and picker restarted (cold) before every trial."""
     import asyncio
 
-    from local.stack import Stack, StackConfig, reset
+    from local.stack import Stack, StackConfig
+    from local.stack.launcher import reset
 
     out = {}
     for name, profile, listener in (("least-request", "default", "http"), ("picker", "default", "llm-gw"),

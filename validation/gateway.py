@@ -11,7 +11,6 @@ with the statuses Envoy Gateway would write, plus the xDS it would send Envoy. T
 """
 from __future__ import annotations
 
-import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,9 +18,9 @@ from pathlib import Path
 import yaml
 
 from validation.edge import placeholder_secrets
+from validation.manifests import GATEWAY_GROUPS, gateway_objects, group_of, seconds  # seconds: part of this API
 from validation.problems import Problem, describe
 
-GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
 CHECKED_CONDITIONS = ("Accepted", "ResolvedRefs", "Programmed")
 POLICY_KINDS = ("ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyExtensionPolicy", "SecurityPolicy",
                 "EnvoyPatchPolicy")
@@ -29,15 +28,6 @@ POLICY_KINDS = ("ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyExtensionPo
 # endpoints for what the objects reference (--add-missing-resources), so routes resolve as they
 # would in a cluster where the Services exist. Those placeholders are not ours to check.
 _SOURCE = "envoy-gateway"
-
-
-def group_of(obj: dict) -> str:
-    api = obj.get("apiVersion", "")
-    return api.split("/")[0] if "/" in api else ""
-
-
-def gateway_objects(objs: list[dict]) -> list[dict]:
-    return [o for o in objs if group_of(o) in GATEWAY_GROUPS]
 
 
 def has_gateway(objs: list[dict]) -> bool:
@@ -166,19 +156,6 @@ def object_keys(objs: list[dict]) -> set[tuple[str, str, str]]:
         namespace = "" if o.get("kind") in CLUSTER_SCOPED else meta["namespace"]
         keys.add((o.get("kind"), namespace, meta.get("name")))
     return keys
-
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-
-
-def seconds(text) -> float | None:
-    """A Gateway API / Envoy duration ('10s', '1h', '250ms', '3600s') in seconds."""
-    if text is None:
-        return None
-    m = _DURATION.match(str(text))
-    if not m:
-        return None
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
 def check_target(egctl: Path, target: str, objs: list[dict]) -> list[Problem]:

@@ -7,15 +7,28 @@ templates (Deployments, LeaderWorkerSets' leader and worker), container flags in
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from validation.problems import describe
 
 GPU = "nvidia.com/gpu"
+GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")  # what Envoy Gateway reads
 
 
 def of_kind(objs, kind):
     return [o for o in objs if o.get("kind") == kind]
+
+
+def group_of(obj: dict) -> str:
+    """The API group of an object ("" for the core group)."""
+    api = obj.get("apiVersion", "")
+    return api.split("/")[0] if "/" in api else ""
+
+
+def gateway_objects(objs: list[dict]) -> list[dict]:
+    """The objects Envoy Gateway reads: Gateway API and Envoy Gateway kinds."""
+    return [o for o in objs if group_of(o) in GATEWAY_GROUPS]
 
 
 def ns_of(obj, default="default"):
@@ -179,3 +192,16 @@ def rule_backend_refs(route: dict) -> list[tuple[str, list[dict]]]:
 def backend_refs(route: dict) -> list[dict]:
     """Every backendRef of an HTTPRoute, rule after rule."""
     return [ref for _, refs in rule_backend_refs(route) for ref in refs]
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+
+
+def seconds(text) -> float | None:
+    """A Gateway API / Envoy duration ('10s', '1h', '250ms', '3600s') in seconds."""
+    if text is None:
+        return None
+    m = _DURATION.match(str(text))
+    if not m:
+        return None
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]

@@ -195,7 +195,49 @@ def test_matching_tokenizer_passes_the_check(tok):
 
 def test_untokenizable_request_uses_the_approximate_index(tok):
     r = build(tok)
+    for e in (A, B):
+        r.on_kv_events(e, [])
     body = json.dumps({"model": "qwq", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode()
     d = decide(r, body)
     assert d.endpoint in (A, B) and r.precise.untokenizable == 1
+
+
+def test_windowed_tokenization_equals_the_whole(tok):
+    """Long prompts are tokenized in windows cut where a pre-token starts (cached per shared
+    prefix); joined they must be exactly the whole text's tokens."""
+    assert tok.windowed
+    rng = random.Random(7)
+    words = ["baba", "babe", "x1234", "naïve", "東京", "don't", "a-b", "\n\n", "  ", "<|im_end|>",
+             "?!", "3.14", "\t"]
+    for _ in range(5):
+        text = "".join(rng.choice(words) + rng.choice([" ", "", "\n"]) for _ in range(3000))
+        for special in (True, False):
+            joined = [t for ids, _ in tok.windows(text, special) for t in ids]
+            assert joined == tok.encode_text(text, special)
+            again = [t for ids, _ in tok.windows(text, special) for t in ids]  # from the cache
+            assert again == joined
+
+
+def test_tokenizing_stops_where_no_engine_holds_the_prompt(tok):
+    """A tenant's long system prompt cached on A, then a long unique question: the cached part
+    is counted exactly, the rest estimated (tokenizing it could not change the match)."""
+    rng = random.Random(8)
+    r = build(tok)
+    r.on_kv_events(B, [])
+    system = " ".join(f"baba{i % 10}" for i in range(2000))
+    body = json.loads(chat(system, "q"))
+    tokens = tok.request_tokens("/v1/chat/completions", body)
+    r.on_kv_events(A, store_events(tokens, rng)[0])
+    question = " ".join(f"babe{i % 7} zz{i % 1000}" for i in range(3000))
+    long_body = chat(system, question)
+    whole = len(tok.request_tokens("/v1/chat/completions", json.loads(long_body)))
+    prep = r.precise.prepare("/v1/chat/completions",
+                             __import__("picker.openai", fromlist=["x"]).parse_body(long_body), None)
+    assert prep.cached[A] >= (len(tokens) // BS - 2) * BS
+    assert B not in prep.cached
+    approx = -(-len("system:" + system + "\nuser:" + question + "\n") // 4)  # without a tokenizer
+    assert abs(prep.prompt_tokens - whole) < 0.3 * whole
+    assert abs(prep.prompt_tokens - whole) < abs(approx - whole)
+    d = decide(r, long_body)
+    assert d.endpoint == A and d.cached_tokens == prep.cached[A]

@@ -24,8 +24,9 @@ from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
 from picker.scheduling.saturation import pool_saturation
 from picker.signals.metrics import MetricsParseError, ModelServerMetrics, parse_vllm_metrics
-from picker.signals.state import (EndpointState, InflightEntry, Load, add_inflight, end_inflight,
-                                  own_load, record_scrape, set_peer_load)
+from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load, PeerSync,
+                                  add_inflight, end_inflight, own_load, record_scrape,
+                                  set_peer_load)
 
 __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
@@ -89,12 +90,11 @@ class Router:
         self._serving_lists: dict[str, list[EndpointState]] = {}
         self._ready_list: list[EndpointState] | None = None
         self._least = LeastLoaded(profile.prefilter.least)
-        # For the peers that share this view (None: no peers): the prefix-index additions made
-        # here, the endpoints whose in-flight counts changed here, and a callback for the first
-        # change after take_changed_loads() (workers.py flushes them within the loop iteration).
-        self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
-        self.changed: set[str] | None = None
-        self.on_change: Callable[[], None] | None = None
+        self.peer_sync: PeerSync | None = None   # share_with_peers(); None: no peers
+        # Flow control (picker.flowcontrol): `gate(ctx, candidates)` keeps the candidates that can
+        # start the request now or raises to hold it; `on_signals()` runs after every scrape.
+        self.gate: Callable[[SchedulingContext, list[EndpointState]], list[EndpointState]] | None = None
+        self.on_signals: Callable[[], None] | None = None
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
         self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
@@ -154,6 +154,8 @@ class Router:
         if not was_ready or old is None or old.models != metrics.models \
                 or old.lora_running != metrics.lora_running or old.lora_waiting != metrics.lora_waiting:
             self._changed()
+        if self.on_signals is not None:
+            self.on_signals()
 
     def on_scrape_failed(self, address: str, now: float | None = None, timed_out: bool = False) -> None:
         """A refused connection, an error status or a bad page takes the endpoint out at once;
@@ -183,9 +185,12 @@ class Router:
         """One batch of an endpoint's KV-cache events, in process: an EventBatch or a list of
         events (picker.signals.kvevents). Without `seq`, every batch since the engine started
         is delivered in order; with it, gaps and restarts are handled as from the wire."""
-        if self.precise is None or address not in self.endpoints:
+        state = self.endpoints.get(address)
+        if self.precise is None or state is None:
             return
-        self.precise.on_batch(address, events, self.clock() if now is None else now, seq, wall_now)
+        m = state.metrics
+        self.precise.on_batch(address, events, self.clock() if now is None else now, seq, wall_now,
+                              m.num_gpu_blocks if m else None, m.block_size if m else None)
 
     def on_kv_deltas(self, deltas, status: dict | None = None) -> None:
         """Index changes made by the signals process's subscriptions."""
@@ -201,18 +206,33 @@ class Router:
                 out[addr] = own_load(e)
         return out
 
+    def share_with_peers(self, on_change: Callable[[], None] | None = None) -> PeerSync:
+        """Keep what the peers need (PeerSync): this router's prefix additions and the endpoints
+        whose own counts changed; on_change is called at the first change after a take."""
+        self.peer_sync = PeerSync(on_change=on_change)
+        return self.peer_sync
+
     def take_changed_loads(self) -> dict[str, Load]:
         """This process's in-flight counts of the endpoints whose counts changed since the last
         call (zeros included)."""
-        out = {a: own_load(self.endpoints[a]) for a in self.changed or () if a in self.endpoints}
-        if self.changed:
-            self.changed.clear()
+        sync = self.peer_sync
+        if sync is None or not sync.changed:
+            return {}
+        out = {a: own_load(self.endpoints[a]) for a in sync.changed if a in self.endpoints}
+        sync.changed.clear()
         return out
+
+    def take_prefix_additions(self) -> list[tuple[str, list[int], int | None]]:
+        """The prefix-index additions of this router's decisions since the last call."""
+        sync = self.peer_sync
+        if sync is None:
+            return []
+        adds, sync.prefix_log = sync.prefix_log, []
+        return adds
 
     def set_peer_loads(self, loads: dict[str, Load], partial: bool = False) -> None:
         """The sum of the peers' in-flight counts per endpoint (absent = none; with partial,
         absent = unchanged)."""
-        zero = (0, 0, 0, 0)
         if partial:
             for addr, load in loads.items():
                 e = self.endpoints.get(addr)
@@ -220,8 +240,8 @@ class Router:
                     set_peer_load(e, load)
             return
         for addr, e in self.endpoints.items():
-            load = loads.get(addr, zero)
-            if load != zero or e.peer_inflight or e.peer_since_scrape:
+            load = loads.get(addr, ZERO_LOAD)
+            if load != ZERO_LOAD or e.peer_inflight or e.peer_since_scrape:
                 set_peer_load(e, load)
 
     def add_peer_prefixes(self, adds: Iterable[tuple[str, list[int], int | None]]) -> None:
@@ -296,11 +316,11 @@ class Router:
             e.stale = e.scraped_at is None or e.scraped_at < oldest
 
     def _touched(self, address: str) -> None:
-        changed = self.changed
-        if changed is not None:
-            if not changed and self.on_change is not None:
-                self.on_change()
-            changed.add(address)
+        sync = self.peer_sync
+        if sync is not None:
+            if not sync.changed and sync.on_change is not None:
+                sync.on_change()
+            sync.changed.add(address)
 
     def _changed(self) -> None:
         self._serving.clear()
@@ -371,14 +391,19 @@ class Router:
         profile = self.profile
         if priority < 0:
             self._mark_stale(candidates, now)
-        if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
+        if priority < 0 and self.gate is None \
+                and pool_saturation(candidates, profile.saturation) >= 1.0:  # flow control queues it
             if self.metrics is not None:
                 self.metrics.shed.labels(self.metric_label(model)).inc()
             raise PickerError(429, "the pool is saturated and this request's objective is "
                                    "sheddable (negative priority)", "pool_saturated", model, target)
         precise = self.precise if profile.needs_prefix else None
-        tokens = precise.tokens(info.path, parsed) if precise is not None else None
-        prompt_tokens = parsed.prompt_tokens if tokens is None else len(tokens)
+        prep = None
+        if precise is not None:
+            m = candidates[0].metrics
+            prep = precise.prepare(info.path, parsed,
+                                   None if m is None or target in m.models else target)
+        prompt_tokens = parsed.prompt_tokens if prep is None else prep.prompt_tokens
         ctx = SchedulingContext(target, prompt_tokens, parsed.max_tokens, priority, now,
                                 profile.block_size_tokens,
                                 avg_prompt_tokens=self.avg_prompt_tokens)
@@ -387,23 +412,24 @@ class Router:
                                       profile.max_prefix_blocks)
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
-            if tokens is not None:
-                m = candidates[0].metrics
-                precise.match(ctx, tokens, None if m is None or target in m.models else target)
+            if prep is not None:
+                precise.apply_to(ctx, prep)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
+        if self.gate is not None:
+            candidates = self.gate(ctx, candidates)
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = prompt_tokens - cached
-        if tokens is not None:
-            precise.after_decision(ctx, chosen.address, now)
+        if prep is not None:
+            precise.after_decision(prep, chosen.address, now)
         if ctx.hashes:
             # The server holds as many of our blocks as its KV cache has tokens for.
             cap_tokens = chosen.metrics.kv_capacity_tokens if chosen.metrics else None
             cap_blocks = cap_tokens // profile.block_size_tokens if cap_tokens else None
             self.prefix.add(chosen.address, ctx.hashes, cap_blocks)
-            if self.prefix_log is not None:
-                self.prefix_log.append((chosen.address, ctx.hashes, cap_blocks))
+            if self.peer_sync is not None:
+                self.peer_sync.prefix_log.append((chosen.address, ctx.hashes, cap_blocks))
         self.avg_prompt_tokens += self.settings.avg_prompt_alpha * (uncached - self.avg_prompt_tokens)
         self.inflight[request_id] = add_inflight(chosen, uncached, now)
         self._touched(chosen.address)

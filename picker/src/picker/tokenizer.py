@@ -20,11 +20,21 @@ from __future__ import annotations
 
 import json
 import logging
+from array import array
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import xxhash
 
 log = logging.getLogger("picker.tokenizer")
+
+# Windowed tokenization (ModelTokenizer.windows): windows of WINDOW characters, cut at the start
+# of a pre-token at least MARGIN characters before the window's end; CACHE windows remembered.
+WINDOW = 1024
+MARGIN = 64
+CACHE = 8192
 
 
 class TokenizerError(ValueError):
@@ -80,6 +90,8 @@ class ModelTokenizer:
                         if (t := _token_text(config.get(k))) is not None}
         source = _read_template(d, config)
         self.template = self._compile(source) if source else None
+        self._cache: OrderedDict[int, tuple[array, int]] = OrderedDict()
+        self.windowed = self._windows_agree()
 
     @staticmethod
     def _compile(source: str):
@@ -121,9 +133,10 @@ class ModelTokenizer:
         except Exception as exc:  # a template error on this request's messages
             raise NotTokenizable(f"chat template: {str(exc)[:200]}") from None
 
-    def request_tokens(self, path: str, obj: dict) -> list[int]:
-        """The token ids the engine computes for this OpenAI request body (already validated
-        by openai.parse_body); NotTokenizable if that cannot be known."""
+    def request_text(self, path: str, obj: dict) -> tuple[str | None, bool, list[int] | None]:
+        """What the engine tokenizes for this OpenAI request body (already validated by
+        openai.parse_body): (text, add_special_tokens, None), or (None, False, token ids) for a
+        token-id prompt; NotTokenizable if that cannot be known."""
         if path.split("?", 1)[0].endswith("/chat/completions") or (
                 "messages" in obj and "prompt" not in obj):
             messages = obj.get("messages")
@@ -134,16 +147,85 @@ class ModelTokenizer:
             text = self.render_chat(messages, obj.get("add_generation_prompt", True) is not False,
                                     **{k: v for k, v in kwargs.items() if isinstance(k, str)
                                        and k not in ("messages", "add_generation_prompt")})
-            return self.encode_text(text, add_special_tokens=obj.get("add_special_tokens") is True)
+            return text, obj.get("add_special_tokens") is True, None
         prompt = obj.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # several prompts: each is its own request to the engine
         if isinstance(prompt, str):
-            return self.encode_text(prompt, obj.get("add_special_tokens", True) is not False)
+            return prompt, obj.get("add_special_tokens", True) is not False, None
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                             for t in prompt):
-            return prompt
+            return None, False, prompt
         raise NotTokenizable("no text or token-id prompt")
+
+    def request_tokens(self, path: str, obj: dict) -> list[int]:
+        """The token ids the engine computes for this request (all of them, in one call)."""
+        text, special, ids = self.request_text(path, obj)
+        return ids if text is None else self.encode_text(text, special)
+
+    def windows(self, text: str, add_special_tokens: bool) -> Iterator[tuple[list[int], int]]:
+        """The text's token ids window by window: (ids, characters consumed so far). Joined,
+        they are encode_text(text): each window is cut where a pre-token starts, well before
+        its end, and the next one starts there (the pre-tokenizer's split of what follows does
+        not depend on what came before it; checked on this tokenizer at load, `windowed`).
+        Windows are cached by the chained hash of the text up to their end, so a prefix shared
+        by many prompts (a tenant's system prompt) is tokenized once; the caller can stop
+        early, when no engine holds the blocks so far."""
+        n = len(text)
+        if not self.windowed or n <= WINDOW + MARGIN:
+            yield self.encode_text(text, add_special_tokens), n
+            return
+        pos, key, first = 0, 1 if add_special_tokens else 2, True
+        cache = self._cache
+        while n - pos > WINDOW + MARGIN:
+            chunk = text[pos:pos + WINDOW]
+            key = xxhash.xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), key)
+            hit = cache.get(key)
+            if hit is None:
+                hit = self._cut(chunk, first and add_special_tokens)
+                if hit is None:  # no pre-token starts in the window: the rest in one piece
+                    break
+                cache[key] = hit
+                if len(cache) > CACHE:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(key)
+            ids, advance = hit
+            pos += advance
+            first = False
+            yield ids, pos
+        yield self.encode_text(text[pos:], first and add_special_tokens), n
+
+    def _cut(self, chunk: str, add_special_tokens: bool) -> tuple[array, int] | None:
+        enc = self.tokenizer.encode(chunk, add_special_tokens=add_special_tokens)
+        words, offsets = enc.word_ids, enc.offsets
+        limit = len(chunk) - MARGIN
+        for k in range(len(words) - 1, 0, -1):
+            start = offsets[k][0]
+            if start <= limit and words[k] is not None and words[k] != words[k - 1] \
+                    and start > 0:
+                return array("I", enc.ids[:k]), start
+        return None
+
+    def _windows_agree(self) -> bool:
+        """Whether windowed tokenization gives exactly the whole text's tokens, on text with
+        the usual troubles (spaces, newlines, digits, punctuation, non-ASCII, special tokens)."""
+        pieces = ["Hello, world!", "  two  spaces", "tabs\tand\nnew\n\nlines", "x1234567 99",
+                  "naïve café 東京 😀", "don't stop", "a-b_c/d.e", "<|im_start|>user\n"]
+        pieces += [t for t in self.special.values()]
+        text = " ".join(pieces[i % len(pieces)] for i in range(700))
+        saved = self._cache
+        self._cache, self.windowed = OrderedDict(), True
+        try:
+            for special in (True, False):
+                got = [t for ids, _ in self.windows(text, special) for t in ids]
+                if got != self.encode_text(text, special):
+                    log.info("windowed tokenization disagrees with whole-text tokenization "
+                             "for this tokenizer: whole prompts are tokenized")
+                    return False
+            return True
+        finally:
+            self._cache = saved
 
 
 def _text_message(message: Any) -> Any:

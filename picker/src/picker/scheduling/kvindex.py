@@ -57,6 +57,9 @@ class PreciseIndex:
                                   if self.reason.get(a) == ""})
         return self._sizes
 
+    def holds_any(self, h: int) -> bool:
+        return h in self._holders
+
     def holds(self, h: int, address: str) -> bool:
         held = self._holders.get(h)
         return held == address if isinstance(held, str) else held is not None and address in held

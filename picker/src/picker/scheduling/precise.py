@@ -2,9 +2,9 @@
 the engines reported holding (their KV-cache events), per endpoint, with the approximate index
 as the fallback for every endpoint whose events are not in sync.
 
-    tokens = precise.tokens(path, parsed)        # the engine's token ids, or None (fall back)
-    precise.match(ctx, tokens, target)           # ctx.precise / ctx.sync for the scorers
-    precise.after_decision(ctx, address)         # checks that the tokenizer matches the engine
+    prep = precise.prepare(path, parsed, lora)   # tokenized and matched, or None (fall back)
+    precise.apply_to(ctx, prep)                  # ctx.precise / ctx.sync for the scorers
+    precise.after_decision(prep, address, now)   # checks that the tokenizer matches the engine
 
 The index is fed either by the signals process (deltas, `apply`) or, in process, by a
 KVTracker this object owns (`on_batch`: the routing lab and tests).
@@ -17,7 +17,9 @@ chat template): precise routing turns off for the whole replica (metric, one log
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterable
 
 from picker import defaults
@@ -34,6 +36,16 @@ log = logging.getLogger("picker.precise")
 LOADED, MISSING, MISMATCH = "loaded", "missing", "mismatch"
 
 
+@dataclass(slots=True)
+class Prepared:
+    """One request, ready for scoring: its prompt tokens (exact, or estimated past the last
+    block any endpoint holds), cached tokens per in-sync endpoint that holds some of it, and
+    its first block's own hash per block size (the tokenizer check)."""
+    prompt_tokens: int
+    cached: dict[str, int]
+    first: dict[int, int]
+
+
 class PrecisePrefix:
     def __init__(self, tokenizer: ModelTokenizer | None, max_tokens: int = 16384,
                  verify_window: float = defaults.KV_VERIFY_WINDOW,
@@ -43,13 +55,12 @@ class PrecisePrefix:
         self.max_tokens = max_tokens                 # longest prefix matched, in tokens
         self.index = PreciseIndex()
         self.tracker: KVTracker | None = None        # in-process feeding only
-        self.status: dict[str, tuple] = {}           # per endpoint, from the tracker
+        self._status: dict[str, tuple] = {}          # per endpoint, from the signals process
         self.untokenizable = 0                       # requests routed on the approximate index
         self.verify_window = verify_window
         self.verify_misses = verify_misses
         self._checks: deque = deque()                # (sent, address, first block's own hash)
         self._misses = 0
-        self._first: dict[int, int] = {}             # block size -> first block, last match
 
     @property
     def active(self) -> bool:
@@ -60,14 +71,24 @@ class PrecisePrefix:
         """Index changes from the signals process (signals.kvstate.KVTracker.take_deltas)."""
         self.index.apply(deltas)
         if status is not None:
-            self.status = status
+            self._status = status
+
+    @property
+    def status(self) -> dict[str, tuple]:
+        """Per endpoint followed: (in sync, reason, blocks, counters; kvstate.STAT_FIELDS)."""
+        return self.tracker.status() if self.tracker is not None else self._status
 
     def on_batch(self, address: str, batch: EventBatch | list, now: float,
-                 seq: int | None = None, wall_now: float | None = None) -> None:
-        """Events of one endpoint, in process. A list of events is taken as one batch."""
+                 seq: int | None = None, wall_now: float | None = None,
+                 num_gpu_blocks: int | None = None, block_size: int | None = None) -> None:
+        """Events of one endpoint, in process. A list of events is taken as one batch; the
+        endpoint's last scraped cache config sizes it when it is new."""
         if not isinstance(batch, EventBatch):
             batch = EventBatch(now if wall_now is None else wall_now, list(batch))
         tracker = self._tracker()
+        if address not in tracker.endpoints:
+            tracker.add(address, now, replay=seq not in (None, 0))
+            tracker.set_capacity(address, num_gpu_blocks, block_size)
         tracker.on_batch(address, batch, now, seq, wall_now)
         self._sync()
 
@@ -91,44 +112,79 @@ class PrecisePrefix:
 
     def _sync(self) -> None:
         self.index.apply(self.tracker.take_deltas())
-        self.status = self.tracker.status()
 
     # ---- deciding ----------------------------------------------------------------------------
-    def tokens(self, path: str, parsed: ParsedRequest) -> list[int] | None:
-        """The request's token ids as the engine computes them; None: route approximately."""
-        if self.state != LOADED:
+    def prepare(self, path: str, parsed: ParsedRequest, lora: str | None) -> Prepared | None:
+        """Tokenize the request as the engine will and match it against the in-sync endpoints'
+        blocks. None: route approximately (precise off, nothing in sync, not tokenizable).
+
+        Tokenization stops at the first block no in-sync endpoint holds (nothing further can
+        match); the rest of the prompt's token count is then estimated at the tokens per
+        character seen so far. Windows of a prefix shared by many prompts are cached."""
+        index = self.index
+        sizes = index.sizes()
+        if self.state != LOADED or not sizes:
             return None
         try:
-            return self.tokenizer.request_tokens(path, parsed.obj)
+            text, special, ids = self.tokenizer.request_text(path, parsed.obj)
         except NotTokenizable:
             self.untokenizable += 1
             return None
-
-    def match(self, ctx: SchedulingContext, tokens: list[int], lora: str | None) -> None:
-        """Cached tokens per in-sync endpoint into ctx (one chain per block size in use)."""
-        index = self.index
-        precise: dict[str, int] = {}
-        first = self._first
-        first.clear()
         seed = root_seed(lora)
-        for bs in index.sizes():
-            chain = chain_hashes(tokens, bs, seed, self.max_tokens // bs)
-            if not chain:
-                continue
-            first[bs] = chain[0]
-            sizes = index.block_size
-            for addr, n in index.match(chain).items():
-                if sizes.get(addr) == bs:
-                    precise[addr] = n * bs
-        ctx.precise = precise
-        ctx.sync = index.reason
+        chains: dict[int, list[int]] = {bs: [] for bs in sizes}
+        tokens = array("I")
+        limit = self.max_tokens
+        pieces = [(ids, None)] if text is None else self.tokenizer.windows(text, special)
+        consumed = before = 0
+        for piece, consumed in pieces:
+            tokens.extend(piece)
+            if not self._extend(chains, tokens, seed, limit) or len(tokens) >= limit:
+                break
+            before = consumed
+        if text is None or consumed >= len(text):
+            prompt_tokens = len(tokens)
+        else:  # stopped early: the rest at the last window's tokens per character
+            span = consumed - before
+            rate = len(piece) / span if span >= 256 else len(tokens) / consumed
+            prompt_tokens = len(tokens) + round((len(text) - consumed) * rate)
+        cached: dict[str, int] = {}
+        first: dict[int, int] = {}
+        sizes_of = index.block_size
+        for bs, chain in chains.items():
+            if chain:
+                first[bs] = chain[0]
+                for addr, n in index.match(chain).items():
+                    if sizes_of.get(addr) == bs:
+                        cached[addr] = n * bs
+        return Prepared(prompt_tokens, cached, first)
 
-    def after_decision(self, ctx: SchedulingContext, address: str, now: float) -> None:
+    def _extend(self, chains: dict[int, list[int]], tokens: array, seed: int, limit: int) -> bool:
+        """Hash the newly complete blocks of each block size; False once no in-sync endpoint
+        holds the last block of any chain (nothing further can match)."""
+        alive = False
+        holds_any = self.index.holds_any
+        for bs, chain in chains.items():
+            done = len(chain)
+            if done and not holds_any(chain[-1]):
+                continue
+            full = min(len(tokens), limit) // bs
+            if full > done:
+                chain.extend(chain_hashes(tokens[done * bs:full * bs], bs,
+                                          chain[-1] if chain else seed))
+            if not chain or holds_any(chain[-1]):
+                alive = True
+        return alive
+
+    def apply_to(self, ctx: SchedulingContext, prep: Prepared) -> None:
+        ctx.precise = prep.cached
+        ctx.sync = self.index.reason
+
+    def after_decision(self, prep: Prepared, address: str, now: float) -> None:
         """Remember this request's first block on its endpoint; settle the oldest checks: a
         first block found is a hit, one not found within the window a miss."""
-        if ctx.precise is not None and ctx.sync.get(address) == "":
+        if self.index.in_sync(address):
             bs = self.index.block_size.get(address)
-            h = self._first.get(bs) if bs else None
+            h = prep.first.get(bs) if bs else None
             if h is not None:
                 if len(self._checks) >= defaults.KV_VERIFY_PENDING:
                     self._checks.popleft()
