@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -52,9 +53,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None) -> bool:
+def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None, cafile: str | None = None) -> bool:
+    """GET url answers 200; an https url is verified against `cafile` (the run's CA)."""
+    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout,
+                                    context=context) as r:
             return r.status == 200
     except OSError:
         return False
@@ -124,7 +128,8 @@ class Proc:
     name: str
     cmd: list[str]
     log: str
-    health: str  # "http:<url>" or "grpc:<address>"; several separated by spaces must all pass
+    # "http:<url>", "https:<url>#<CA file>" or "grpc:<address>"; several separated by spaces must all pass
+    health: str
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
@@ -147,7 +152,12 @@ class Proc:
         """headers: sent with the http checks (the API key when the listeners need one)."""
         for check in self.health.split():
             kind, _, target = check.partition(":")
-            if not (http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)):
+            if kind == "https":
+                url, _, cafile = target.partition("#")
+                ok = http_ok(url, headers=headers, cafile=cafile)
+            else:
+                ok = http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)
+            if not ok:
                 return False
         return True
 
