@@ -7,6 +7,7 @@ picker decides nothing."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import openai
 import pytest
@@ -31,7 +32,7 @@ def port(stack, listener: str) -> int:
 
 def client(stack, listener: str, scheme: str = "https", verify=None) -> openai.OpenAI:
     """The official OpenAI client, verifying the listener's chain against `verify` (a CA file)."""
-    verify = verify if verify is not None else str(stack.config.certs_dir / "ca.crt")
+    verify = ssl.create_default_context(cafile=verify or str(stack.config.certs_dir / "ca.crt"))
     return openai.OpenAI(base_url=f"{scheme}://localhost:{port(stack, listener)}/v1", api_key=stack.api_key("user"),
                          max_retries=0, timeout=20, http_client=openai.DefaultHttpxClient(verify=verify))
 
@@ -115,7 +116,6 @@ async def test_a_deleted_api_key_secret_fails_closed(stack):
     the SecurityPolicy invalid and Envoy answers 500 on both listeners, for every key; the picker sees
     nothing. With the Secret back, the same key works again."""
     import aiohttp
-    import ssl
 
     from local import dataplane
     import yaml
@@ -139,6 +139,7 @@ async def test_a_deleted_api_key_secret_fails_closed(stack):
 
     async with aiohttp.ClientSession() as session:
         assert await statuses(session) == [200, 200]
+        await asyncio.sleep(0.5)  # the picker's decision log is written after it answers
         decisions = len(picker_decisions(stack))
         try:
             dataplane.write_atomically(path, dataplane.dump(kept))

@@ -73,7 +73,7 @@ def charge(sent: bytes, usage: dict) -> int:
     return estimate + usage["completion_tokens"] + max(0, usage["prompt_tokens"] - estimate)
 
 
-async def test_a_client_over_budget_is_refused_within_one_request(stack):
+async def test_a_client_over_budget_is_refused_within_one_request(stack, record_property):
     budget, max_tokens = 1500, 60
     set_budget(stack, budget)
     decisions = len(picker_decisions(stack))
@@ -108,11 +108,11 @@ async def test_a_client_over_budget_is_refused_within_one_request(stack):
     await wait_for(lambda: len(picker_decisions(stack)) >= decisions + served_llm)
     await asyncio.sleep(0.3)
     assert len(picker_decisions(stack)) == decisions + served_llm
-    print(f"budget {budget}: served {len(charged)} requests charging {sum(c for _, c in charged)} tokens, "
-          f"refused request #{index} on {listener} (predicted #{predicted})")
+    record_property("sequential", json.dumps({"budget": budget, "served": len(charged), "refused_at": index,
+                                              "predicted": predicted, "charged": sum(c for _, c in charged)}))
 
 
-async def test_streamed_overshoot_is_bounded_by_what_is_in_flight(stack):
+async def test_streamed_overshoot_is_bounded_by_what_is_in_flight(stack, record_property):
     """Workers stream concurrently until refused. What the budget cannot stop: the requests admitted
     before their completions were charged. Bound: every worker's last admitted request, i.e.
     workers x (the largest charge of one request)."""
@@ -144,7 +144,7 @@ async def test_streamed_overshoot_is_bounded_by_what_is_in_flight(stack):
     assert refused == workers
     overshoot = sum(charges) - budget
     bound = workers * max(charges)
-    print(f"streamed: budget {budget}, {workers} workers, {len(charges)} requests served, "
-          f"{sum(charges)} tokens charged, overshoot {overshoot} (bound {bound})")
+    record_property("streamed", json.dumps({"budget": budget, "workers": workers, "served": len(charges),
+                                            "charged": sum(charges), "overshoot": overshoot, "bound": bound}))
     assert sum(charges) >= budget - max(charges)  # the budget was used, not refused early
     assert overshoot <= bound, (overshoot, bound, charges)
