@@ -223,3 +223,22 @@ def test_resolve_source_from_kv_event_sources():
         ("tcp://10.9.9.9:5557", None)
     for bad in (None, {}, [], {"0": "x"}, {"0": {"endpoint": "ipc:///x"}}):
         assert resolve_source("h:1", bad) is None
+
+
+def test_a_failing_subscriber_leaves_nothing_in_sync(pub, monkeypatch):
+    sub = start()
+    try:
+        sub.subscribe(A, pub.url, pub.replay_url)
+        w = Worker(sub)
+        assert until(lambda: w.poll().index.in_sync(A))
+        pub.publish(map_payload([stored([1], None, [1] * 16, 16)]))
+        assert until(lambda: w.poll().index.size(A) == 1)
+
+        def boom(*a, **kw):
+            raise RuntimeError("a bug")
+        monkeypatch.setattr(sub.tracker, "on_message", boom)
+        pub.publish(map_payload([stored([2], 1, [1] * 16, 16)]))
+        assert until(lambda: w.reason() == "subscriber_stopped")
+        assert not w.index.in_sync(A) and w.index.size(A) == 0
+    finally:
+        sub.stop()
