@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import coldstart, crosscheck, demo, lab_suites, phases, robustness, validation_time
+from bench import coldstart, crosscheck, demo, flow, lab_suites, phases, robustness, validation_time
 from bench.markdown import section
 from bench.picker import suites as picker_suites
 
@@ -63,6 +63,9 @@ BENCHMARKS = [
     Benchmark("replicas", "python -m lab.replicas on 16 groups: 1, 2, 4 picker replicas, shared or independent",
               lambda a: lab_suites.run_replicas(a.seeds),
               titled("Picker replicas: routing quality with 1, 2 and 4 replicas", lab_suites.replicas_report)),
+    Benchmark("flow", "the lab: flow control (late binding) for two clients' fairness and for priorities",
+              lambda a: flow.main(a.seeds[:3] if a.seeds else None),
+              titled("Flow control: fairness and priorities (lab)", flow.report)),
     Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
               lambda a: robustness.soak(a.soak_seconds),
               titled("The picker under hostile traffic (soak)", robustness.soak_report)),
