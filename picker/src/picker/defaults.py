@@ -36,6 +36,17 @@ MAX_STREAMS = 2048                      # ext_proc streams
 MAX_BUFFERED_BYTES = 128 * 1024 * 1024  # request body bytes, all streams together
 AVG_PROMPT_ALPHA = 0.05        # EWMA weight of the running mean prompt size
 
+# Prefix-cache affinity (a profile's `prefix:` section): the picker hashes prompts in blocks of
+# this many tokens (vLLM's KV block size), matches at most this many leading blocks, and keeps
+# this many blocks per endpoint in its LRU index (about the KV cache of one A10 group).
+PREFIX_BLOCK_SIZE_TOKENS = 16
+PREFIX_MAX_BLOCKS = 256
+PREFIX_LRU_CAPACITY_PER_SERVER = 31250
+# Saturation (a profile's `saturation:` section): an endpoint with more waiting requests than
+# this, or a KV cache fuller than this, counts as saturated.
+SATURATION_QUEUE_DEPTH = 5.0
+SATURATION_KV_CACHE_UTIL = 0.8
+
 # Flow control (picker.flowcontrol): requests no endpoint can start now wait in the picker.
 # The age bounds must stay below the gateway's ext_proc messageTimeout and the listener's
 # requestReceivedTimeout (make validate checks the manifests).
@@ -43,6 +54,10 @@ FLOW_CONTROL = False          # the CLI default; base/picker turns it on (see RE
 FLOW_MAX_REQUESTS = 1000       # held at once per worker, all priorities
 FLOW_MAX_WAIT = 30.0           # seconds a request of priority >= 0 may wait
 FLOW_MAX_WAIT_SHEDDABLE = 5.0  # seconds a sheddable request (priority < 0) may wait
+# At the age bound a request of priority >= 0 is sent as without flow control ("dispatch") or
+# refused with 503 ("reject"). The lab (tuning seeds, article and chat-reasoning): "reject"
+# failed up to 8 % of a saturated closed loop's requests at a 30 s bound; "dispatch" none.
+FLOW_AT_BOUND = "dispatch"
 FLOW_STRICT_TURNS = 8          # higher-priority dispatches in a row before a lower band's turn
 FLOW_MAX_ENGINE_WAITING = 0    # an engine with more requests waiting has no room
 FLOW_OUTPUT_RESERVE = 256      # KV tokens kept free per dispatched request beyond its prompt
