@@ -56,9 +56,9 @@ def test_missing_or_broken_tokenizer_gives_none_and_one_log_line(tmp_path, caplo
         (tmp_path / "bad").mkdir()
         (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
         assert load_tokenizer(tmp_path / "bad") is None
-    assert len(caplog.records) == 2
+        assert load_tokenizer(None) is None
+    assert len(caplog.records) == 3
     assert all("approximate" in r.getMessage() for r in caplog.records)
-    assert load_tokenizer(None) is None
 
 
 def build(tok=None, clock=None, endpoints=(A, B)) -> Router:
