@@ -32,6 +32,7 @@ class LabEndpoint:
     up: bool = True                    # False while the group is down (an outage)
     epoch: int = 0                     # bumps when the group restarts (stale steps are dropped)
     history: list = field(default_factory=list)   # (time, running, waiting, kv_usage) snapshots
+    kv_seq: int = 0                    # sequence number of the engine's next KV-event batch
 
 
 @dataclass(eq=False)
@@ -78,6 +79,7 @@ class Rejected(Exception):
 class Policy:
     name = "policy"
     scrape_interval: Optional[float] = None    # seconds; None = does not scrape
+    kv_events: bool = False                    # True: the engines record KV-cache events for it
 
     def start(self, endpoints: list[LabEndpoint], clock: Callable[[], float],
               rng: random.Random) -> None:
@@ -95,6 +97,12 @@ class Policy:
 
     def on_done(self, request: LabRequest, endpoint: LabEndpoint) -> None:
         pass
+
+    def on_kv_events(self, endpoint: LabEndpoint, seq: int, events: list, at: float) -> None:
+        """One batch of an engine's KV-cache events (local.sim.engine's BlockStored,
+        BlockRemoved, AllBlocksCleared), published at `at` with sequence number `seq` (from 0
+        at every engine start, as vLLM numbers them). Only called when `kv_events` is True; the
+        policy models its own delivery delay."""
 
     # Late binding: a policy whose pick() raises Deferred answers these.
     def next_wakeup(self) -> Optional[float]:

@@ -22,23 +22,29 @@ import random
 from picker import defaults
 from picker.signals.state import merge_loads
 
-from lab.picker_policy import PickerPolicy
+from lab.picker_policy import PickerPolicy, picker_events
 from lab.policy_api import Policy
 
 
 class ReplicatedPicker(Policy):
     def __init__(self, replicas: int, shared: bool = True, profile: str = "default",
-                 sync_interval: float = defaults.PEER_SYNC_INTERVAL):
+                 sync_interval: float = defaults.PEER_SYNC_INTERVAL, precise: bool = False,
+                 kv_delay: float | None = None):
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
-        self.parts = [PickerPolicy(profile) for _ in range(replicas)]
+        # Precise: every replica subscribes to every engine on its own (same batches, same delay).
+        self.parts = [PickerPolicy(profile, precise=precise, kv_delay=kv_delay)
+                      for _ in range(replicas)]
+        self.kv_events = precise
         self.scrape_interval = self.parts[0].scrape_interval  # the lab records engine history
         self.shared = shared and replicas > 1
         self.sync_interval = sync_interval
         self.name = f"replicas:{replicas}" + ("" if shared else ":independent")
+        if precise:
+            self.name += self.parts[0].name[len("picker"):]
 
     @classmethod
-    def from_name(cls, name: str) -> "ReplicatedPicker":
+    def from_name(cls, name: str, **options) -> "ReplicatedPicker":
         """`replicas:N` (shared view, exchanged every PEER_SYNC_INTERVAL), `replicas:N:sync=S`
         (every S seconds; 0 = before every decision) or `replicas:N:independent`."""
         parts = name.split(":")
@@ -46,15 +52,20 @@ class ReplicatedPicker(Policy):
             raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
         option = parts[2] if len(parts) == 3 else ""
         if option == "independent":
-            return cls(int(parts[1]), shared=False)
+            return cls(int(parts[1]), shared=False, **options)
         if option.startswith("sync="):
             try:
-                return cls(int(parts[1]), sync_interval=float(option[5:]))
+                return cls(int(parts[1]), sync_interval=float(option[5:]), **options)
             except ValueError:
                 pass
         elif not option:
-            return cls(int(parts[1]))
+            return cls(int(parts[1]), **options)
         raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+
+    def on_kv_events(self, endpoint, seq, events, at):
+        converted = picker_events(events)
+        for p in self.parts:
+            p.queue_kv(endpoint.address, seq, converted, at)
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)

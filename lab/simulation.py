@@ -39,7 +39,7 @@ import numpy as np
 
 from local.sim.engine import Engine, block_hashes
 from local.sim.engines import A10_QWQ32B, EngineModel
-from local.sim.tokens import token_ids
+from lab.tokenizer import prompt_token_ids
 from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
@@ -88,10 +88,11 @@ class _Client:
 
 
 def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
-    """Tokenise a workload (loadtest.workloads.PromptSpec list) once; reusable across runs."""
+    """Tokenise a workload (loadtest.workloads.PromptSpec list) once, with the tiny model's
+    tokenizer (lab/tokenizer.py: one word, one token); reusable across runs."""
     out = []
-    for i, s in enumerate(specs):
-        ids = token_ids(s.prompt)
+    all_ids = prompt_token_ids([s.prompt for s in specs])
+    for i, (s, ids) in enumerate(zip(specs, all_ids)):
         out.append(LabRequest(index=i, request_id=f"req-{i}", prompt=s.prompt, token_ids=ids,
                               hashes=block_hashes(ids, block_size), max_tokens=s.output_tokens,
                               group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None)))
@@ -110,7 +111,8 @@ class Lab:
         if len(engine_models) != config.num_engines:
             raise ValueError(f"{len(engine_models)} engine models for {config.num_engines} engines")
         self.endpoints = [
-            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(engine_models[i], clock),
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}",
+                        Engine(engine_models[i], clock, kv_events=policy.kv_events),
                         config.model_name)
             for i in range(config.num_engines)]
         self.rng = random.Random(config.seed)
@@ -251,6 +253,16 @@ class Lab:
         else:
             ep.step_end = result.end_time
             self._push(result.end_time, _STEP_DONE, (ep, result, ep.epoch))
+            if self.policy.kv_events:
+                self._publish(ep, result.end_time)
+
+    def _publish(self, ep: LabEndpoint, at: float) -> None:
+        """The step's KV-cache events as one batch, published when the step ends (as the
+        simulator's server and vLLM publish them)."""
+        events = ep.engine.take_kv_events()
+        if events:
+            self.policy.on_kv_events(ep, ep.kv_seq, events, at)
+            ep.kv_seq += 1
 
     def _deliver(self, ep: LabEndpoint, result, epoch: int) -> None:
         if epoch != ep.epoch:       # a step of an engine that has failed since
@@ -286,7 +298,9 @@ class Lab:
         self._send_pending()
 
     def _up(self, ep: LabEndpoint) -> None:
-        ep.engine = Engine(ep.engine.engine_model, self.clock)     # restarted: empty cache
+        # Restarted: an empty cache, and its event sequence starts again from 0.
+        ep.engine = Engine(ep.engine.engine_model, self.clock, kv_events=self.policy.kv_events)
+        ep.kv_seq = 0
         ep.history.clear()
         ep.up = True
         self.policy.set_available([e for e in self.endpoints if e.up])
