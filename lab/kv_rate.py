@@ -19,11 +19,10 @@ import sys
 from lab.experiment import named_workload, run_policies
 from lab.policies import LeastRequest
 from lab.simulation import LabConfig
+from loadtest.workloads import DEMO_SCALE  # the demo's simulators have the KV capacity / this
 from local.sim.engine import BlockRemoved, BlockStored
 from local.sim.engines import A10_QWQ32B
 from local.sim.kv_events import encode_batch
-
-DEMO_KV_SCALE = 6        # the local stack's demo: KV capacity / 6 (local/stack: kv_scale_args)
 
 
 class CountingLeastRequest(LeastRequest):
@@ -57,7 +56,7 @@ RATE_KEYS = ("batches", "events", "blocks_stored", "blocks_removed", "payload_by
 
 
 def measure(workload: str = "demo", seeds: list[int] | None = None, engines: int = 3,
-            kv_scale: int = DEMO_KV_SCALE, concurrency: int = 30) -> dict:
+            kv_scale: int = DEMO_SCALE, concurrency: int = 30) -> dict:
     seeds = seeds or [0]
     model = A10_QWQ32B.with_overrides(num_gpu_blocks=A10_QWQ32B.num_gpu_blocks // kv_scale)
     policies = []
