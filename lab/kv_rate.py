@@ -19,6 +19,7 @@ import sys
 from lab.experiment import named_workload, run_policies
 from lab.policies import LeastRequest
 from lab.simulation import LabConfig
+from lab.stats import over_seeds
 from loadtest.workloads import DEMO_SCALE  # the demo's simulators have the KV capacity / this
 from local.sim.engine import BlockRemoved, BlockStored
 from local.sim.engines import A10_QWQ32B
@@ -68,8 +69,9 @@ def measure(workload: str = "demo", seeds: list[int] | None = None, engines: int
         duration = run.summary["duration"]
         for address, c in policy.counts.items():
             per_run.append({k: c[k] / duration for k in RATE_KEYS})
-    mean = {k: sum(r[k] for r in per_run) / len(per_run) for k in RATE_KEYS}
-    peak = {k: max(r[k] for r in per_run) for k in RATE_KEYS}
+    stats = {k: over_seeds(r[k] for r in per_run) for k in RATE_KEYS}   # over seeds and engines
+    mean = {k: stats[k]["mean"] for k in RATE_KEYS}
+    peak = {k: stats[k]["max"] for k in RATE_KEYS}
     return {"workload": workload, "seeds": seeds, "engines": engines, "concurrency": concurrency,
             "engine_model": model.name, "num_gpu_blocks": model.num_gpu_blocks,
             "block_size": model.block_size,
