@@ -2,7 +2,8 @@
 (tests/policy tests each rule with broken fixtures).
 
 - every overlay (a deployable whole): the policy rules (validation/policy.py), GPU fit on the A10
-  node, Secret references in the workload namespace, and isolation (validation/isolation.py);
+  node, Secret references in the workload namespace, isolation (validation/isolation.py) and
+  autoscaling (validation/autoscaling.py: rules only a ScaledObject triggers);
 - overlays with the edge components (`overlays/*-secure`): the edge rules (validation/edge.py);
 - Argo CD folders: every Helm chart source resolves without undeclared repository Secrets.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from validation import edge, isolation, policy
+from validation import autoscaling, edge, isolation, policy
 from validation.problems import Problem
 
 WORKLOAD_NAMESPACE = "llm"
@@ -19,7 +20,8 @@ WORKLOAD_NAMESPACE = "llm"
 def rules_for(target: str) -> list:
     if target.startswith("overlays/"):
         rules = [*policy.ALL_CHECKS, policy.gpu_pods_fit_node, *isolation.ISOLATION_CHECKS, *edge.HEALTH_CHECKS,
-                 partial(policy.secret_refs_in_namespace, namespace=WORKLOAD_NAMESPACE)]
+                 partial(policy.secret_refs_in_namespace, namespace=WORKLOAD_NAMESPACE),
+                 *autoscaling.AUTOSCALING_CHECKS]
         if target.endswith("-secure"):
             rules += edge.EDGE_CHECKS
         return rules
