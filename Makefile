@@ -26,7 +26,7 @@ EDGE_SECURITY ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
+.PHONY: help setup tools lock crds tiny-model validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -100,6 +100,9 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 promtool:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
+tiny-model: $(VENV)/.stamp ## build the tiny model's tokenizer (deterministic, offline) into .cache/tiny-model
+	$(PY) -m local.tinymodel tokenizer --out .cache/tiny-model
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv

@@ -1,4 +1,5 @@
-"""Shared helpers: where results go, machine facts, running a command and timing it."""
+"""Shared helpers: where results go, machine facts, running a command and timing it, saving and
+reading the JSON summaries."""
 
 from __future__ import annotations
 
@@ -97,7 +98,28 @@ def run_suite(name: str, cmd: list[str], loader, log: Path | None = None, comman
     return data
 
 
-def md_table(header: list[str], rows: list[list]) -> list[str]:
-    """A Markdown table: the header, its rule, one line a row."""
-    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
-    return [line(header), "|---" * len(header) + "|"] + [line(row) for row in rows]
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def run_suites(name: str, runs: dict[str, tuple[list[str], Path]]) -> dict:
+    """Several commands timed one after the other (`runs`: key -> (command, the JSON it writes);
+    output to results/bench/<name>-<key>.log), saved as results/bench/<name>.json: each command and
+    result by key, the total wall time, the load average before and after."""
+    load_start = load_average()
+    results, commands, wall = {}, {}, 0.0
+    for key, (cmd, result) in runs.items():
+        wall += run(cmd, log=RESULTS / f"{name}-{key}.log")
+        results[key] = read_json(result)
+        commands[key] = shown(cmd)
+    data = {"commands": commands, "wall_s": wall, "load_average_start": load_start, "runs": results,
+            **stamp()}
+    save(name, data)
+    return data
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import PY, RESULTS, run, save, stamp, load_average
+from bench.common import PY, REPO, RESULTS, load_average, run, save, stamp
 from loadtest.metrics import REPORT_KEYS, percent_change
 from local.sim.clock import to_model_rate, to_model_seconds
 
@@ -153,3 +153,12 @@ def report(d: dict) -> str:
                   + (". **The stack was short of CPU** (other work on the machine): its TTFTs are inflated."
                      if v["cpu_starved"] else ".")]
     return "\n".join(lines)
+
+
+def section_lines(d: dict) -> list[str]:
+    """The BENCHMARKS.md section: how it ran, then `report(d)`."""
+    return [f"Command: `{d['command']}`: the HTTP part is `python -m local.stack demo` (what `make demo` runs: "
+            "3 simulator processes, the picker, Envoy Gateway + Envoy, `loadtest compare` of both listeners); the lab "
+            "part runs the same prompts through the same engine model in virtual time. HTTP took "
+            f"{d['http_wall_s']:.0f} s wall, the lab {d['lab_wall_s']:.0f} s. HTTP results: "
+            f"`{d['http_results_dir'].replace(str(REPO) + '/', '')}/report.md`.", "", report(d)]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from bench.common import PY, RESULTS, md_table, run_suite, shown
+from bench.common import PY, RESULTS, run_suite, shown
+from bench.markdown import md_table
 
 SOAK_TEST = "picker/tests/test_abuse.py"
 DEAD_BACKEND_TEST = "tests/e2e/test_e2e_dead_backend.py"

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from bench import common, crosscheck, report, suites
+from bench import common, crosscheck, lab_suites, report
+from bench.registry import BY_NAME
 from bench.picker.service import latency_bounded_rate
 from loadtest.metrics import REPORT_KEYS
 
@@ -44,7 +45,7 @@ def test_verdict_checks_order_and_tolerance():
 def test_report_puts_the_article_beside_the_lab(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "REPO", tmp_path)
-    agg = lambda v: {k: {"mean": v, "std": 1.0} for k, _ in report.LAB_KEYS}  # noqa: E731
+    agg = lambda v: {k: {"mean": v, "std": 1.0} for k, _ in lab_suites.LAB_KEYS}  # noqa: E731
     summary = {"policies": {"least-request": agg(10000.0), "picker": agg(5000.0)}}
     (tmp_path / "lab-article.json").write_text(json.dumps({"summary": summary, "wall_s": 60.0}))
     text = report.write()
@@ -83,18 +84,17 @@ def test_a_partial_rerun_keeps_the_machine_of_the_sections_it_keeps(tmp_path, mo
 def test_suites_save_each_command_its_wall_time_and_what_it_wrote(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setattr(common, "REPO", tmp_path)
-    monkeypatch.setattr(suites, "RESULTS", tmp_path)
 
     def writes(path, value) -> list[str]:
         return [sys.executable, "-c", f"import json; json.dump({{'v': {value}}}, open({str(path)!r}, 'w'))"]
 
-    one = common.run_suite("one", writes(tmp_path / "r.json", 1), lambda: {"result": suites._json(tmp_path / "r.json")},
+    one = common.run_suite("one", writes(tmp_path / "r.json", 1), lambda: {"result": common.read_json(tmp_path / "r.json")},
                         log=tmp_path / "one.log", seeds=[3])
     assert json.loads((tmp_path / "one.json").read_text()) == one
     assert one["result"] == {"v": 1} and one["seeds"] == [3] and one["command"].startswith("python -c ")
     assert one["wall_s"] > 0 and {"load_average_start", "load_average_end", "finished_at"} <= one.keys()
-    runs = suites._suite_runs("two", {"a": (writes(tmp_path / "a.json", 2), tmp_path / "a.json"),
-                                      "b": (writes(tmp_path / "b.json", 3), tmp_path / "b.json")})
+    runs = common.run_suites("two", {"a": (writes(tmp_path / "a.json", 2), tmp_path / "a.json"),
+                                     "b": (writes(tmp_path / "b.json", 3), tmp_path / "b.json")})
     assert json.loads((tmp_path / "two.json").read_text()) == runs
     assert runs["runs"] == {"a": {"v": 2}, "b": {"v": 3}} and list(runs["commands"]) == ["a", "b"]
     assert (tmp_path / "two-a.log").exists() and (tmp_path / "two-b.log").exists()
@@ -116,15 +116,15 @@ def grpc_run(endpoints, closed_per_s: float, decide_p99: float, open_p99: dict[f
 def test_picker_section_states_each_part_of_the_target_separately():
     met = {"result": {"grpc": [grpc_run(None, 2000, 0, {500: 3.0, 1000: 4.0}),
                                grpc_run(16, 1500, 0.3, {500: 2.0, 1000: 4.5})]}}
-    text = "\n".join(report.picker_section(met))
+    text = "\n".join(BY_NAME["picker"].section(met))
     assert "| 16 endpoints | buffered | 1,500 | 30.0 / 50.0 | 0.30 | 0.60 | 2.0 | 4.5 | 1,000/s | 0 |" in text
     met["result"]["grpc"][1]["open_loops"][0]["repeats"] = [{"p99_ms": 2.0, "errors": 0}, {"p99_ms": 7.5, "errors": 0}]
-    assert "| 2.0 [2.0 7.5] | 4.5 |" in "\n".join(report.picker_section(met))
+    assert "| 2.0 [2.0 7.5] | 4.5 |" in "\n".join(BY_NAME["picker"].section(met))
     assert "1,500/s (median run), met;" in text and "0.30 ms, met;" in text and "up to 1,000/s offered." in text
     nothing = {"result": {"grpc": [grpc_run(16, 900, 6.0, {250: 6.0, 1000: 27.0})]}}
-    assert "not even the lowest offered rate, not at 1,000/s." in "\n".join(report.picker_section(nothing))
+    assert "not even the lowest offered rate, not at 1,000/s." in "\n".join(BY_NAME["picker"].section(nothing))
     missed = {"result": {"grpc": [grpc_run(16, 900, 6.0, {500: 4.0, 1000: 27.0})]}}
-    text = "\n".join(report.picker_section(missed))
+    text = "\n".join(BY_NAME["picker"].section(missed))
     assert "900/s (median run), not met;" in text and "6.00 ms, not met;" in text
     assert "up to 500/s offered, not at 1,000/s." in text
 
@@ -139,7 +139,7 @@ def test_demo_section_shows_both_listeners_cpu_and_envoy_counters():
                           "listeners": {"http": 18080, "llm-gw": 18081},
                           "cpu_s": {"picker": 18.0, "envoy-gateway": 9.0},
                           "envoy_listener_stats": {"http": stats, "llm-gw": stats}}}
-    text = "\n".join(report.demo_section(demo))
+    text = "\n".join(BY_NAME["demo"].section(demo))
     assert "| http (18080) | 400 | 400 | 800 |" in text and "| llm-gw (18081) | 300 |" in text
     assert "mean TTFT -25.0 %" in text
     assert "| picker | 18.0 | 0.10 |" in text and "| envoy-gateway | 9.0 | 0.05 |" in text
@@ -168,23 +168,23 @@ def test_scale_sections_state_the_1024_endpoint_target_and_the_replica_changes()
            "cpu_ms_per_decision": 0.2}
     inp = [{**row, "endpoints": 1024, "prefilter": True, "cpu_p99_ms": 0.6},
            {**row, "endpoints": 1024, "prefilter": False, "cpu_p99_ms": 4.0}]
-    text = "\n".join(report.picker_scale_section({"result": {"inprocess": inp}}))
+    text = "\n".join(BY_NAME["picker-scale"].section({"result": {"inprocess": inp}}))
     assert "CPU p99 0.600 ms, met" in text and "off (every candidate scored)" in text
     inp[0]["cpu_p99_ms"] = 1.2
-    assert "CPU p99 1.200 ms, not met" in "\n".join(report.picker_scale_section({"result": {"inprocess": inp}}))
+    assert "CPU p99 1.200 ms, not met" in "\n".join(BY_NAME["picker-scale"].section({"result": {"inprocess": inp}}))
     ttft = lambda m, s=10.0: {"mean_ttft_ms": {"mean": m, "std": s}}  # noqa: E731
     runs = {"shared-prefix": {"policies": {"picker": ttft(1000), "replicas:2": ttft(1100),
                                            "replicas:2:independent": ttft(1500)}}}
-    text = "\n".join(report.replicas_section({"runs": runs}))
+    text = "\n".join(BY_NAME["replicas"].section({"runs": runs}))
     assert "| 2, shared every 20 ms | 1,100 ± 10 (+10.0 %) |" in text
     assert "| 2, independent | 1,500 ± 10 (+50.0 %) |" in text
-    assert report._replica_label("replicas:4:sync=0") == "4, shared before every decision"
+    assert lab_suites._replica_label("replicas:4:sync=0") == "4, shared before every decision"
     lab = lambda m, s: {**ttft(m, s), "p99_ttft_ms": {"mean": 1.0, "std": 0.0},  # noqa: E731
                         "output_throughput": {"mean": 1.0}}
     pf = {"runs": {"article": {"policies": {"picker": lab(1000, 50), "picker:x.yaml": lab(1040, 60)}}}}
-    assert "+4.0 %; within the seed spread: yes" in "\n".join(report.prefilter_section(pf))
+    assert "+4.0 %; within the seed spread: yes" in "\n".join(BY_NAME["prefilter"].section(pf))
     pf["runs"]["article"]["policies"]["picker:x.yaml"] = lab(1200, 60)
-    assert "within the seed spread: no" in "\n".join(report.prefilter_section(pf))
+    assert "within the seed spread: no" in "\n".join(BY_NAME["prefilter"].section(pf))
 
 
 def test_robustness_figures_come_from_what_the_tests_recorded(tmp_path):
@@ -215,3 +215,19 @@ def test_robustness_figures_come_from_what_the_tests_recorded(tmp_path):
              "last_failure_s": 0.4, "late_requests": 120, "late_failed": 0}]
     dead = "\n".join(robustness.dead_backend_report({"command": "c", "wall_s": 60, "runs": runs}))
     assert "| killed | http | 300 | 2 | 0.4 | 120 | 0 |" in dead
+
+
+def test_every_registered_benchmark_has_its_own_results_and_section(tmp_path, monkeypatch):
+    from bench.registry import BENCHMARKS
+
+    results = [r for b in BENCHMARKS for r in b.result_names]
+    assert len(results) == len(set(results)) and len(BY_NAME) == len(BENCHMARKS)
+    empty = {b.name: b.section(*(None for _ in b.result_names)) for b in BENCHMARKS}
+    titles = [lines[0] for lines in empty.values()]
+    assert all(t.startswith("## ") for t in titles) and len(set(titles)) == len(titles)
+    assert all("(not run)" in lines for lines in empty.values())
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    text = report.write()  # nothing run: every section in the registry's order, each named in the header
+    assert [line for line in text.splitlines() if line in titles] == titles
+    assert all(f"`{b.name}`" in text.split("## Machine")[0] for b in BENCHMARKS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from bench import common, report
+from bench.registry import BY_NAME
 from lab.matrix import assess
 
 
@@ -33,7 +34,7 @@ def matrix_bench():
 
 
 def test_matrix_section_rows_and_targets():
-    text = "\n".join(report.lab_matrix_section(matrix_bench()))
+    text = "\n".join(BY_NAME["matrix"].section(matrix_bench()))
     assert ("| base: base desc | - | 10,000 / 90,000 / 230.0 | 15,000 / 99,000 / 225.0 | "
             "20,000 / 400,000 / 220.0 | 5,000 / 50,000 / 236.0 | 4,000 / 30,000 / 232.0 | "
             "-50.0 %, -44.4 %, +2.6 % | -60.0 % | 83 % |") in text

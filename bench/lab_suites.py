@@ -1,0 +1,278 @@
+"""The lab's benchmarks of `python -m bench` (`lab`, `matrix`, `replicas`, `prefilter`): each runs
+a lab command (lab/README.md) and turns the JSON it writes into its BENCHMARKS.md section."""
+
+from __future__ import annotations
+
+import shutil
+
+from bench.common import PY, REPO, RESULTS, read_json, run_suite, run_suites
+from bench.markdown import md_table, num, versus
+from lab.article import ARTICLE
+from loadtest.metrics import REPORT_KEYS, percent_change
+
+# The lab benchmark's policies: least request (the 8080 route) against the picker's two profiles.
+LAB_POLICIES = ["least-request", "picker", "picker-upstream"]
+LABELS = {"mean_ttft_ms": "mean TTFT ms", "median_ttft_ms": "median TTFT ms", "p99_ttft_ms": "P99 TTFT ms",
+          "mean_tpot_ms": "mean TPOT ms", "output_throughput": "output tok/s", "duration": "duration s"}
+LAB_KEYS = [(k, LABELS[k]) for k in REPORT_KEYS]
+
+
+def run_lab(workload: str, seeds: list[int] | None = None) -> dict:
+    """`python -m lab run` on one workload, 5 seeds, least request vs the picker's profiles."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / f"lab-{workload}"
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [PY, "-m", "lab", "run", "--workload", workload, *(a for p in LAB_POLICIES for a in ("--policy", p)),
+           "--seeds", *map(str, seeds), "--out", str(out), "--plots"]
+    return run_suite(f"lab-{workload}", cmd, lambda: {"summary": read_json(out / "summary.json")},
+                     log=RESULTS / f"lab-{workload}.log", workload=workload, seeds=seeds,
+                     results_dir=str(out.relative_to(REPO)))
+
+
+def run_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -> dict:
+    """`python -m lab matrix`: every scenario x policy x seed (lab/matrix.py), progress shown;
+    `extra`: more options (e.g. from `python -m bench matrix --matrix-args "--jobs 3"`)."""
+    extra = extra or []
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lab-matrix"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds), *extra]
+    # no log: output inherited, one progress line per scenario and seed
+    return run_suite("lab-matrix", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)
+
+
+# The replica experiment: both lab workloads on 16 groups at the same load per group as the
+# 3-group runs (concurrency 160). At a low Poisson rate the outcome swings with each replica's
+# tie-break draws far more than with sharing, so the closed loop is what is compared.
+REPLICA_RUNS = {"shared-prefix": ["--workload", "shared-prefix"], "article": ["--workload", "article"]}
+
+
+def run_replicas(seeds: list[int] | None = None) -> dict:
+    """`python -m lab.replicas`: routing quality of 1, 2 and 4 picker replicas, shared or not."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    runs = {}
+    for name, extra in REPLICA_RUNS.items():
+        path = RESULTS / f"replicas-{name}.json"
+        runs[name] = ([PY, "-m", "lab.replicas", "--engines", "16", "--replicas", "1", "2", "4",
+                       "--seeds", *map(str, seeds), *extra, "--json", str(path)], path)
+    return run_suites("replicas", runs)
+
+
+PREFILTER_PROFILE = REPO / "bench" / "picker" / "prefilter-16.yaml"
+
+
+def run_prefilter(seeds: list[int] | None = None) -> dict:
+    """Routing quality with the candidate prefilter: the lab on 16 groups (concurrency 160), the
+    default profile (all 16 scored) against the same profile with the prefilter forced on."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    runs = {}
+    for workload in ("shared-prefix", "article"):
+        out = RESULTS / f"prefilter-{workload}"
+        runs[workload] = ([PY, "-m", "lab", "run", "--workload", workload, "--engines", "16", "--concurrency", "160",
+                           "--policy", "least-request", "--policy", "picker", "--policy",
+                           f"picker:{PREFILTER_PROFILE.relative_to(REPO)}", "--seeds", *map(str, seeds),
+                           "--out", str(out)], out / "summary.json")
+    return run_suites("prefilter", runs)
+
+
+def _lab_table(summary: dict, article: bool) -> list[str]:
+    digits = lambda k: 1 if "tpot" in k or "throughput" in k else 0  # noqa: E731
+    rows = [[name, *(f"{num(stats[k]['mean'], digits(k))} ± {num(stats[k]['std'], digits(k))}" for k, _ in LAB_KEYS)]
+            for name, stats in summary["policies"].items()]
+    if article:
+        rows += [[f"article {port}", *(num(ARTICLE[name][k], digits(k)) for k, _ in LAB_KEYS)]
+                 for name, port in (("least-request", "8080"), ("picker", "8081"))]
+    return md_table(["policy", *(label for _, label in LAB_KEYS)], rows)
+
+
+CALIBRATION_TOLERANCE_PCT = 25.0  # the simulator's calibration target against the article's 8080 run
+
+
+def _calibration(lr: dict) -> str:
+    changes = {label: percent_change(ARTICLE["least-request"][k], lr[k]["mean"]) for k, label in LAB_KEYS}
+    within = all(abs(c) <= CALIBRATION_TOLERANCE_PCT for c in changes.values())
+    return ("Calibration of the simulator (local/README.md, `python -m lab calibrate`): the lab's least request "
+            "against the article's 8080 run: " + ", ".join(f"{label} {c:+.1f} %" for label, c in changes.items())
+            + f"; every one within ±{CALIBRATION_TOLERANCE_PCT:.0f} %: {'yes' if within else 'no'}.")
+
+
+def lab_section(article: dict | None, shared: dict | None) -> list[str]:
+    out = ["## Routing lab (virtual time)", "",
+           "Command: `python -m lab run --workload <w> --policy least-request --policy picker --policy "
+           "picker-upstream --seeds 0 1 2 3 4 --out results/bench/lab-<w> --plots`: 3 simulated A10 groups "
+           "(the simulator's engine model in virtual time), the load tests' workload and closed-loop client, "
+           "the picker's real scheduling code fed through its metrics parser at its scrape interval. "
+           "Mean ± std over 5 seeds (each seed changes the prompts and the policy's randomness).", ""]
+    if article:
+        p = article["summary"]["policies"]
+        lr, pk = p.get("least-request"), p.get("picker")
+        out += [f"### Article workload (300 prompts, prefix 1000, input U[800, 4000], output U[600, 3000], "
+                f"concurrency 30; {article['wall_s']:.0f} s wall for all runs)", ""] + _lab_table(article["summary"], True)
+        if lr:
+            out += ["", _calibration(lr)]
+        if lr and pk:
+            rows = [("mean TTFT", "mean_ttft_ms", "at least -40 %", -0.40), ("P99 TTFT", "p99_ttft_ms", "at least -25 %", -0.25),
+                    ("output tok/s", "output_throughput", "not lower", 0.0)]
+            out += ["", "| picker vs least request | ours (lab) | article (8081 vs 8080) | target | met |",
+                    "|---|---|---|---|---|"]
+            for label, k, target, bound in rows:
+                change = percent_change(lr[k]["mean"], pk[k]["mean"]) / 100
+                met = change >= bound if bound == 0.0 else change <= bound
+                out.append(f"| {label} | {versus(pk[k]['mean'], lr[k]['mean'])} | "
+                           f"{versus(ARTICLE['picker'][k], ARTICLE['least-request'][k])} | {target} | "
+                           f"{'yes' if met else 'no'} |")
+            up = p.get("picker-upstream")
+            if up:
+                better = pk["mean_ttft_ms"]["mean"] < up["mean_ttft_ms"]["mean"]
+                out.append(f"| picker default vs upstream-default profile, mean TTFT | "
+                           f"{versus(pk['mean_ttft_ms']['mean'], up['mean_ttft_ms']['mean'])} | | lower | "
+                           f"{'yes' if better else 'no'} |")
+        out.append("")
+    if shared:
+        p = shared["summary"]["policies"]
+        lr, pk, up = p.get("least-request"), p.get("picker"), p.get("picker-upstream")
+        out += [f"### Shared-prefix multi-tenant workload ({shared['wall_s']:.0f} s wall for all runs)", ""]
+        out += _lab_table(shared["summary"], False)
+        if lr and pk:
+            out += ["", f"Least request / picker mean TTFT: **{lr['mean_ttft_ms']['mean'] / pk['mean_ttft_ms']['mean']:.2f} x** "
+                        "(target: at least 3 x)"
+                    + (f"; picker default vs upstream-default profile: "
+                       f"{versus(pk['mean_ttft_ms']['mean'], up['mean_ttft_ms']['mean'])}." if up else ".")]
+        out.append("")
+    if not article and not shared:
+        out += ["(not run)", ""]
+    return out
+
+
+MATRIX_POLICIES = [("least-request", "least request"), ("round-robin", "round robin"),
+                   ("picker-upstream", "upstream-default"), ("picker", "**default**"), ("oracle", "oracle")]
+
+
+def _cell(stats: dict) -> str:
+    return (f"{num(stats['mean_ttft_ms']['mean'])} / {num(stats['p99_ttft_ms']['mean'])} / "
+            f"{num(stats['output_throughput']['mean'], 1)}")
+
+
+def _matrix_targets(scenarios: list[dict]) -> list[str]:
+    """Which of the routing targets the measured matrix meets, scenario by scenario."""
+    worse = [f"{s['name']} ({', '.join(k for k, v in s['assessment']['worse_than_baseline_beyond_spread'].items() if v)})"
+             for s in scenarios if any(s["assessment"].get("worse_than_baseline_beyond_spread", {}).values())]
+    gap = [s for s in scenarios if s["assessment"].get("gap_target_applies")]
+    short = [f"{s['name']} ({s['assessment']['gap_closed_pct']:.0f} %)" for s in gap
+             if (s["assessment"]["gap_closed_pct"] or 0) < 75]
+    upstream = [s["name"] for s in scenarios if s["assessment"].get("default_beats_upstream") is False]
+    base = next((s for s in scenarios if s["name"] == "base"), None)
+    out = ["Targets (picker `default` against least request, means over the seeds; \"worse beyond the seed "
+           "spread\" = worse by more than the larger of the two policies' standard deviations over seeds):", ""]
+    out.append("- never worse than least request beyond the seed spread in mean TTFT, P99 TTFT or output "
+               f"throughput: {'met in every scenario' if not worse else 'not met in ' + '; '.join(worse)};")
+    out.append(f"- at least 75 % of the oracle's gap closed where the oracle beats least request by 20 % or more "
+               f"({len(gap)} scenarios: {', '.join(s['name'] for s in gap) or 'none'}): "
+               f"{'met' if not short else 'not met in ' + ', '.join(short)};")
+    if base:
+        c = base["assessment"]["change_pct"]
+        ok = c["mean_ttft_ms"] <= -40 and c["p99_ttft_ms"] <= -25
+        out.append(f"- article workload (base) at or below -40 % mean and -25 % P99 TTFT: "
+                   f"{c['mean_ttft_ms']:+.1f} % / {c['p99_ttft_ms']:+.1f} %, {'met' if ok else 'not met'};")
+    out.append("- `default` beats `upstream-default` in mean TTFT: "
+               + ("in every scenario." if not upstream else f"not in {', '.join(upstream)}."))
+    return out
+
+
+def _cpu_minutes(m: dict) -> float:
+    return sum(sum(p.get("cpu_s", {}).get("values", [])) for s in m["scenarios"]
+               for p in s["policies"].values()) / 60
+
+
+def matrix_report(d: dict) -> list[str]:
+    m = d["matrix"]
+    seeds = " ".join(map(str, m["seeds"]))
+    rows = []
+    for s in m["scenarios"]:
+        a, p = s["assessment"], s["policies"]
+        c = a.get("change_pct", {})
+        gap = a.get("gap_closed_pct")
+        rows.append([f"{s['name']}: {s['description']}", s["factor"],
+                     *(_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES),
+                     f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %" if c else "-",
+                     num(-a["oracle_gain_pct"], 1) + " %" if "oracle_gain_pct" in a else "-",
+                     num(gap) + " %" if gap is not None else "-"])
+    return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
+            f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
+            f"**{d['wall_s'] / 60:.1f} min wall**, target 15 min; 1-minute load average "
+            f"{d['load_average_start']:.1f} at the start, {d['load_average_end']:.1f} at the end, on a machine "
+            "shared with other work). Design: a base scenario (the article's run: `article` workload, closed "
+            "loop at concurrency 30, 3 `a10-qwq32b` groups, KV 1x) and one-factor variations of it, not the "
+            "full cartesian product. Open-loop rates are fractions of the pool's capacity measured in the same "
+            f"run (least request's request throughput on the base scenario: {num(m['capacity_rps'], 4)} "
+            f"requests/s). CPU time of all runs: {_cpu_minutes(m):.1f} min. "
+            f"Reported seeds {seeds}; the picker's profiles were not tuned on them (tuning seeds: "
+            f"{' '.join(map(str, m['tuning_seeds']))}).", "",
+            "The oracle is clairvoyant (lab/oracle.py): it knows every engine's exact state and every request's "
+            "output length, plays each candidate group forward and sends the request where its first token "
+            "comes soonest. Gap closed = (least request - default) / (least request - oracle) in mean TTFT.", "",
+            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""] + md_table(
+        ["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
+         "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed"], rows) \
+        + [""] + _matrix_targets(m["scenarios"])
+
+
+def replicas_report(d: dict) -> list[str]:
+    out = ["Command: `python -m bench replicas` (`python -m lab.replicas`, see lab/README.md): the "
+           "lab's workloads on 16 simulated groups at concurrency 160 (the 3-group runs' load per "
+           "group); each request goes to one picker replica "
+           "drawn at random. Shared: the replicas exchange in-flight counts and prefix additions (what "
+           "`--peer-store` does through Redis) every 20 ms, or before every decision; `--peer-store` "
+           "sends changes as they happen (about a Redis round trip behind) and the whole table every "
+           "20 ms, so these two rows bound it. Independent: nothing shared (plain `replicas: N`). Mean "
+           "TTFT, mean ± std over the seeds, and its change against one replica.", ""]
+    labels = {"shared-prefix": "shared-prefix workload", "article": "article workload"}
+    names = []
+    for run in d["runs"].values():
+        names += [n for n in run["policies"] if n not in names]
+    rows = []
+    for name in names:
+        cells = []
+        for run in d["runs"].values():
+            p = run["policies"]
+            if name not in p:
+                cells.append("-")
+                continue
+            m, base = p[name]["mean_ttft_ms"], p["picker"]["mean_ttft_ms"]["mean"]
+            cells.append(f"{num(m['mean'])} ± {num(m['std'])} ({versus(m['mean'], base)})")
+        rows.append([_replica_label(name), *cells])
+    return out + md_table(["replicas", *(labels.get(k, k) for k in d["runs"])], rows)
+
+
+def prefilter_report(d: dict) -> list[str]:
+    rows = []
+    for workload, summary in d["runs"].items():
+        p = summary["policies"]
+        full = p.get("picker")
+        for name, stats in p.items():
+            m = stats["mean_ttft_ms"]
+            vs = "" if name in ("picker", "least-request") or not full else (
+                f"{versus(m['mean'], full['mean_ttft_ms']['mean'])}; within the seed spread: "
+                f"{'yes' if abs(m['mean'] - full['mean_ttft_ms']['mean']) <= max(m['std'], full['mean_ttft_ms']['std']) else 'no'}")
+            label = "prefilter forced on" if name.startswith("picker:") else name
+            rows.append([workload, label, f"{num(m['mean'])} ± {num(m['std'])}",
+                         f"{num(stats['p99_ttft_ms']['mean'])} ± {num(stats['p99_ttft_ms']['std'])}",
+                         num(stats["output_throughput"]["mean"], 1), vs])
+    return ["Command: `python -m bench prefilter`: the lab on 16 simulated groups at concurrency 160, "
+            "least request, the default profile (all 16 candidates scored) and "
+            "`bench/picker/prefilter-16.yaml` (the same scorers with the prefilter forced on: prefix "
+            "owners, least loaded and a random sample, 8 of 16 scored). Mean ± std over the seeds.", ""] + md_table(
+        ["workload", "policy", "mean TTFT ms", "P99 TTFT ms", "output tok/s", "vs full scoring (mean TTFT)"], rows)
+
+
+def _replica_label(policy: str) -> str:
+    """`replicas:4:sync=0` -> `4, shared before every decision`."""
+    if policy == "picker":
+        return "1 (one picker)"
+    _, n, *option = policy.split(":")
+    if not option:
+        return f"{n}, shared every 20 ms"
+    if option == ["independent"]:
+        return f"{n}, independent"
+    interval = float(option[0].partition("=")[2])
+    return f"{n}, shared " + ("before every decision" if interval == 0 else f"every {interval * 1000:g} ms")

@@ -1,0 +1,73 @@
+"""Every benchmark of `python -m bench`, in one list: to add one, add one `Benchmark` here (its
+runner and its section's body live in its own module). The list's order is the order
+`python -m bench` runs them in and the order of BENCHMARKS.md's sections."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench import coldstart, crosscheck, demo, lab_suites, phases, robustness, validation_time
+from bench.markdown import section
+from bench.picker import suites as picker_suites
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # python -m bench NAME
+    about: str  # what it runs (python -m bench --help)
+    run: Callable[[argparse.Namespace], object]  # runs it, saves results/bench/<result>.json
+    section: Callable[..., list[str]]  # BENCHMARKS.md section from each result's JSON (None: not run)
+    results: tuple[str, ...] = ()  # the results/bench/<result>.json it writes; () = its name
+
+    @property
+    def result_names(self) -> tuple[str, ...]:
+        return self.results or (self.name,)
+
+
+def titled(title: str, body: Callable[[dict], list[str]]) -> Callable[[dict | None], list[str]]:
+    """A section `## title` with the lines `body(result)` writes, "(not run)" without a result."""
+    return lambda d: section(title, d, body)
+
+
+BENCHMARKS = [
+    Benchmark("validation", "python -m validation, warm: one run to fill the caches, then 3 timed runs",
+              lambda a: validation_time.run_warm(), titled("Validation time", validation_time.report)),
+    Benchmark("picker", "make bench-picker: decisions/s and latency in process and through gRPC, scrape CPU",
+              lambda a: picker_suites.run_service(),
+              titled("Picker decision throughput and latency", picker_suites.service_report)),
+    Benchmark("lab", "python -m lab run on the article and shared-prefix workloads, least request vs the "
+              "picker's profiles, --seeds", lambda a: [lab_suites.run_lab(w, a.seeds) for w in ("article", "shared-prefix")],
+              lab_suites.lab_section, results=("lab-article", "lab-shared-prefix")),
+    Benchmark("matrix", "python -m lab matrix: every scenario x policy x seed (--matrix-args for more options)",
+              lambda a: lab_suites.run_matrix(a.seeds, a.matrix_args.split()),
+              titled("Routing lab: scenario matrix", lab_suites.matrix_report), results=("lab-matrix",)),
+    Benchmark("crosscheck", "python -m local.stack demo and the same workload in the lab, side by side",
+              lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
+              titled("Scaled HTTP comparison and the lab cross-check", crosscheck.section_lines)),
+    Benchmark("phases", "the lab with the picker told of each request's end at its decision or at the response's end",
+              lambda a: phases.main(a.seeds),
+              titled("What the picker is sent: request phase only or the response phase too", phases.report)),
+    Benchmark("coldstart", "a burst sharing a new prefix at a fresh router, in the lab and over HTTP",
+              lambda a: coldstart.main(),
+              titled("Cold start: a burst sharing a new prefix at a fresh router", coldstart.report)),
+    Benchmark("demo", "make demo: both listeners, CPU per process, Envoy's listener counters",
+              lambda a: demo.run(), titled("`make demo` on the real data plane", demo.report)),
+    Benchmark("picker-scale", "make bench-picker-scale: decide() against pool size, scraping, worker processes",
+              lambda a: picker_suites.run_scale(),
+              titled("Picker at scale: pool size, scraping, worker processes", picker_suites.scale_report)),
+    Benchmark("prefilter", "the lab on 16 groups: the default profile vs the prefilter forced on",
+              lambda a: lab_suites.run_prefilter(a.seeds),
+              titled("Picker candidate prefilter: routing quality", lab_suites.prefilter_report)),
+    Benchmark("replicas", "python -m lab.replicas on 16 groups: 1, 2, 4 picker replicas, shared or independent",
+              lambda a: lab_suites.run_replicas(a.seeds),
+              titled("Picker replicas: routing quality with 1, 2 and 4 replicas", lab_suites.replicas_report)),
+    Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
+              lambda a: robustness.soak(a.soak_seconds),
+              titled("The picker under hostile traffic (soak)", robustness.soak_report)),
+    Benchmark("dead-backend", "tests/e2e/test_e2e_dead_backend.py: a group killed or stalled under load",
+              lambda a: robustness.dead_backend(),
+              titled("A dead or stalled backend on both listeners", robustness.dead_backend_report)),
+]
+BY_NAME = {b.name: b for b in BENCHMARKS}

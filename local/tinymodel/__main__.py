@@ -1,0 +1,26 @@
+"""`python -m local.tinymodel tokenizer [--out DIR]`: train the tiny model's tokenizer into DIR
+(default .cache/tiny-model) and print the directory and its fingerprint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from local.tinymodel import DEFAULT_DIR
+from local.tinymodel.tokenizer import fingerprint, write_tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m local.tinymodel", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    tok = sub.add_parser("tokenizer", help="train the tokenizer (tokenizer.json, tokenizer_config.json)")
+    tok.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    args = p.parse_args(argv)
+    if args.command == "tokenizer":
+        out = write_tokenizer(args.out)
+        print(f"{out} sha256={fingerprint(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
