@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from lab.runner import _ARRIVAL, _DOWN, _STEP_DONE, _UP, Lab, LabConfig
+from lab.simulation import _ARRIVAL, _DOWN, _STEP_DONE, _UP, Lab, LabConfig
 from local.sim.engine import Engine
 
 _SCRAPE, _SYNC, _READY = 10, 11, 12

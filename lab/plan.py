@@ -23,7 +23,7 @@ import numpy as np
 
 from lab.autoscale import STARTUP_S, ScalerSettings, ScalingLab, slo_figures
 from lab.policies import make_policy
-from lab.runner import LabConfig, prepare_requests
+from lab.simulation import LabConfig, prepare_requests
 from local.sim.engines import A10_QWQ32B
 from loadtest.traces import trace_workload
 

@@ -11,7 +11,7 @@ from lab.autoscale import Hpa, Policy, ScalerSettings, ScalingLab, slo_figures
 from lab.daytrace import DAY_SHAPE, day_trace, rate_share, write_trace
 from lab.plan import answer, evaluate
 from lab.policies import make_policy
-from lab.runner import LabConfig, prepare_requests
+from lab.simulation import LabConfig, prepare_requests
 from loadtest.metrics import RequestSample
 from loadtest.traces import trace_workload
 from loadtest.workloads import build_workload
