@@ -66,7 +66,7 @@ $(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
 		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
 
-# kube-controller-manager (its HPA controller drives tests/autoscaling) from the same wrapper module.
+# kube-controller-manager (its HPA controller) from the same wrapper module as kube-apiserver.
 KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
 $(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
@@ -86,7 +86,8 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 apiserver-tools: $(KUBE_APISERVER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
-# The controller test (tests/autoscaling): the API server, kube-controller-manager, KEDA, Prometheus.
+# The controllers of components/autoscaling's chain (KEDA -> HPA -> LeaderWorkerSet) beside the test
+# API server, for running it by hand; no test runs them yet, so `make test` does not build them.
 autoscaling-tools: apiserver-tools $(KUBE_CONTROLLER_MANAGER) $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).

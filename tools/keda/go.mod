@@ -1,4 +1,4 @@
-// Builds KEDA's operator and metrics API server for the controller tests (tests/autoscaling).
+// Builds KEDA's operator and metrics API server (`make autoscaling-tools`).
 // KEDA cannot be `go install`ed: its go.mod pins Kubernetes and Prometheus modules with `replace`
 // directives, which only the main module may carry, so this module requires KEDA and copies them.
 module tools/keda
