@@ -189,7 +189,7 @@ def _group_labels(pod: Pod) -> dict:
     return {LWS_NAME: pod.labels[LWS_NAME], LWS_GROUP: pod.labels[LWS_GROUP]}
 
 
-def _ray_peers(objs, pod: Pod) -> tuple[dict, str]:
+def ray_peers(objs, pod: Pod) -> tuple[dict, str]:
     """Who may reach a model pod's Ray/NCCL ports, and how to say it: the pods of its group, or,
     when an autoscaler adds groups no policy can list, the pods of its LeaderWorkerSet."""
     if (ns_of(pod.template.owner), pod.labels[LWS_NAME]) in scaled_lws(objs):
@@ -225,7 +225,7 @@ def vllm_api_isolated(objs):
             continue
         for r in rules:
             if r.admits(VLLM_PORT):
-                peers, _ = _ray_peers(objs, pod)
+                peers, _ = ray_peers(objs, pod)
                 same_group = r.peers is not None and all(is_pod_of(p, peers) for p in r.peers)
                 if not same_group:
                     problems += _peer_problems(r, f"port {VLLM_PORT} of {pod.where}", allowed, text)
@@ -242,7 +242,7 @@ def ray_ports_isolated(objs):
     use random ports)."""
     problems = []
     for pod in lws_pods(objs):
-        group, text = _ray_peers(objs, pod)
+        group, text = ray_peers(objs, pod)
         rules = ingress_rules(objs, ns_of(pod.template.owner), pod.labels, _named_ports(pod.template))
         if rules is None:
             problems.append(f"{pod.where}: no NetworkPolicy selects these pods, so any pod can reach "
