@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (coldstart, crosscheck, demo, kv_http, kv_suites, lab_suites, phases,
+from bench import (autoscale, coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
                    robustness, validation_time)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
@@ -45,6 +45,9 @@ BENCHMARKS = [
     Benchmark("matrix", "python -m lab matrix: every scenario x policy x seed (--matrix-args for more options)",
               lambda a: lab_suites.run_matrix(a.seeds, a.matrix_args.split()),
               titled("Routing lab: scenario matrix", lab_suites.matrix_report), results=("lab-matrix",)),
+    Benchmark("autoscale", "python -m lab plan on the day trace: fixed pools of 2..6 groups vs the shipped "
+              "autoscaler settings, --seeds", lambda a: autoscale.run_autoscale(a.seeds),
+              titled("Autoscaling: fixed pools vs the shipped scaler over a day", autoscale.report)),
     Benchmark("crosscheck", "python -m local.stack demo and the same workload in the lab, side by side",
               lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
               titled("Scaled HTTP comparison and the lab cross-check", crosscheck.section_lines)),
@@ -70,6 +73,10 @@ BENCHMARKS = [
     Benchmark("replicas", "python -m lab.replicas on 16 groups: 1, 2, 4 picker replicas, shared or independent",
               lambda a: lab_suites.run_replicas(a.seeds),
               titled("Picker replicas: routing quality with 1, 2 and 4 replicas", lab_suites.replicas_report)),
+    Benchmark("flow", "the lab: flow control (late binding) for two clients' fairness and for priorities "
+              "(the first 3 of --seeds)",
+              lambda a: flow.main(a.seeds[:3] if a.seeds else None),
+              titled("Flow control: fairness and priorities (lab)", flow.report)),
     Benchmark("kv-rate", "python -m lab.kv_rate: KV-cache events the simulator's engine publishes "
               "under the demo workload", lambda a: kv_suites.run_kv_rate(a.seeds),
               titled("KV-cache events: the simulator's event rate", kv_suites.kv_rate_report)),

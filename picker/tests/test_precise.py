@@ -56,9 +56,9 @@ def test_missing_or_broken_tokenizer_gives_none_and_one_log_line(tmp_path, caplo
         (tmp_path / "bad").mkdir()
         (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
         assert load_tokenizer(tmp_path / "bad") is None
-    assert len(caplog.records) == 2
+        assert load_tokenizer(None) is None
+    assert len(caplog.records) == 3
     assert all("approximate" in r.getMessage() for r in caplog.records)
-    assert load_tokenizer(None) is None
 
 
 def build(tok=None, clock=None, endpoints=(A, B)) -> Router:
@@ -241,3 +241,42 @@ def test_tokenizing_stops_where_no_engine_holds_the_prompt(tok):
     assert abs(prep.prompt_tokens - whole) < abs(approx - whole)
     d = decide(r, long_body)
     assert d.endpoint == A and d.cached_tokens == prep.cached[A]
+
+
+def test_context_mixes_precise_and_approximate_per_endpoint():
+    from picker.scheduling.context import SchedulingContext
+    from picker.scheduling.scorers import precise_prefix_scorer
+    from picker.signals.state import EndpointState
+    ctx = SchedulingContext("qwq", 1000, None, 0, 0.0, block_size_tokens=64)
+    ctx.hashes = [1] * 10
+    ctx.prefix_match = {"a": 5, "b": 8, "c": 2}       # approximate: blocks of 64 tokens
+    ctx.precise = {"a": 160}                          # precise: tokens (a holds 160)
+    ctx.sync = {"a": "", "b": "", "c": "syncing"}     # a and b in sync, c falls back
+    assert [ctx.cached_tokens(x) for x in "abc"] == [160, 0, 128]
+    assert ctx.owner_tokens() == {"a": 160, "c": 128}
+    eps = [EndpointState(x) for x in "abc"]
+    assert precise_prefix_scorer()(ctx, eps) == [0.16, 0.0, 0.2]
+
+
+def test_lora_adapter_blocks_match_only_requests_for_that_adapter(tok):
+    rng = random.Random(9)
+    r = Router(load_profile("default"), clock=FakeClock(), rng=random.Random(0))
+    r.set_endpoints([A, B])
+    r.enable_precise(tok)
+    for e in (A, B):
+        r.on_scrape_ok(e, metrics_text(block_size=BS, num_blocks=4000, kv=0.6,
+                                       lora={"max": 2, "running": ["adapter"]}))
+        r.on_kv_events(e, [])
+    body = json.loads(chat(SYSTEM, "q"))
+    tokens = tok.request_tokens("/v1/chat/completions", body)
+    n = len(tokens) // BS
+    r.on_kv_events(A, [BlockStored(block_hashes=[rng.getrandbits(64) for _ in range(n)],
+                                   parent_block_hash=None, token_ids=tokens[:n * BS],
+                                   block_size=BS, lora_name="adapter")])
+    from picker.openai import parse_body
+    for_adapter = parse_body(json.dumps({**body, "model": "adapter"}).encode())
+    for_base = parse_body(json.dumps(body).encode())
+    assert r.precise.prepare("/v1/chat/completions", for_adapter, "adapter").cached == {A: n * BS}
+    assert r.precise.prepare("/v1/chat/completions", for_base, None).cached == {}
+    d = r.decide(RequestInfo("/v1/chat/completions", {}, json.dumps({**body, "model": "adapter"}).encode()))
+    assert d.endpoint == A and d.cached_tokens == min(n * BS, d.prompt_tokens)
