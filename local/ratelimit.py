@@ -85,9 +85,9 @@ def service_env(certs: Path, ports: Ports) -> dict[str, str]:
     }
 
 
-def service_command(certs: Path, ports: Ports) -> list[str]:
-    """`env K=V ... ratelimit`: the launcher's processes share one environment, this one adds its own."""
-    return ["env", *[f"{k}={v}" for k, v in service_env(certs, ports).items()], str(binary())]
+def service_command() -> list[str]:
+    """The service reads its settings from its environment (service_env)."""
+    return [str(binary())]
 
 
 def envoy_gateway_settings(ports: Ports) -> dict:

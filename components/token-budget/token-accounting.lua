@@ -30,8 +30,7 @@ local function last_number(text, field)
 end
 
 function envoy_on_response(handle)
-  local metadata = handle:streamInfo():dynamicMetadata()
-  metadata:set(NS, "settle", 0)
+  handle:streamInfo():dynamicMetadata():set(NS, "settle", 0)
   local carry, completion, prompt, events = "", nil, nil, 0
   for chunk in handle:bodyChunks() do
     local text = carry .. chunk:getBytes(0, chunk:length())
@@ -42,6 +41,8 @@ function envoy_on_response(handle)
     end
     carry = string.sub(text, -TAIL)
   end
+  -- objects Envoy hands out are only valid until the script yields (bodyChunks does): ask again
+  local metadata = handle:streamInfo():dynamicMetadata()
   local charged = (metadata:get(NS) or {})["prompt"] or 0
   local settle = completion or events
   if prompt ~= nil and prompt > charged then

@@ -169,8 +169,8 @@ def ratelimit_procs(config: StackConfig) -> list[Proc]:
     (local/ratelimit.py); the service takes its configuration from Envoy Gateway over xDS."""
     ports, certs = config.ratelimit_ports, dataplane.Layout(config.run_dir).config_home / "certs"
     return [Proc("redis", ratelimit.redis_command(ports), str(config.run_dir / "redis.log"), ""),
-            Proc("ratelimit", ratelimit.service_command(certs, ports), str(config.run_dir / "ratelimit.log"),
-                 f"http:http://127.0.0.1:{ports.http}/healthcheck")]
+            Proc("ratelimit", ratelimit.service_command(), str(config.run_dir / "ratelimit.log"),
+                 f"http:http://127.0.0.1:{ports.http}/healthcheck", env=ratelimit.service_env(certs, ports))]
 
 
 def plan(config: StackConfig, topo: Topology) -> list[Proc]:

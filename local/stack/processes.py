@@ -96,9 +96,13 @@ def is_ours(pid: int, cmd: list[str]) -> bool:
     """The pid still runs the command we started (pids get reused)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[:3] == [c.encode() for c in cmd[:3]]
+            args = f.read().rstrip(b"\0").split(b"\0")
     except OSError:
         return True  # no /proc: trust the state file
+    if args[:3] == [c.encode() for c in cmd[:3]]:
+        return True
+    # a process that rewrote its title into argv[0] (redis-server: "<path> <address>")
+    return args[0].startswith(cmd[0].encode() + b" ") and not any(args[1:])
 
 
 def stop_group(pid: int, timeout: float = 5.0) -> None:
@@ -132,17 +136,19 @@ class Proc:
     health: str
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
     def to_json(self) -> dict:
-        return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid}
+        return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid,
+                "env": self.env}
 
     @classmethod
     def from_json(cls, raw: dict) -> "Proc":
-        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"))
+        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"), env=raw.get("env") or {})
 
     def fresh(self) -> "Proc":
         """The same process, not started."""
-        return Proc(self.name, self.cmd, self.log, self.health)
+        return Proc(self.name, self.cmd, self.log, self.health, env=self.env)
 
     def running(self) -> bool:
         """Started, still alive and still running our command."""
@@ -165,7 +171,7 @@ class Proc:
 def spawn(p: Proc) -> Proc:
     """Start `p` in its own session (so its whole group can be stopped), output appended to its log."""
     with open(p.log, "ab") as log:
-        p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=python_env(), stdout=log, stderr=subprocess.STDOUT,
+        p.popen = subprocess.Popen(p.cmd, cwd=REPO, env={**python_env(), **p.env}, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     p.pid = p.popen.pid
     return p
