@@ -149,3 +149,50 @@ def report(d: dict) -> list[str]:
                      f"{_mean(rows, 'standard', 'mean_ttft_ms'):,.0f} | {_mean(rows, 'interactive', 'failed'):.1f} / "
                      f"{_mean(rows, 'standard', 'failed'):.1f} |")
     return lines
+
+
+# ---- through HTTP: the real data plane, bursty arrivals ---------------------------------------
+
+HTTP_RATE = 2.7          # req/s: ~80 % of the demo's closed-loop throughput (BENCHMARKS.md "make demo")
+HTTP_BURSTINESS = 0.25   # gamma shape of the gaps (the matrix's bursty scenarios)
+HTTP_PROMPTS = 150
+
+
+def run_http() -> dict:
+    """`python -m local.stack demo` twice (the picker with and without --flow-control), each
+    comparing listener http (least request) with llm-gw (the picker) on bursty open-loop arrivals.
+    Run it under `flock /tmp/local-stack.lock` (the stack binds fixed ports)."""
+    from bench.common import PY, RESULTS, read_json, run_suite
+    compare = ["--request-rate", str(HTTP_RATE), "--burstiness", str(HTTP_BURSTINESS),
+               "--concurrency", "1000", "--num-prompts", str(HTTP_PROMPTS)]
+    runs = {}
+    for mode, flag in (("on", "--flow-control"), ("off", "--no-flow-control")):
+        out = RESULTS / f"flow-http-{mode}"
+        cmd = [PY, "-m", "local.stack", "demo", "--name", f"bench-flow-{mode}", "--out", str(out),
+               f"--picker-arg={flag}", *compare]
+        runs[mode] = run_suite(f"flow-http-{mode}", cmd, lambda out=out: {
+            "dataplane": read_json(out / "dataplane.json"),
+            "results": {name: read_json(out / f"{port}.json")
+                        for name, port in read_json(out / "dataplane.json")["listeners"].items()}},
+            log=RESULTS / f"flow-http-{mode}.log")
+    data = {"command": "python -m bench flow-http", "rate": HTTP_RATE, "burstiness": HTTP_BURSTINESS,
+            "num_prompts": HTTP_PROMPTS, "runs": runs, **stamp()}
+    save("flow-http", data)
+    return data
+
+
+def http_report(d: dict) -> list[str]:
+    lines = [f"Command: `{d['command']}` (under `flock /tmp/local-stack.lock`): `make demo`'s stack (3 simulator "
+             f"processes, the picker, Envoy Gateway + Envoy, speedup 5) twice, the picker with and without "
+             f"`--flow-control`; `loadtest compare` of both listeners, open loop at {d['rate']} req/s with gamma "
+             f"shape {d['burstiness']} gaps (bursty), {d['num_prompts']} prompts, 2 runs per listener. Times are "
+             "wall-clock ms at the speedup; a machine shared with other work.", "",
+             "| listener | mean TTFT ms | P99 TTFT ms | output tok/s | completed | failed |", "|---|---|---|---|---|---|"]
+    for mode, run in d["runs"].items():
+        for name, r in run["results"].items():
+            label = "least request (http)" if name == "http" else f"picker, flow control {mode} (llm-gw)"
+            if name == "http":
+                label += f", run with flow control {mode}"
+            lines.append(f"| {label} | {r['mean_ttft_ms']:,.0f} | {r['p99_ttft_ms']:,.0f} | "
+                         f"{r['output_throughput']:.1f} | {r['completed']} | {r['failed']} |")
+    return lines
