@@ -196,3 +196,22 @@ def http_report(d: dict) -> list[str]:
             lines.append(f"| {label} | {r['mean_ttft_ms']:,.0f} | {r['p99_ttft_ms']:,.0f} | "
                          f"{r['output_throughput']:.1f} | {r['completed']} | {r['failed']} |")
     return lines
+
+
+# ---- the scenario matrix, on the scenarios late binding is for --------------------------------
+
+MATRIX_SCENARIOS = ["base", "chat-reasoning", "kv-0.8x", "open-bursty-50", "open-poisson-50"]
+MATRIX_POLICIES = ["least-request", "picker", "picker-flow", "oracle", "oracle-late"]
+
+
+def run_matrix(seeds: list[int] | None = None) -> dict:
+    """`python -m lab matrix` on MATRIX_SCENARIOS with MATRIX_POLICIES (the full matrix runs
+    them too, `python -m bench matrix`; this is the part that takes minutes, not an hour, on a
+    shared machine)."""
+    from bench.common import PY, RESULTS, read_json, run_suite
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lab-matrix-flow"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds), "--resume",
+           *(a for s in MATRIX_SCENARIOS for a in ("--scenario", s)),
+           *(a for p in MATRIX_POLICIES for a in ("--policy", p))]
+    return run_suite("lab-matrix-flow", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)

@@ -74,6 +74,11 @@ BENCHMARKS = [
               "(the first 3 of --seeds)",
               lambda a: flow.main(a.seeds[:3] if a.seeds else None),
               titled("Flow control: fairness and priorities (lab)", flow.report)),
+    Benchmark("matrix-flow", "python -m lab matrix on the scenarios late binding is for: least request, the "
+              "picker with and without flow control, the oracle with and without holding",
+              lambda a: flow.run_matrix(a.seeds),
+              titled("Flow control on the scenario matrix", lab_suites.matrix_report),
+              results=("lab-matrix-flow",)),
     Benchmark("flow-http", "make demo's stack twice, the picker with and without flow control, bursty "
               "open-loop arrivals on both listeners (run under flock /tmp/local-stack.lock)",
               lambda a: flow.run_http(),
