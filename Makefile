@@ -24,6 +24,9 @@ SPEEDUP     ?= 20
 KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),$(shell sed -n 's/^DEMO_SCALE = //p' loadtest/workloads.py),1)
 # on: the cluster's edge (API keys, rate limits) with throw-away keys; off: open listeners
 EDGE_SECURITY ?= on
+# Precise prefix routing on the local stack (the simulators' KV-cache events); PRECISE=off: the
+# picker's approximate index only.
+PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
@@ -68,9 +71,29 @@ $(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
 		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
 
-.PHONY: apiserver-tools test-apiserver
+# kube-controller-manager (its HPA controller) from the same wrapper module as kube-apiserver.
+KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
+$(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
+	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
+		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_CONTROLLER_MANAGER) k8s.io/kubernetes/cmd/kube-controller-manager
+
+# KEDA's operator and metrics API server, v2.20.2 (the newest release Go 1.26 builds), by the wrapper
+# module in tools/keda (it copies KEDA's `replace` directives). Cold: ~5 min each on 2 cores.
+KEDA_VERSION  := v2.20.2
+KEDA_OPERATOR := $(TOOLS)/keda-operator
+KEDA_ADAPTER  := $(TOOLS)/keda-adapter
+$(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
+	mkdir -p $(TOOLS) && cd tools/keda && \
+		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_OPERATOR) github.com/kedacore/keda/v2/cmd/operator && \
+		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
+
+.PHONY: apiserver-tools test-apiserver autoscaling-tools
 apiserver-tools: $(KUBE_APISERVER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
+
+# The controllers of components/autoscaling's chain (KEDA -> HPA -> LeaderWorkerSet) beside the test
+# API server, for running it by hand; no test runs them yet, so `make test` does not build them.
+autoscaling-tools: apiserver-tools $(KUBE_CONTROLLER_MANAGER) $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
@@ -124,7 +147,7 @@ test-apiserver: setup ## server-side dry-run of every target + the picker's disc
 
 up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE) \
-		$(if $(filter off,$(EDGE_SECURITY)),--no-edge-security)
+		$(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) $(if $(filter off,$(PRECISE)),--no-precise-prefix)
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
@@ -135,7 +158,7 @@ down: ## stop the local stack started by `make up`
 
 DEMO_ARGS ?=
 demo: setup ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it
-	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(DEMO_ARGS)
+	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 # LT_PORTS: listeners `http` and `llm-gw`; the local stack runs them at the cluster ports + 10000

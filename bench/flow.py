@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from bench.common import load_average, save, stamp
+from lab.stats import mean
 
 LIGHT, HEAVY = 0.1, 1.0                 # fractions of capacity
 PRIORITY_LOAD = 0.75                    # each class, fraction of capacity
@@ -121,7 +122,7 @@ def _mean(rows, *path) -> float:
             v = v[key]
         if v is not None:
             values.append(v)
-    return statistics.fmean(values) if values else float("nan")
+    return mean(values) if values else float("nan")
 
 
 def report(d: dict) -> list[str]:
