@@ -25,6 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-gpu-blocks", type=int, help="override the engine model's KV capacity")
     p.add_argument("--max-num-seqs", type=int, help="override the engine model's batch limit")
+    p.add_argument("--max-model-len", type=int, help="override the engine model's context length")
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="fraction of completion requests answered with HTTP 500")
     p.add_argument("--metrics-delay", type=float, default=0.0,
@@ -44,7 +45,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     engine_model = get_engine_model(args.engine_model)
     overrides = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks),
-                                   ("max_num_seqs", args.max_num_seqs)) if v is not None}
+                                   ("max_num_seqs", args.max_num_seqs),
+                                   ("max_model_len", args.max_model_len)) if v is not None}
     if overrides:
         engine_model = engine_model.with_overrides(**overrides)
     faults = Faults(args.error_rate, args.metrics_delay, args.metrics_fail, args.stall_after)

@@ -2,8 +2,9 @@
 
 Names, types and labels follow vLLM's PrometheusStatLogger (vllm/v1/metrics/loggers.py): every
 family carries `model_name` (the first served model name, as vLLM does) and `engine="0"`.
-`vllm:gpu_cache_usage_perc` (the pre-0.9 name that the article's vLLM v0.7.2 exposed) is
-rendered beside `vllm:kv_cache_usage_perc` so pickers of either generation find their gauge.
+The family set follows vLLM 0.32 where the picker and the load tests read it (checked against
+the real server by tests/conformance): `vllm:kv_cache_usage_perc` only, without the
+`vllm:gpu_cache_usage_perc` that vLLM removed after deprecating it in 0.9.
 
     render_metrics(engine, "qwq")                    # full page, what GET /metrics returns
     render_metrics(engine, "qwq", gauges_only=True)  # gauges + cache_config_info only (fast path
@@ -64,8 +65,6 @@ def gauge_families(model_name: str, running: int, waiting: int, kv_usage: float,
                  lv, waiting)
     yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                  lv, kv_usage)
-    yield _gauge("vllm:gpu_cache_usage_perc",
-                 "GPU KV-cache usage. 1 means 100 percent usage (deprecated name).", lv, kv_usage)
     info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                              labels=list(cache_config) + ["engine"])
     info.add_metric(list(cache_config.values()) + ["0"], 1.0)
