@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     tok = sub.add_parser("tokenizer", help="train the tokenizer (tokenizer.json, tokenizer_config.json)")
     tok.add_argument("--out", type=Path, default=DEFAULT_DIR)
-    model = sub.add_parser("model", help="the tokenizer if missing, then config.json, "
+    model = sub.add_parser("model", help="the tokenizer, then config.json, "
                            "generation_config.json and model.safetensors")
     model.add_argument("--out", type=Path, default=DEFAULT_DIR)
     args = p.parse_args(argv)

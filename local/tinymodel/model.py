@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from local.tinymodel.tokenizer import EOS_TOKEN, PAD_TOKEN, ensure_tokenizer
+from local.tinymodel.tokenizer import EOS_TOKEN, PAD_TOKEN, write_tokenizer
 
 SEED = 0
 LAYERS = 2
@@ -67,12 +67,12 @@ def _special_ids(tokenizer_dir: Path) -> tuple[int, int, int]:
 
 
 def write_model(out: Path) -> Path:
-    """Write the tokenizer (if missing), config.json, generation_config.json and the weights."""
+    """Write the tokenizer, config.json, generation_config.json and the weights into `out`."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    ensure_tokenizer(out)
+    write_tokenizer(out)          # always: the weights must match this tokenizer's vocabulary
     vocab_size, eos, pad = _special_ids(out)
     config = model_config(vocab_size, eos, pad)
     torch.manual_seed(SEED)
