@@ -17,6 +17,8 @@ import time
 import numpy as np
 
 from bench.common import load_average, save, stamp
+from lab.stats import mean
+from loadtest.prompts import PromptSpec, random_words
 from local.sim.clock import to_model_seconds
 
 POLICIES = ("least-request", "picker", "picker-upstream")
@@ -27,8 +29,6 @@ OUTPUT_TOKENS = 300
 
 
 def burst(trial: int):
-    from loadtest.workloads import PromptSpec, random_words
-
     rng = np.random.default_rng(1000 + trial)
     prefix = random_words(rng, PREFIX_WORDS)
     return [PromptSpec(f"{prefix} {random_words(rng, QUESTION_WORDS)}", PREFIX_WORDS + QUESTION_WORDS,
@@ -38,24 +38,23 @@ def burst(trial: int):
 def _summary(trials: list[dict]) -> dict:
     """One policy's trials and their means (the largest group's share of the burst, TTFTs)."""
     return {"trials": trials,
-            "mean_largest_share": statistics.mean(r["per_group"][0] for r in trials) / BURST,
+            "mean_largest_share": mean(r["per_group"][0] for r in trials) / BURST,
             "all_on_one_group": sum(r["groups_used"] == 1 for r in trials),
-            "mean_ttft_ms": statistics.mean(r["mean_ttft_ms"] for r in trials),
-            "mean_max_ttft_ms": statistics.mean(r["max_ttft_ms"] for r in trials)}
+            "mean_ttft_ms": mean(r["mean_ttft_ms"] for r in trials),
+            "mean_max_ttft_ms": mean(r["max_ttft_ms"] for r in trials)}
 
 
 def run(trials: int) -> dict:
-    from lab.policies import make_policy
-    from lab.runner import LabConfig, prepare_requests, run_lab
+    """Every policy on `trials` bursts (trial t: the prompts of burst(t), policy seed t)."""
+    from lab.experiment import run_policies
+    from lab.simulation import LabConfig
     from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
-    engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
+    config = LabConfig(concurrency=BURST, engine_model=get_engine_model(DEFAULT_ENGINE_MODEL))
     out = {}
-    for name in POLICIES:
+    for name, results in run_policies(burst, POLICIES, range(trials), config).items():
         rows = []
-        for trial in range(trials):
-            requests = prepare_requests(burst(trial), engine_model.block_size)
-            result = run_lab(requests, make_policy(name), LabConfig(concurrency=BURST, seed=trial, engine_model=engine_model))
+        for result in results:
             per_group = sorted((sum(1 for s in result.samples if s.target == ep) for ep in result.per_endpoint),
                                reverse=True)
             ttfts = [s.ttft * 1000 for s in result.samples]

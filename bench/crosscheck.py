@@ -18,7 +18,6 @@ within 25 % of the HTTP stack's (TOLERANCE).
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -58,18 +57,19 @@ def to_model_time(result: dict, speedup: float) -> dict:
 
 def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_staleness: float,
              speedup: float) -> dict:
+    from lab.experiment import run_policies, summaries
     from lab.picker_policy import PickerPolicy
     from lab.policies import make_policy
-    from lab.runner import LabConfig, prepare_requests, run_lab
+    from lab.simulation import LabConfig
+    from lab.stats import aggregate
     from loadtest.workloads import build_workload, workload_settings
     from local.sim.engines import get_engine_model
     from local.stack import DEMO_ENGINE_MODEL, DEMO_SCALE
+    from picker import defaults
 
     engine_model = get_engine_model(DEMO_ENGINE_MODEL)
     engine_model = engine_model.with_overrides(num_gpu_blocks=engine_model.num_gpu_blocks // DEMO_SCALE)
-    requests = prepare_requests(build_workload("demo", seed=seed), engine_model.block_size)
-    concurrency = workload_settings("demo")["concurrency"]
-    from picker import defaults
+    config = LabConfig(concurrency=workload_settings("demo")["concurrency"], engine_model=engine_model)
     unscaled = to_model_seconds(defaults.SCRAPE_INTERVAL, speedup)  # the picker's default read as wall time
     policies = {
         "least-request": lambda: make_policy("least-request"),
@@ -77,12 +77,12 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
         f"picker (scrape {unscaled:g} s model, unscaled)":
             lambda: PickerPolicy("default", scrape_interval=unscaled, staleness=10 * unscaled),
     }
+    runs = run_policies(lambda s: build_workload("demo", seed=s), policies, lab_seeds, config, workload_seed=seed)
+    agg = aggregate(summaries(runs), REPORT_KEYS)
     out = {}
-    for name, make in policies.items():
-        runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
-                for s in lab_seeds]
-        out[name] = {k: statistics.mean(r[k] for r in runs) for k in REPORT_KEYS}
-        out[name]["std_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
+    for name, stats in agg.items():
+        out[name] = {k: stats[k]["mean"] for k in REPORT_KEYS}
+        out[name]["std_mean_ttft_ms"] = stats["mean_ttft_ms"]["std"]
     return out
 
 

@@ -10,7 +10,6 @@ response completes. The lab reports each request's end to the picker at those tw
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 from bench.common import load_average, save, stamp
@@ -20,10 +19,12 @@ WORKLOADS = ("article", "shared-prefix")
 
 
 def run(seeds: list[int]) -> dict:
+    from lab.experiment import named_workload, run_policies, summaries
     from lab.picker_policy import PickerPolicy
     from lab.policies import make_policy
-    from lab.runner import LabConfig, prepare_requests, run_lab
-    from loadtest.workloads import build_workload, workload_settings
+    from lab.simulation import LabConfig
+    from lab.stats import aggregate
+    from loadtest.workloads import workload_settings
     from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
     engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
@@ -32,14 +33,12 @@ def run(seeds: list[int]) -> dict:
                 "picker, request + response phase": lambda: PickerPolicy("default", phases="response")}
     out = {}
     for workload in WORKLOADS:
-        requests = prepare_requests(build_workload(workload, seed=0), engine_model.block_size)
-        concurrency = workload_settings(workload)["concurrency"]
+        config = LabConfig(concurrency=workload_settings(workload)["concurrency"], engine_model=engine_model)
+        runs = run_policies(named_workload(workload), policies, seeds, config, workload_seed=0)
         out[workload] = {}
-        for name, make in policies.items():
-            runs = [run_lab(requests, make(), LabConfig(concurrency=concurrency, seed=s, engine_model=engine_model)).summary
-                    for s in seeds]
-            row = {k: statistics.mean(r[k] for r in runs) for k in HEADLINE_KEYS}
-            row["sd_mean_ttft_ms"] = statistics.pstdev(r["mean_ttft_ms"] for r in runs)
+        for name, stats in aggregate(summaries(runs), HEADLINE_KEYS).items():
+            row = {k: stats[k]["mean"] for k in HEADLINE_KEYS}
+            row["sd_mean_ttft_ms"] = stats["mean_ttft_ms"]["std"]
             out[workload][name] = row
             print(f"{workload:14} {name:40} mean TTFT {row['mean_ttft_ms']:8,.0f} ms (sd {row['sd_mean_ttft_ms']:,.0f})",
                   flush=True)

@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
-from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary_keys
-from loadtest.workloads import WORKLOADS, build_workload, workload_settings
+from loadtest.metrics import HEADLINE_KEYS, percent_change
+from loadtest.workloads import WORKLOADS, workload_settings
 from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
 from lab.article import ARTICLE
+from lab.experiment import named_workload, run_policies, summaries
 from lab.policies import file_name, make_policy
-from lab.runner import LabConfig, prepare_requests, run_lab
+from lab.simulation import LabConfig
+from lab.stats import SUMMARY_KEYS, aggregate, versus
 
-TABLE_KEYS = summary_keys(*REPORT_KEYS, "mean_itl_ms", "total_token_throughput", "failed")
 BASELINE = "least-request"   # the 8080 route: Envoy Gateway's least request
 
 ARTICLE_8080 = ARTICLE["least-request"]  # Envoy Gateway least request, the calibration target
@@ -62,79 +61,47 @@ def _workload(args) -> tuple[dict, dict]:
 def run_settings(args) -> dict:
     """What was run: the workload's settings and the lab's, for the machine-readable summary."""
     _, settings = _workload(args)
-    settings["request_rate"] = "inf" if np.isinf(args.request_rate) else args.request_rate
+    settings["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     return {"workload": settings, "engines": args.engines, "engine_model": args.engine_model,
             "num_gpu_blocks": args.num_gpu_blocks or get_engine_model(args.engine_model).num_gpu_blocks}
 
 
-def run_matrix(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
-    """Run every policy on every seed; returns policy -> list of summaries (one per seed)."""
-    extra, settings = _workload(args)
-    concurrency = settings["concurrency"]
+def lab_config(args) -> LabConfig:
+    """The pool and client of `run` / `calibrate` (the seed is set per run)."""
     engine_model = get_engine_model(args.engine_model)
     if args.num_gpu_blocks:
         engine_model = engine_model.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
-    results: dict[str, list[dict]] = {p: [] for p in policies}
-    for seed in args.seeds:
-        specs = build_workload(args.workload, seed=seed, num_prompts=args.num_prompts, **extra)
-        requests = prepare_requests(specs, engine_model.block_size)
-        for name in policies:
-            config = LabConfig(num_engines=args.engines, engine_model=engine_model,
-                               concurrency=concurrency, request_rate=args.request_rate,
-                               seed=seed)
-            started = time.perf_counter()
-            run = run_lab(requests, make_policy(name), config)
-            run.summary.update(workload=args.workload, wall_seconds=time.perf_counter() - started)
-            results[name].append(run.summary)
+    return LabConfig(num_engines=args.engines, engine_model=engine_model,
+                     concurrency=_workload(args)[1]["concurrency"], request_rate=args.request_rate)
+
+
+def run_seeds(args, policies: list[str], out: Path | None) -> dict[str, list[dict]]:
+    """Run every policy on every seed; returns policy -> list of summaries (one per seed)."""
+    extra, _ = _workload(args)
+
+    def on_run(name: str, seed: int, run) -> None:
+        run.summary.update(workload=args.workload, wall_seconds=run.wall_s)
+        print(f"  {args.workload} {name} seed {seed}: mean TTFT "
+              f"{run.summary['mean_ttft_ms']:.0f} ms, {run.summary['wall_seconds']:.1f} s wall",
+              file=sys.stderr, flush=True)
+        if out is not None:
             ttfts = [s.ttft for s in run.samples if s.success]
-            print(f"  {args.workload} {name} seed {seed}: mean TTFT "
-                  f"{run.summary['mean_ttft_ms']:.0f} ms, {run.summary['wall_seconds']:.1f} s wall",
-                  file=sys.stderr, flush=True)
-            if out is not None:
-                stem = f"{args.workload}-{file_name(name)}-seed{seed}"
-                (out / f"{stem}.json").write_text(json.dumps({**run.summary, "ttfts": ttfts},
-                                                             indent=1))
-                (out / f"{stem}.series.json").write_text(json.dumps(run.series))
-    return results
+            stem = f"{args.workload}-{file_name(name)}-seed{seed}"
+            (out / f"{stem}.json").write_text(json.dumps({**run.summary, "ttfts": ttfts}, indent=1))
+            (out / f"{stem}.series.json").write_text(json.dumps(run.series))
 
-
-def aggregate(results: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
-    """policy -> key -> {mean, std, min, max, values} over seeds (std with ddof 0)."""
-    agg = {}
-    for policy, runs in results.items():
-        agg[policy] = {}
-        for key in TABLE_KEYS:
-            vals = np.array([r[key] for r in runs], dtype=float)
-            agg[policy][key] = {"mean": float(vals.mean()), "std": float(vals.std()),
-                                "min": float(vals.min()), "max": float(vals.max()),
-                                "values": vals.tolist()}
-    return agg
-
-
-def versus(agg: dict[str, dict[str, dict]], baseline: str = BASELINE) -> dict[str, dict]:
-    """policy -> key -> change of the mean against the baseline policy, in % (and the ratio)."""
-    if baseline not in agg:
-        return {}
-    out = {}
-    for policy, stats in agg.items():
-        if policy == baseline:
-            continue
-        out[policy] = {}
-        for key in HEADLINE_KEYS:
-            base, mine = agg[baseline][key]["mean"], stats[key]["mean"]
-            out[policy][key] = {"change_pct": percent_change(base, mine),
-                                "baseline_over_policy": base / mine if mine else None}
-    return out
+    workload = named_workload(args.workload, args.num_prompts, **extra)
+    return summaries(run_policies(workload, policies, args.seeds, lab_config(args), on_run=on_run))
 
 
 def table(agg: dict[str, dict[str, dict]], seeds: list[int]) -> str:
     lines = [f"mean ± std over seeds {' '.join(map(str, seeds))}", "",
-             "| policy | " + " | ".join(TABLE_KEYS) + " |",
-             "|---" * (len(TABLE_KEYS) + 1) + "|"]
+             "| policy | " + " | ".join(SUMMARY_KEYS) + " |",
+             "|---" * (len(SUMMARY_KEYS) + 1) + "|"]
     for policy, stats in agg.items():
-        cells = [f"{stats[k]['mean']:.1f} ± {stats[k]['std']:.1f}" for k in TABLE_KEYS]
+        cells = [f"{stats[k]['mean']:.1f} ± {stats[k]['std']:.1f}" for k in SUMMARY_KEYS]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    changes = versus(agg)
+    changes = versus(agg, BASELINE)
     if changes:
         lines += ["", f"change of the mean against {BASELINE}", "",
                   "| policy | " + " | ".join(HEADLINE_KEYS) + " | mean TTFT ratio |",
@@ -193,18 +160,18 @@ def main(argv=None) -> int:
 
     if args.cmd == "calibrate":
         args.workload = "article"
-        results = run_matrix(args, ["least-request"], None)
-        print(calibration_table(aggregate(results)["least-request"]))
+        results = run_seeds(args, ["least-request"], None)
+        print(calibration_table(aggregate(results, SUMMARY_KEYS)["least-request"]))
         return 0
     policies = args.policies or ["least-request"]
     for name in policies:
         make_policy(name)   # fail fast on a bad name
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_matrix(args, policies, args.out)
-    agg = aggregate(results)
+    results = run_seeds(args, policies, args.out)
+    agg = aggregate(results, SUMMARY_KEYS)
     (args.out / "summary.json").write_text(json.dumps(
         {"workload": args.workload, "seeds": args.seeds, "settings": run_settings(args),
-         "baseline": BASELINE, "policies": agg, "versus_baseline": versus(agg)}, indent=1))
+         "baseline": BASELINE, "policies": agg, "versus_baseline": versus(agg, BASELINE)}, indent=1))
     text = table(agg, args.seeds)
     (args.out / "summary.md").write_text(f"# Lab: workload {args.workload}\n\n{text}\n")
     print(text)

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
 from local.sim.engines import A10_QWQ32B
 from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary_keys
-from loadtest.workloads import build_workload, workload_settings
+from loadtest.workloads import workload_settings
+from lab.experiment import named_workload, run_policies
 from lab.policies import make_policy
-from lab.runner import LabConfig, prepare_requests, run_lab
+from lab.simulation import LabConfig
+from lab.stats import mean, over_seeds
 
 POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "oracle"]
 KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
@@ -76,6 +76,12 @@ class Scenario:
             stage_decode_seq_s=base.stage_decode_seq_s * self.slow_group,
             stage_context_token_s=base.stage_context_token_s * self.slow_group)
         return [first] + [base] * (self.engines - 1)
+
+    def config(self, request_rate: float) -> LabConfig:
+        """The scenario's pool and client (the seed is set per run)."""
+        return LabConfig(num_engines=self.engines, engine_models=self.engine_models(),
+                         concurrency=self.concurrency, request_rate=request_rate,
+                         burstiness=self.burstiness, outages=self.outages)
 
 
 def _open(load: float, bursty: bool) -> Scenario:
@@ -115,23 +121,18 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 
 def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
             policies: list[str]) -> dict:
-    """Every policy on one scenario and seed: policy -> the summary's KEYS (+ wall seconds)."""
-    specs = build_workload(scenario.workload, seed=seed, num_prompts=scenario.num_prompts)
-    requests = prepare_requests(specs, A10_QWQ32B.block_size)
+    """Every policy on one scenario and seed: policy -> the summary's KEYS (+ CPU seconds)."""
     rate = math.inf
     if scenario.load is not None:
         if not capacity_rps:
             raise ValueError(f"{scenario.name}: open loop needs the measured capacity")
         rate = scenario.load * capacity_rps
+    runs = run_policies(named_workload(scenario.workload, scenario.num_prompts), policies, [seed],
+                        scenario.config(rate))
     out = {}
-    for name in policies:
-        config = LabConfig(num_engines=scenario.engines, engine_models=scenario.engine_models(),
-                           concurrency=scenario.concurrency, request_rate=rate,
-                           burstiness=scenario.burstiness, seed=seed, outages=scenario.outages)
-        started = time.process_time()
-        summary = run_lab(requests, make_policy(name), config).summary
-        out[name] = {k: float(summary[k]) for k in KEYS}
-        out[name]["cpu_s"] = time.process_time() - started
+    for name, (run,) in runs.items():
+        out[name] = {k: float(run.summary[k]) for k in KEYS}
+        out[name]["cpu_s"] = run.cpu_s
     return out
 
 
@@ -147,11 +148,6 @@ def _job(args):
     result = run_one(BY_NAME[scenario], seed, capacity, policies)
     path.write_text(json.dumps({"policies": policies, "capacity_rps": capacity, "result": result}))
     return scenario, seed, result, time.monotonic() - started
-
-
-def _stats(values: list[float]) -> dict:
-    v = np.array(values, dtype=float)
-    return {"mean": float(v.mean()), "std": float(v.std()), "values": v.tolist()}
 
 
 def _run_jobs(jobs: list, workers: int, progress: dict) -> list:
@@ -189,8 +185,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
         base_policies = policies if BASE in names else ["least-request"]
         results = _run_jobs([(BASE, seed, None, base_policies, runs) for seed in seeds], workers,
                             progress)
-        capacity = float(np.mean([r["least-request"]["request_throughput"]
-                                  for _, _, r in results]))
+        capacity = mean(r["least-request"]["request_throughput"] for _, _, r in results)
     rest = [s for s in scenarios if s.name != BASE]
     # Longest jobs first, so the workers finish together.
     weight = lambda s: s.engines * (s.num_prompts or 300) * (2 if s.load else 1)  # noqa: E731
@@ -203,7 +198,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
     out = []
     for s in scenarios:
         by_seed = per[s.name]
-        stats = {p: {k: _stats([by_seed[seed][p][k] for seed in seeds]) for k in KEYS + ("cpu_s",)}
+        stats = {p: {k: over_seeds(by_seed[seed][p][k] for seed in seeds) for k in KEYS + ("cpu_s",)}
                  for p in policies}
         settings = workload_settings(s.workload, num_prompts=s.num_prompts)
         out.append({"name": s.name, "factor": s.factor, "description": s.description,

@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict, deque
 
 from local.sim.engine import Engine, EngineRequest
-from lab.policies import LabEndpoint, LabRequest, Policy
+from lab.policy_api import LabEndpoint, LabRequest, Policy
 
 MAX_STEPS = 20000        # a request not started after this many steps counts as never
 

@@ -31,7 +31,7 @@ from picker.errors import PickerError
 from picker.scheduling.profile import load_profile
 
 from local.sim.metrics import cache_config_labels, render_gauges
-from lab.policies import LabRequest, Policy, Rejected
+from lab.policy_api import LabRequest, Policy, Rejected
 
 PHASES = ("request", "response")
 

@@ -1,88 +1,14 @@
-"""Routing policies for the lab.
-
-A policy sees the gateway's view of the pool: the endpoints, the requests the gateway has in
-flight to each (`LabEndpoint.inflight`), and the request. The lab calls, in virtual time:
-
-    policy.start(endpoints, clock, rng)      # once, before the first request
-    policy.pick(request) -> LabEndpoint      # when a request is sent
-    policy.on_done(request, endpoint)        # when its last token was delivered
-
-Policies that read the engines' /metrics (the picker) override `scrape_interval` and
-`on_router_call`; see lab/picker_policy.py.
+"""The lab's routing policies by name: the basic ones (round robin, random, Envoy's least
+request) here, and a registry (`make_policy`) for them and for the oracle (lab/oracle.py), the
+picker (lab/picker_policy.py) and picker replicas (lab/replicated_picker.py). The interface a
+policy implements is in lab/policy_api.py.
 """
 
 from __future__ import annotations
 
-import random
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Optional
 
-from local.sim.engine import Engine
-
-
-@dataclass(eq=False)
-class LabEndpoint:
-    index: int
-    address: str                       # "127.0.0.1:8101"-style name, as the picker sees it
-    engine: Engine
-    model_name: str = "qwq"
-    inflight: int = 0                  # gateway-side count of requests sent and not finished
-    busy: bool = False                 # an engine step is scheduled or running
-    step_end: float = 0.0              # when the running step's tokens are delivered
-    up: bool = True                    # False while the group is down (an outage)
-    epoch: int = 0                     # bumps when the group restarts (stale steps are dropped)
-    history: list = field(default_factory=list)   # (time, running, waiting, kv_usage) snapshots
-
-
-@dataclass(eq=False)
-class LabRequest:
-    index: int
-    request_id: str
-    prompt: str
-    token_ids: list
-    hashes: list
-    max_tokens: int
-    group: str = ""
-    arrival: Optional[float] = None    # send time from a trace (None: the run's arrival process)
-    path: str = "/v1/completions"
-    endpoint: Optional[LabEndpoint] = None
-    router_id: Optional[str] = None    # the picker's request id, for on_request_done
-
-    def body(self, model: str) -> dict:
-        return {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-
-
-class Rejected(Exception):
-    """The policy refuses the request (e.g. the picker's 429/503); the lab counts it failed."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(f"{status}: {reason}")
-        self.status = status
-
-
-class Policy:
-    name = "policy"
-    scrape_interval: Optional[float] = None    # seconds; None = does not scrape
-
-    def start(self, endpoints: list[LabEndpoint], clock: Callable[[], float],
-              rng: random.Random) -> None:
-        self.endpoints = endpoints
-        self.clock = clock
-        self.rng = rng
-
-    def pick(self, request: LabRequest) -> LabEndpoint:
-        raise NotImplementedError
-
-    def set_available(self, endpoints: list[LabEndpoint]) -> None:
-        """The pool changed (a group went down or came back): pick only among `endpoints`, as
-        the gateway does once service discovery drops or re-adds the endpoint."""
-        self.endpoints = endpoints
-
-    def on_done(self, request: LabRequest, endpoint: LabEndpoint) -> None:
-        pass
+from lab.policy_api import Policy
 
 
 class RoundRobin(Policy):
@@ -139,7 +65,7 @@ def make_policy(name: str, **options) -> Policy:
     if name in BASIC_POLICIES:
         return BASIC_POLICIES[name]()
     if name.startswith("replicas:"):
-        from lab.replicas import ReplicatedPicker
+        from lab.replicated_picker import ReplicatedPicker
         return ReplicatedPicker.from_name(name)
     if name == "oracle":
         from lab.oracle import Oracle

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from loadtest.prompts import PromptSpec, random_words
+
 
 def _uniform(rng: np.random.Generator, bounds, size: int) -> np.ndarray:
     lo, hi = bounds
@@ -27,8 +29,6 @@ def _uniform(rng: np.random.Generator, bounds, size: int) -> np.ndarray:
 
 def chat_reasoning_workload(rng: np.random.Generator, num_prompts: int, long_share: float,
                             short_input, short_output, long_input, long_output) -> list:
-    from loadtest.workloads import PromptSpec, random_words
-
     if not 0 <= long_share <= 1:
         raise ValueError(f"long_share must be in [0, 1], got {long_share}")
     is_long = rng.random(num_prompts) < long_share
@@ -43,8 +43,6 @@ def chat_reasoning_workload(rng: np.random.Generator, num_prompts: int, long_sha
 
 def multi_turn_workload(rng: np.random.Generator, num_prompts: int, num_sessions: int, turns: int,
                         system_prompt_len: int, user_len, output_len) -> list:
-    from loadtest.workloads import PromptSpec, random_words
-
     if num_sessions < 1 or turns < 1:
         raise ValueError("need num_sessions >= 1 and turns >= 1")
     system = random_words(rng, system_prompt_len)        # one application: the same system prompt
@@ -67,8 +65,6 @@ def multi_turn_workload(rng: np.random.Generator, num_prompts: int, num_sessions
 def long_tail_workload(rng: np.random.Generator, num_prompts: int, input_median: float,
                        input_sigma: float, output_median: float, output_sigma: float,
                        max_model_len: int) -> list:
-    from loadtest.workloads import PromptSpec, random_words
-
     ins = np.clip(rng.lognormal(np.log(input_median), input_sigma, num_prompts), 4,
                   max_model_len // 2).astype(int)
     outs = np.clip(rng.lognormal(np.log(output_median), output_sigma, num_prompts), 4,

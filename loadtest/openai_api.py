@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from loadtest.workloads import PromptSpec
+from loadtest.prompts import PromptSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 OBJECTIVE_HEADER = "x-gateway-inference-objective"

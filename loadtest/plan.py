@@ -13,7 +13,8 @@ import numpy as np
 
 from loadtest.metrics import RequestSample
 from loadtest.openai_api import ENDPOINTS
-from loadtest.workloads import PromptSpec, build_workload, workload_settings
+from loadtest.prompts import PromptSpec
+from loadtest.workloads import build_workload, workload_settings
 
 
 def parse_ports(text: str | list | None) -> list[int]:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.prompts import PromptSpec, random_words
+
 FIELDS = {"prompt", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens",
           "arrival_time"}
 
@@ -98,7 +100,6 @@ def read_trace(path: str | Path) -> list[dict]:
 
 def trace_workload(seed: int, path: str | None, num_prompts: int | None = None) -> list:
     """PromptSpecs of a trace file, in file order (the first num_prompts lines if given)."""
-    from loadtest.workloads import PromptSpec, random_words
 
     if not path:
         raise ValueError("the trace workload needs path=<JSONL trace file>")

@@ -1,11 +1,6 @@
 """Workloads for the load tests and the routing lab.
 
-Token counting: without the model's tokenizer we count **one whitespace-separated word as one
-token**, which is the convention of the local vLLM simulator. Prompts are built from a fixed
-vocabulary of short synthetic words joined by single spaces, so for the simulator the counts are
-exact; against a real vLLM the real token count differs (a synthetic word is usually 1-3 BPE
-tokens). Reports therefore account tokens with the server's `usage` field, never with these
-counts; `PromptSpec.prompt_tokens` is only the workload's own intent.
+Prompts, their token counting and the synthetic vocabulary: loadtest/prompts.py.
 
 Workload kinds:
 
@@ -29,24 +24,13 @@ Everything is deterministic for a given seed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class PromptSpec:
-    prompt: str            # completion prompt text (words separated by single spaces)
-    prompt_tokens: int     # the workload's own count (1 whitespace word = 1 token)
-    output_tokens: int     # max_tokens to request (sent with ignore_eos=True)
-    group: str = ""        # shared-prefix group / tenant id ("" if none)
-    messages: list | None = None  # for chat: OpenAI messages (None: one user message = prompt)
-    arrival: float | None = None  # send time in s from the start (traces); None: the run decides
-
-    def chat_messages(self) -> list:
-        return self.messages if self.messages is not None else [
-            {"role": "user", "content": self.prompt}]
+from loadtest.mixes import BUILDERS
+from loadtest.prompts import PromptSpec, join_parts, random_words
+from loadtest.traces import trace_workload
 
 
 # Run settings live in the workloads too (the runners read them); build_workload ignores them.
@@ -114,30 +98,6 @@ _KIND_PARAMS = {
     "trace": {"path"},
 }
 
-_CONSONANTS = list("bdfgklmnprstvz")
-_VOWELS = list("aeiou")
-
-
-def _make_vocabulary() -> np.ndarray:
-    """4,900 pronounceable two-syllable words, e.g. 'bada', 'zuto' (fixed, no randomness)."""
-    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
-    return np.array([a + b for a in syllables for b in syllables])
-
-
-VOCABULARY = _make_vocabulary()
-
-
-def random_words(rng: np.random.Generator, n: int) -> str:
-    """n random vocabulary words joined by single spaces (n = the simulator's token count)."""
-    if n <= 0:
-        return ""
-    return " ".join(VOCABULARY[rng.integers(0, len(VOCABULARY), size=n)].tolist())
-
-
-def _join(*parts: str) -> str:
-    return " ".join(p for p in parts if p)
-
-
 def workload_settings(name: str, **overrides) -> dict:
     """The named workload's settings with overrides applied (None overrides are ignored)."""
     if name not in WORKLOADS:
@@ -157,14 +117,12 @@ def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]
     """Build the prompts of workload `name` (see WORKLOADS), deterministic for `seed`."""
     s = workload_settings(name, **overrides)
     if s["kind"] == "trace":
-        from loadtest.traces import trace_workload
         return trace_workload(seed, s["path"], s["num_prompts"])
     rng = np.random.default_rng(seed)
     n = int(s["num_prompts"])
     if n <= 0:
         raise ValueError("num_prompts must be positive")
     if s["kind"] in MIX_KINDS:
-        from loadtest.mixes import BUILDERS
         return BUILDERS[s["kind"]](rng, n, **{k: s[k] for k in _KIND_PARAMS[s["kind"]]})
     if s["kind"] == "random":
         return random_workload(rng, n, s["prefix_len"], s["input_len"], s["output_len"],
@@ -193,7 +151,7 @@ def random_workload(rng: np.random.Generator, num_prompts: int, prefix_len: int,
     output_lens = np.maximum(
         1, rng.integers(int(output_len * range_ratio), output_len + 1, size=num_prompts))
     prefix = random_words(rng, prefix_len)
-    return [PromptSpec(prompt=_join(prefix, random_words(rng, int(i))),
+    return [PromptSpec(prompt=join_parts(prefix, random_words(rng, int(i))),
                        prompt_tokens=prefix_len + int(i), output_tokens=int(o))
             for i, o in zip(input_lens, output_lens)]
 
@@ -211,7 +169,7 @@ def shared_prefix_workload(rng: np.random.Generator, num_prompts: int, num_group
     for g, u in zip(groups.tolist(), users.tolist()):
         question = random_words(rng, question_len)
         specs.append(PromptSpec(
-            prompt=_join(systems[g], question),
+            prompt=join_parts(systems[g], question),
             prompt_tokens=system_prompt_len + question_len, output_tokens=output_len,
             group=f"tenant-{g}",
             messages=[{"role": "system", "content": systems[g]},

@@ -11,10 +11,12 @@ Every process runs in its own process group (session); its output goes to runs/<
 and runs/<name>/state.json records what was started, so `down` can stop it from another shell.
 Any failure or Ctrl-C while starting stops everything that was started.
 
-Everything comes from one render of the overlay a cluster would deploy (overlays/a10, or
-overlays/a10-canary with --canary; components/buffered-body with --body-mode buffered) with the
-cluster's edge (components/edge-security: API keys, rate limits, connection limit; plain HTTP, no
-TLS; --no-edge-security leaves it out). The API keys are throw-away ones made at start, one per
+Everything comes from one render of the overlay a cluster would deploy, without the parts that
+need cluster Secrets: overlays/a10-open-gateway (overlays/a10-canary-open-gateway with --canary;
+components/buffered-body with --body-mode buffered) plus the cluster's edge
+(components/edge-security: API keys, rate limits, connection limit; plain HTTP, no TLS;
+--no-edge-security leaves it out). overlays/a10 is exactly that plus TLS and the verified picker
+hop. The API keys are throw-away ones made at start, one per
 client id in API_CLIENTS, kept in runs/<name>/api-keys.json (`python -m local.stack key`). The
 simulated groups from its LeaderWorkerSets, the picker's objects from its InferenceObjectives and
 InferenceModelRewrite, and Envoy Gateway's input from its gateway objects (local/dataplane.py).
@@ -75,7 +77,7 @@ class StackConfig:
     body_mode: str | None = None
     canary: bool = False
     # The cluster's edge (components/edge-security) with throw-away API keys; False: no keys, no
-    # rate limits, as overlays/a10 alone.
+    # rate limits, as overlays/a10-open-gateway alone.
     edge_security: bool = True
     host: str = "127.0.0.1"
     sim_base_port: int = 8101
@@ -104,7 +106,7 @@ class StackConfig:
 
     @property
     def overlay(self) -> str:
-        return "overlays/a10-canary" if self.canary else "overlays/a10"
+        return "overlays/a10-canary-open-gateway" if self.canary else "overlays/a10-open-gateway"
 
     @property
     def components(self) -> list[str]:

@@ -163,9 +163,28 @@ def listeners_use_tls(objs):
     return problems
 
 
+def picker_hop_verified(objs):
+    """The Backend the ext_proc filter calls verifies the picker's certificate against a CA."""
+    problems = []
+    names = {ref.get("name") for p in of_kind(objs, "EnvoyExtensionPolicy")
+             for proc in (p.get("spec") or {}).get("extProc") or []
+             for ref in proc.get("backendRefs") or [] if ref.get("kind") == "Backend"}
+    for backend in of_kind(objs, "Backend"):
+        if name_of(backend) not in names:
+            continue
+        tls = (backend.get("spec") or {}).get("tls") or {}
+        if tls.get("insecureSkipVerify") or not (tls.get("caCertificateRefs") or tls.get("wellKnownCACertificates")):
+            problems.append(f"{describe(backend)}: spec.tls must verify the picker's certificate "
+                            f"(caCertificateRefs, no insecureSkipVerify; components/picker-tls): "
+                            f"otherwise whoever answers on the picker's address sees every prompt "
+                            f"and chooses every backend")
+    return problems
+
+
 def referenced_secrets(objs) -> list[tuple[str, str, str]]:
     """(namespace, name, type) of every Secret the gateway objects reference: API keys of a
-    SecurityPolicy, listener certificates of a Gateway. They are created out of band."""
+    SecurityPolicy, listener certificates of a Gateway, the CA a Backend verifies its endpoints
+    with (ca.crt). They are created out of band."""
     out = []
     for p in of_kind(objs, "SecurityPolicy"):
         for ref in ((p.get("spec") or {}).get("apiKeyAuth") or {}).get("credentialRefs") or []:
@@ -176,6 +195,10 @@ def referenced_secrets(objs) -> list[tuple[str, str, str]]:
             for ref in (listener.get("tls") or {}).get("certificateRefs") or []:
                 if ref.get("kind", "Secret") == "Secret":
                     out.append((ref.get("namespace") or ns_of(gw), ref["name"], "kubernetes.io/tls"))
+    for backend in of_kind(objs, "Backend"):
+        for ref in ((backend.get("spec") or {}).get("tls") or {}).get("caCertificateRefs") or []:
+            if ref.get("kind") == "Secret":
+                out.append((ns_of(backend), ref["name"], "kubernetes.io/tls"))
     return list(dict.fromkeys(out))
 
 
@@ -209,12 +232,15 @@ def _self_signed() -> dict[str, str]:
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
             .sign(key, hashes.SHA256()))
-    return {"tls.crt": cert.public_bytes(serialization.Encoding.PEM).decode(),
+    pem = cert.public_bytes(serialization.Encoding.PEM).decode()
+    return {"tls.crt": pem, "ca.crt": pem,
             "tls.key": key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                          serialization.NoEncryption()).decode()}
 
 
 EDGE_CHECKS = [listeners_authenticate, listeners_strip_endpoint_headers, listeners_limit_connections,
-               routes_rate_limit, listeners_use_tls]
-# every overlay (components/healthy-backends is part of overlays/a10 and overlays/a10-canary)
+               routes_rate_limit, listeners_use_tls, picker_hop_verified]
+# what an Argo CD app's path must hold unless the app opts in to an open Gateway
+CLOSED_CHECKS = [listeners_authenticate, routes_rate_limit]
+# every overlay (components/healthy-backends is part of every overlay)
 HEALTH_CHECKS = [routes_check_health]

@@ -11,7 +11,6 @@ with the statuses Envoy Gateway would write, plus the xDS it would send Envoy. T
 """
 from __future__ import annotations
 
-import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from validation.edge import placeholder_secrets
+from validation.manifests import seconds  # noqa: F401 - part of this module's API
 from validation.problems import Problem, describe
 
 GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
@@ -63,11 +63,14 @@ class TranslateError(RuntimeError):
     pass
 
 
-def translate(egctl: Path, objs: list[dict]) -> tuple[list[dict], dict]:
-    """(objects with statuses, xDS config dumps per Gateway) from one `egctl x translate` run."""
+def translate(egctl: Path, objs: list[dict], placeholders: bool = True) -> tuple[list[dict], dict]:
+    """(objects with statuses, xDS config dumps per Gateway) from one `egctl x translate` run.
+    placeholders=False: the Secrets nobody created stay missing, as in a cluster before the first
+    deploy step."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         # + stand-ins for the Secrets the objects reference but the repo never holds (edge.py)
-        f.write(yaml.safe_dump_all(translator_input(objs) + placeholder_secrets(objs), sort_keys=False))
+        extra = placeholder_secrets(objs) if placeholders else []
+        f.write(yaml.safe_dump_all(translator_input(objs) + extra, sort_keys=False))
         path = f.name
     try:
         cmd = [str(egctl), "x", "translate", "--from", "gateway-api", "--to", "gateway-api,xds", "--type", "all",
@@ -163,19 +166,6 @@ def object_keys(objs: list[dict]) -> set[tuple[str, str, str]]:
         namespace = "" if o.get("kind") in CLUSTER_SCOPED else meta["namespace"]
         keys.add((o.get("kind"), namespace, meta.get("name")))
     return keys
-
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-
-
-def seconds(text) -> float | None:
-    """A Gateway API / Envoy duration ('10s', '1h', '250ms', '3600s') in seconds."""
-    if text is None:
-        return None
-    m = _DURATION.match(str(text))
-    if not m:
-        return None
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
 def check_target(egctl: Path, target: str, objs: list[dict]) -> list[Problem]:

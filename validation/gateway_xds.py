@@ -10,7 +10,7 @@ the BackendTrafficPolicy's request and connect timeouts on its routes and cluste
 """
 from __future__ import annotations
 
-from validation.gateway import seconds
+from validation.manifests import seconds
 from validation.problems import Problem, describe
 
 _SOURCE = "envoy-gateway xds"

@@ -7,6 +7,7 @@ templates (Deployments, LeaderWorkerSets' leader and worker), container flags in
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from validation.problems import describe
@@ -179,3 +180,16 @@ def rule_backend_refs(route: dict) -> list[tuple[str, list[dict]]]:
 def backend_refs(route: dict) -> list[dict]:
     """Every backendRef of an HTTPRoute, rule after rule."""
     return [ref for _, refs in rule_backend_refs(route) for ref in refs]
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+
+
+def seconds(text) -> float | None:
+    """A Gateway API / Envoy duration ('10s', '1h', '250ms', '3600s') in seconds."""
+    if text is None:
+        return None
+    m = _DURATION.match(str(text))
+    if not m:
+        return None
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]

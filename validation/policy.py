@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from kubernetes.utils import parse_quantity
 
-from validation.manifests import (GPU, PodTemplate, argv, flag_values, gpu_limit, has_flag,  # noqa: F401
+from validation.manifests import (GPU, PodTemplate, argv, flag_values, gpu_limit, has_flag, seconds,  # noqa: F401
                                   matches, name_of, ns_of, of_kind, picker_container,
                                   pod_templates, routes_on_port, rule_backend_refs, served_model_names,
                                   services_selecting, spec_rules, vllm_container)
@@ -476,7 +476,74 @@ def secret_refs_in_namespace(objs, namespace):
     return problems
 
 
+# The picker's own defaults for its flow-control age bounds (picker/src/picker/defaults.py), used
+# when the manifest turns flow control on without naming them (tests/policy keeps them equal).
+FLOW_MAX_WAIT_DEFAULT = 30.0
+FLOW_MAX_WAIT_SHEDDABLE_DEFAULT = 5.0
+FLOW_DECISION_MARGIN = 1.0  # seconds for the decision and the answer after the longest hold
+EXT_PROC_MESSAGE_TIMEOUT_DEFAULT = 0.2  # Envoy Gateway's default messageTimeout
+
+
+def _flow_max_wait(args) -> float | None:
+    """The longest hold of the picker's flow control (seconds), None when it is off."""
+    on = [a for a in args if a in ("--flow-control", "--no-flow-control")]
+    if not on or on[-1] != "--flow-control":
+        return None
+    waits = []
+    for flag, default in (("--flow-max-wait", FLOW_MAX_WAIT_DEFAULT),
+                          ("--flow-max-wait-sheddable", FLOW_MAX_WAIT_SHEDDABLE_DEFAULT)):
+        value = flag_values(args, flag)
+        waits.append(float(value[0]) if value else default)
+    return max(waits)
+
+
+def flow_control_fits_timeouts(objs):
+    """With --flow-control the picker holds a request up to its age bound before answering the
+    ext_proc stream. Envoy must wait for that answer (EnvoyExtensionPolicy messageTimeout), the
+    hold counts in the listener's requestReceivedTimeout (ClientTrafficPolicy: the request is not
+    yet sent upstream), and the 8081 route's request timeout must leave room for it. Each must
+    exceed the longest hold plus FLOW_DECISION_MARGIN, whatever the body mode."""
+    picker = picker_container(objs)
+    if picker[0] is None:
+        return []
+    hold = _flow_max_wait(argv(picker[1]))
+    if hold is None:
+        return []
+    need = hold + FLOW_DECISION_MARGIN
+    bound = (f"the picker's longest hold {hold:g}s (--flow-max-wait / --flow-max-wait-sheddable "
+             f"in {describe(picker[0])}) + {FLOW_DECISION_MARGIN:g}s")
+    problems = []
+    llm_routes = {name_of(r) for r in routes_on_port(objs, 8081)}
+    for eep in of_kind(objs, "EnvoyExtensionPolicy"):
+        for i, ext in enumerate((eep.get("spec") or {}).get("extProc") or []):
+            raw = ext.get("messageTimeout")
+            timeout = seconds(raw) if raw is not None else EXT_PROC_MESSAGE_TIMEOUT_DEFAULT
+            if timeout is None or timeout <= need:
+                problems.append(f"{describe(eep)}: spec.extProc[{i}].messageTimeout "
+                                f"{raw or 'unset (200ms)'} must exceed {bound}")
+    for ctp in of_kind(objs, "ClientTrafficPolicy"):
+        raw = ((((ctp.get("spec") or {}).get("timeout") or {}).get("http") or {})
+               .get("requestReceivedTimeout"))
+        timeout = seconds(raw) if raw is not None else None
+        if raw is not None and (timeout is None or timeout <= need):
+            problems.append(f"{describe(ctp)}: spec.timeout.http.requestReceivedTimeout {raw} must "
+                            f"exceed {bound}")
+    for btp in of_kind(objs, "BackendTrafficPolicy"):
+        spec = btp.get("spec") or {}
+        targets = {r.get("name") for r in spec.get("targetRefs") or [] if r.get("kind") == "HTTPRoute"}
+        raw = ((spec.get("timeout") or {}).get("http") or {}).get("requestTimeout")
+        if targets & llm_routes and raw is not None and (seconds(raw) or 0) <= need:
+            problems.append(f"{describe(btp)}: spec.timeout.http.requestTimeout {raw} must exceed {bound}")
+    for route in routes_on_port(objs, 8081):
+        for i, rule in enumerate((route.get("spec") or {}).get("rules") or []):
+            raw = (rule.get("timeouts") or {}).get("request")
+            if raw is not None and (seconds(raw) or 0) <= need:
+                problems.append(f"{describe(route)}: spec.rules[{i}].timeouts.request {raw} must "
+                                f"exceed {bound}")
+    return problems
+
+
 ALL_CHECKS = [volume_mounts_have_volumes, pool_selects_leaders_only, ports_agree, parallelism_matches_resources,
               served_names_cover_rewrites, route_backends_exist, extension_policy_wiring,
               endpoint_override_on_8081, canary_weights_agree, llm_route_holds_whole_pool, images_pinned,
-              no_secret_data]
+              no_secret_data, flow_control_fits_timeouts]

@@ -63,7 +63,7 @@ def _decide_under_scrape(ports: list[int], mode: str, rate: float, seconds: floa
     import random
 
     from picker import defaults
-    from picker.app import run_loop
+    from picker.runtime import run_loop
     from picker.core import PickerError, RequestInfo, RouterSettings
 
     import logging

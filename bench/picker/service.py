@@ -145,7 +145,7 @@ def _serve(n: int, port_queue, ctl, timings) -> None:
     import queue
 
     from picker import defaults
-    from picker.app import run_loop
+    from picker.runtime import run_loop
     from picker.observability.metrics import PickerMetrics
     from picker.protocol.server import start_servers
     from picker.signals.metrics import parse_vllm_metrics
@@ -186,7 +186,7 @@ def _serve_null(port_queue) -> None:
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    from picker.app import run_loop
+    from picker.runtime import run_loop
     from picker.protocol import messages as msg
     dest = "10.0.0.1:8000"
 

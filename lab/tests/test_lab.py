@@ -6,8 +6,9 @@ import random
 import pytest
 
 from lab.__main__ import main as lab_main
-from lab.policies import LabEndpoint, LeastRequest, make_policy
-from lab.runner import LabConfig, prepare_requests, run_lab
+from lab.policies import LeastRequest, make_policy
+from lab.policy_api import LabEndpoint
+from lab.simulation import LabConfig, prepare_requests, run_lab
 from local.sim.engine import Engine
 from local.sim.engines import A10_QWQ32B
 from loadtest.workloads import build_workload

@@ -6,7 +6,7 @@ import pytest
 from lab import matrix
 from lab.oracle import Oracle, predicted_ttft
 from lab.policies import make_policy
-from lab.runner import LabConfig, prepare_requests, run_lab
+from lab.simulation import LabConfig, prepare_requests, run_lab
 from local.sim.engines import A10_QWQ32B
 from loadtest.workloads import build_workload
 
@@ -32,7 +32,7 @@ def test_oracle_prediction_is_exact_and_it_picks_the_fastest_group():
     # Alone on an idle group, the prediction is the TTFT the lab then measures.
     cfg = LabConfig(num_engines=1, concurrency=None)
     lab_run = run_lab(requests[:1], make_policy("round-robin"), cfg)
-    from lab.runner import Lab
+    from lab.simulation import Lab
     lab = Lab(requests[:1], make_policy("round-robin"), cfg)
     assert predicted_ttft(lab.endpoints[0], requests[0], 0.0) == pytest.approx(
         lab_run.samples[0].ttft)

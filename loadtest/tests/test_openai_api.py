@@ -1,7 +1,7 @@
 import pytest
 
 from loadtest.openai_api import DONE, SSEDecoder, SSEError, error_reason, request_body
-from loadtest.workloads import PromptSpec
+from loadtest.prompts import PromptSpec
 
 
 def feed_all(lines):

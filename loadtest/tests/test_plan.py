@@ -4,7 +4,7 @@ import pytest
 from loadtest.metrics import RequestSample
 from loadtest.plan import (WAIT, RunOptions, RunPlan, arrival_offsets, parse_ports,
                            parse_workload_args)
-from loadtest.workloads import PromptSpec
+from loadtest.prompts import PromptSpec
 
 
 def specs(n):

@@ -8,7 +8,7 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer
 
-from loadtest.workloads import VOCABULARY
+from loadtest.prompts import VOCABULARY
 from local.sim.tokens import FILLER
 from local.tinymodel.tokenizer import EOS_TOKEN, fingerprint, write_tokenizer
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from loadtest.workloads import VOCABULARY
+from loadtest.prompts import VOCABULARY
 from local.sim.tokens import FILLER
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

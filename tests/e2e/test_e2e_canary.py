@@ -1,4 +1,4 @@
-"""Canary split (overlays/a10-canary rendered by the launcher: one extra simulated group serving
+"""Canary split (overlays/a10-canary-open-gateway rendered by the launcher: one extra simulated group serving
 `qwq-canary qwq`, the HTTPRoute backendRef weights on the gateway, the InferenceModelRewrite
 weights in the picker), in both request-body modes.
 
@@ -69,7 +69,7 @@ async def test_8081_splits_by_model_rewrite_weights(stack, session):
     """The picker rewrites `qwq` to `qwq-canary` for the canary share of requests and only the canary group
     serves that name; every request must succeed."""
     # Envoy draws a weighted backendRef's Service before applying the endpoint override, so
-    # this only works with one 8081 backendRef selecting every leader (overlays/a10-canary).
+    # this only works with one 8081 backendRef selecting every leader (overlays/a10-canary*).
     assert len(stack.topology.llm_route) == 1
     results, served = await send_all(session, stack, stack.llm_port)
     statuses = [status for status, _ in results]

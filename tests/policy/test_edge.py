@@ -1,5 +1,5 @@
-"""The edge of overlays/a10-secure (components/edge-security, components/gateway-tls): each check holds
-on it and fails on a fixture broken the way it guards."""
+"""The edge of the closed overlays (components/edge-security, components/gateway-tls,
+components/picker-tls): each check holds on them and fails on a fixture broken the way it guards."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ import pytest
 from validation import edge
 from tests.policy.conftest import OVERLAYS, find, rendered
 
-CLUSTER_OVERLAYS = ["overlays/a10-secure"]
-OVERLAY = "overlays/a10-secure"
+CLUSTER_OVERLAYS = [o for o in OVERLAYS if not o.endswith("-open-gateway")]
+OVERLAY = "overlays/a10"
 
 
 @pytest.mark.parametrize("overlay", CLUSTER_OVERLAYS)
@@ -107,8 +107,42 @@ def test_placeholder_secrets_for_offline_translation():
     objs = rendered(OVERLAY)
     secrets = {(s["metadata"]["name"], s["type"]): s for s in edge.placeholder_secrets(objs)}
     assert set(secrets) == {("inference-gateway-api-keys", "Opaque"),
-                            ("inference-gateway-tls", "kubernetes.io/tls")}
+                            ("inference-gateway-tls", "kubernetes.io/tls"),
+                            ("inference-gateway-ext-proc-tls", "kubernetes.io/tls")}
     assert all(s["metadata"]["namespace"] == "llm" for s in secrets.values())
-    assert set(secrets[("inference-gateway-tls", "kubernetes.io/tls")]["data"]) == {"tls.crt", "tls.key"}
+    assert set(secrets[("inference-gateway-tls", "kubernetes.io/tls")]["data"]) == {"tls.crt", "tls.key", "ca.crt"}
     present = objs + list(secrets.values())
     assert edge.placeholder_secrets(present) == []
+
+
+def test_every_overlay_is_closed_but_the_open_ones():
+    assert "overlays/a10" in CLUSTER_OVERLAYS and "overlays/a10-canary" in CLUSTER_OVERLAYS
+    open_ones = sorted(set(OVERLAYS) - set(CLUSTER_OVERLAYS))
+    assert open_ones == ["overlays/a10-canary-open-gateway", "overlays/a10-open-gateway"]
+    for overlay in open_ones:  # they really are open: the rules would refuse them
+        assert edge.listeners_authenticate(rendered(overlay)) and edge.routes_rate_limit(rendered(overlay))
+
+
+@pytest.mark.parametrize("breakage", ["skip-verify", "no-ca"])
+def test_unverified_picker_hop_is_caught(breakage):
+    objs = rendered(OVERLAY)
+    tls = find(objs, "Backend", "inference-gateway-ext-proc")["spec"]["tls"]
+    if breakage == "skip-verify":
+        tls["insecureSkipVerify"] = True
+    else:
+        del tls["caCertificateRefs"]
+    problems = edge.picker_hop_verified(objs)
+    assert len(problems) == 1 and "Backend" in problems[0] and "inference-gateway-ext-proc" in problems[0]
+
+
+def test_picker_serves_the_verified_certificate():
+    objs = rendered(OVERLAY)
+    pod = find(objs, "Deployment", "inference-gateway-ext-proc")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "serving-cert")
+    volume = next(v for v in pod["volumes"] if v["name"] == "serving-cert")
+    assert args[args.index("--cert-path") + 1] == mount["mountPath"]
+    assert volume["secret"]["secretName"] == "inference-gateway-ext-proc-tls"
+    backend = find(objs, "Backend", "inference-gateway-ext-proc")["spec"]
+    assert backend["tls"]["caCertificateRefs"][0]["name"] == "inference-gateway-ext-proc-tls"
+    assert backend["tls"]["sni"] == backend["endpoints"][0]["fqdn"]["hostname"]

@@ -235,3 +235,58 @@ def test_pv_secret_in_other_namespace_is_caught():
     objs = rendered("overlays/a10")
     find(objs, "PersistentVolume")["spec"]["csi"]["nodePublishSecretRef"]["namespace"] = "default"
     assert len(policy.secret_refs_in_namespace(objs, NAMESPACE)) == 1
+
+
+# ------------------------------------------------------------------ flow control vs gateway timeouts
+
+def picker_args(objs):
+    deployment = find(objs, "Deployment", "inference-gateway-ext-proc")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def with_flow_control(objs, *flags):
+    args = picker_args(objs)
+    for flag in ("--flow-control", "--no-flow-control", "--flow-max-wait", "--flow-max-wait-sheddable"):
+        while flag in args:
+            i = args.index(flag)
+            del args[i:i + (1 if flag.endswith("flow-control") else 2)]
+    args += ["--flow-control", *flags]
+    return objs
+
+
+def test_flow_control_defaults_match_the_picker():
+    from picker import defaults
+    assert policy.FLOW_MAX_WAIT_DEFAULT == defaults.FLOW_MAX_WAIT
+    assert policy.FLOW_MAX_WAIT_SHEDDABLE_DEFAULT == defaults.FLOW_MAX_WAIT_SHEDDABLE
+
+
+@pytest.mark.parametrize("overlay", ["overlays/a10", "overlays/a10-buffered"])  # both body modes
+def test_flow_control_hold_longer_than_the_message_timeout_is_caught(overlay):
+    objs = with_flow_control(rendered(overlay), "--flow-max-wait", "600")
+    problems = policy.flow_control_fits_timeouts(objs)
+    assert any("messageTimeout" in p and "600s" in p and "EnvoyExtensionPolicy" in p for p in problems), problems
+    assert any("requestReceivedTimeout 60s" in p for p in problems), problems
+    ok = with_flow_control(rendered(overlay), "--flow-max-wait", "5", "--flow-max-wait-sheddable", "2")
+    assert policy.flow_control_fits_timeouts(ok) == []
+
+
+def test_flow_control_without_a_message_timeout_is_caught():
+    objs = with_flow_control(rendered("overlays/a10"))
+    del find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["extProc"][0]["messageTimeout"]
+    problems = policy.flow_control_fits_timeouts(objs)
+    assert any("unset (200ms)" in p for p in problems), problems
+
+
+def test_flow_control_route_timeout_shorter_than_the_hold_is_caught():
+    objs = with_flow_control(rendered("overlays/a10"), "--flow-max-wait", "5")
+    btp = find(objs, "BackendTrafficPolicy", "reasoning-inference")
+    btp["spec"]["timeout"]["http"]["requestTimeout"] = "4s"
+    problems = policy.flow_control_fits_timeouts(objs)
+    assert any("requestTimeout 4s" in p for p in problems), problems
+
+
+def test_flow_control_off_needs_nothing():
+    objs = rendered("overlays/a10")
+    args = picker_args(objs)
+    args += ["--no-flow-control", "--flow-max-wait", "600"]
+    assert policy.flow_control_fits_timeouts(objs) == []

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.policy.conftest import CACHE, OVERLAYS, ROOT, find, rendered  # noqa: F401  (shared render cache)
-from validation import gateway
+from validation import edge, gateway
+from validation.gateway_xds import clusters, listener_port, listeners, routes_of
 
 EGCTL = ROOT / ".tools" / "bin" / "egctl"
 pytestmark = pytest.mark.skipif(not EGCTL.is_file(), reason="egctl not built (make tools)")
@@ -72,7 +73,7 @@ def test_endpoint_override_without_the_picker_in_front_is_reported():
 
 def test_a_rate_limit_after_the_picker_is_reported():
     """Without the EnvoyProxy's filterOrder, Envoy Gateway runs the local rate limit after ext_proc."""
-    objs = [o for o in rendered("overlays/a10-secure") if o.get("kind") != "EnvoyProxy"]
+    objs = [o for o in rendered("overlays/a10") if o.get("kind") != "EnvoyProxy"]
     del find(objs, "Gateway", "inference-gateway")["spec"]["infrastructure"]
     found = check(objs)
     assert any("Gateway llm/inference-gateway: spec.infrastructure.parametersRef" in p
@@ -130,3 +131,60 @@ def test_validate_cli_reports_envoy_gateway_findings(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "[envoy-gateway] base/gateway: BackendTrafficPolicy default/reasoning-inference: spec.targetRefs" in out, out
+
+
+def _conditions(objs, kind, name):
+    obj = find(objs, kind, name)
+    status = obj.get("status") or {}
+    return [c for anc in status.get("ancestors") or status.get("parents") or [] for c in anc.get("conditions", [])]
+
+
+def _without_secret(name):
+    """The closed overlay with every Secret it references but `name` (placeholders stand in for those)."""
+    objs = rendered("overlays/a10")
+    return objs + [s for s in edge.placeholder_secrets(objs) if s["metadata"]["name"] != name]
+
+
+def test_a_missing_api_key_secret_fails_closed():
+    """Before the deploy step that creates the keys, Envoy Gateway refuses every request (500) on
+    both listeners: the routes become direct responses, never a way to the model."""
+    result, xds = gateway.translate(EGCTL, _without_secret("inference-gateway-api-keys"), placeholders=False)
+    accepted = [c for c in _conditions(result, "SecurityPolicy", "inference-gateway-api-keys") if c["type"] == "Accepted"]
+    assert accepted and accepted[0]["status"] == "False"
+    assert "secret llm/inference-gateway-api-keys does not exist" in accepted[0]["message"]
+    for route in ("reasoning-backend", "reasoning-inference"):
+        found = routes_of(xds, "llm", route)
+        assert found and all(r.get("directResponse", {}).get("status") == 500 and "route" not in r
+                             for _, r in found), (route, found)
+
+
+def test_a_missing_listener_certificate_fails_closed():
+    """Without inference-gateway-tls neither listener is programmed: nothing listens on 8080 or 8081
+    (no plain-HTTP fallback)."""
+    result, xds = gateway.translate(EGCTL, _without_secret("inference-gateway-tls"), placeholders=False)
+    gw = find(result, "Gateway", "inference-gateway")
+    programmed = {l["name"]: next(c for c in l["conditions"] if c["type"] == "Programmed")
+                  for l in gw["status"]["listeners"]}
+    assert {n: c["status"] for n, c in programmed.items()} == {"http": "False", "llm-gw": "False"}
+    assert not {listener_port(l) for l in listeners(xds)} & {8080, 8081}
+
+
+def test_a_missing_picker_ca_fails_closed():
+    """Without the picker's CA Envoy Gateway will not call the picker unverified: 8081 answers 500."""
+    result, xds = gateway.translate(EGCTL, _without_secret("inference-gateway-ext-proc-tls"), placeholders=False)
+    accepted = [c for c in _conditions(result, "EnvoyExtensionPolicy", "reasoning-inference-picker")
+                if c["type"] == "Accepted"]
+    assert accepted and accepted[0]["status"] == "False" and "inference-gateway-ext-proc-tls" in accepted[0]["message"]
+    found = routes_of(xds, "llm", "reasoning-inference")
+    assert found and all(r.get("directResponse", {}).get("status") == 500 for _, r in found), found
+
+
+def test_the_picker_hop_verifies_the_picker_certificate():
+    _, xds = gateway.translate(EGCTL, rendered("overlays/a10"))
+    cluster = next(c for name, c in clusters(xds).items() if "reasoning-inference-picker" in name and "extproc" in name)
+    socket = cluster["transportSocketMatches"][0]["transportSocket"]["typedConfig"]
+    context = socket["commonTlsContext"]["combinedValidationContext"]
+    assert socket["sni"] == "inference-gateway-ext-proc.llm.svc.cluster.local"
+    assert context["defaultValidationContext"]["matchTypedSubjectAltNames"] == [
+        {"matcher": {"exact": "inference-gateway-ext-proc.llm.svc.cluster.local"}, "sanType": "DNS"}]
+    assert context["validationContextSdsSecretConfig"]["name"] == "inference-gateway-ext-proc/llm-ca"

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
             # Before prometheus_client is imported: every worker's counters go to files there,
             # summed when /metrics is scraped (app.App._metrics_registry).
             os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
-        from picker.app import run, run_loop
+        from picker.app import run
+        from picker.runtime import run_loop
         try:
             run_loop(run(args))
         except ValueError as exc:  # bad profile, objects or certificates: a clear message, exit 2

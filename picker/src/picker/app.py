@@ -8,51 +8,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import tempfile
 import threading
 from pathlib import Path
 from argparse import Namespace
-from typing import Any, Coroutine, TypeVar
-
-import uvloop
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from picker import defaults
-from picker.config import server_limits
-from picker.core import Router, RouterSettings
+from picker.core import Router
 from picker.discovery.objects import Objective, Rewrite, load_objects
-from picker.observability.metrics import PickerMetrics
-from picker.protocol.server import Servers, start_servers
+from picker.protocol.server import Servers
 from picker.protocol.tls import self_signed
-from picker.scheduling.profile import load_profile
+from picker.runtime import apply_objects, build_flow, build_router, start_ext_proc, stop_on_signals
 from picker.workers import SignalsLink, start_signals_process, start_workers
 
 log = logging.getLogger("picker")
-T = TypeVar("T")
 REAP_EVERY = defaults.REAP_EVERY
 READINESS_EVERY = defaults.READINESS_EVERY
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def build_router(args: Namespace, count_scrape_errors: bool = True) -> Router:
-    """A Router with the command line's profile and settings, and its Prometheus metrics."""
-    metrics = PickerMetrics()
-    router = Router(
-        load_profile(args.profile),
-        settings=RouterSettings(staleness=args.staleness, max_body_bytes=args.max_body_bytes,
-                                inflight_timeout=args.inflight_timeout,
-                                default_objective=args.default_objective),
-        metrics=metrics)
-    router.count_scrape_errors = count_scrape_errors
-    return router
+def kv_settings(args: Namespace, router: Router) -> dict | None:
+    """What the signals process needs to subscribe to the engines' KV-cache events, or None
+    when precise routing is off or has no tokenizer."""
+    if router.precise is None or not router.precise.active:
+        return None
+    return {"events_port": args.kv_events_port, "replay_port": args.kv_replay_port}
 
 
 class App:
     def __init__(self, args: Namespace):
         self.args = args
         self.router = build_router(args)
+        self.flow = build_flow(args, self.router)
         self.metrics = self.router.metrics
         self.metrics.watch_router(self.router)
         # Static objects are read before anything starts, so a broken file fails fast and clean.
@@ -70,9 +59,7 @@ class App:
         self._stopped = asyncio.Event()
 
     def apply(self, endpoints: list[str], objectives: list[Objective], rewrites: list[Rewrite]) -> None:
-        changed = list(self.router.endpoints) != endpoints
-        self.router.set_endpoints(endpoints)
-        self.router.set_objects(objectives, rewrites)
+        changed = apply_objects(self.router, endpoints, objectives, rewrites)
         if self.link is not None:
             self.link.send_objects(endpoints, objectives, rewrites)
         if changed:
@@ -99,13 +86,12 @@ class App:
         a = self.args
         if self.workers > 1 and a.secure_serving and not a.cert_path:
             self._share_self_signed_certificate()
-        self.signals_proc, conns = start_signals_process(a, self.workers)
+        self.signals_proc, conns = start_signals_process(a, self.workers,
+                                                         kv_settings(a, self.router))
         self.link = SignalsLink(self.router, conns[0],
                                 peers=self.workers > 1 or bool(getattr(a, "peer_store", None)))
         self.link.start()
-        self.servers = await start_servers(self.router, a.grpc_port, a.health_port,
-                                           a.secure_serving, a.cert_path, a.request_body_mode,
-                                           a.bind, limits=server_limits(a))
+        self.servers = await start_ext_proc(self.router, a, a.grpc_port, a.health_port, self.flow)
         if self.workers > 1:
             self.worker_procs = start_workers(a, self.servers.grpc_port, conns[1:])
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""
@@ -198,16 +184,7 @@ async def run(args: Namespace) -> None:
     app = App(args)
     try:
         await app.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, app.request_stop)
+        stop_on_signals(app.request_stop)
         await app.maintain()
     finally:
         await app.stop()
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    """Run the service's coroutine on uvloop: it cuts the event loop's share of each ext_proc
-    message (grpc.aio completes every read and write through the loop); measured ~8 % less
-    server CPU per decision in `make bench-picker`."""
-    return uvloop.run(main)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 
 from picker import defaults
+from picker.flowcontrol.controller import FlowSettings
+from picker.flowcontrol.queue import QueueLimits
+from picker.flowcontrol.room import RoomRule
 from picker.protocol.limits import ServerLimits
 
 
@@ -63,6 +66,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-store", metavar="URL",
                    help="redis://HOST:PORT[/DB]: share in-flight counts and the prefix index "
                         "with the pool's other picker replicas")
+    p.add_argument("--flow-control", action=argparse.BooleanOptionalAction,
+                   default=defaults.FLOW_CONTROL,
+                   help="hold requests no endpoint can start now in the picker (see README)")
+    p.add_argument("--flow-max-requests", type=int, default=defaults.FLOW_MAX_REQUESTS,
+                   help="requests held at once per worker; more: 429 (sheddable) or 503")
+    p.add_argument("--flow-max-wait", type=float, default=defaults.FLOW_MAX_WAIT,
+                   help="seconds a request of priority >= 0 may be held; then 503 queue_timeout "
+                        "(keep below the gateway's ext_proc messageTimeout)")
+    p.add_argument("--flow-max-wait-sheddable", type=float,
+                   default=defaults.FLOW_MAX_WAIT_SHEDDABLE,
+                   help="seconds a sheddable request (priority < 0) may be held; then 429")
+    p.add_argument("--flow-strict-turns", type=int, default=defaults.FLOW_STRICT_TURNS,
+                   help="higher-priority dispatches in a row before a waiting lower-priority "
+                        "request goes (the starvation bound)")
+    p.add_argument("--flow-max-engine-waiting", type=int, default=defaults.FLOW_MAX_ENGINE_WAITING,
+                   help="an endpoint whose engine has more requests waiting has no room")
+    p.add_argument("--flow-output-reserve", type=int, default=defaults.FLOW_OUTPUT_RESERVE,
+                   help="KV tokens an endpoint must have free beyond the prompt to have room")
+    p.add_argument("--precise-prefix", action=argparse.BooleanOptionalAction,
+                   default=defaults.PRECISE_PREFIX,
+                   help="route on the engines' KV-cache events (needs --tokenizer); off: the "
+                        "approximate prefix index only")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's tokenizer: a directory with tokenizer.json and "
+                        "tokenizer_config.json (the model volume)")
+    p.add_argument("--kv-events-port", type=int, default=defaults.KV_EVENTS_PORT,
+                   help="each leader's KV-events publisher port, where its /kv_event_sources "
+                        "does not say")
+    p.add_argument("--kv-replay-port", type=int, default=defaults.KV_REPLAY_PORT,
+                   help="each leader's KV-events replay port (0: none)")
     p.add_argument("--bind", default="[::]", help="address the servers listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -77,15 +110,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--endpoints/--objects are for --discovery static")
     if args.scrape_interval <= 0 or args.staleness <= 0:
         p.error("--scrape-interval and --staleness must be positive")
+    if not 0 < args.kv_events_port < 65536 or not 0 <= args.kv_replay_port < 65536:
+        p.error("--kv-events-port must be a port, --kv-replay-port a port or 0")
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):
         p.error("--peer-store must be a redis://, rediss:// or unix:// URL")
     try:
         server_limits(args)
+        flow_settings(args)
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def flow_settings(args: argparse.Namespace) -> FlowSettings | None:
+    """The flow-control settings of the command line, None when it is off."""
+    if not getattr(args, "flow_control", False):
+        return None
+    if args.flow_max_engine_waiting < 0 or args.flow_output_reserve < 0:
+        raise ValueError("--flow-max-engine-waiting and --flow-output-reserve must be >= 0")
+    return FlowSettings(
+        QueueLimits(max_requests=args.flow_max_requests, max_wait=args.flow_max_wait,
+                    max_wait_sheddable=args.flow_max_wait_sheddable,
+                    strict_turns=args.flow_strict_turns),
+        RoomRule(max_engine_waiting=args.flow_max_engine_waiting,
+                 output_reserve_tokens=args.flow_output_reserve))
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

@@ -18,6 +18,7 @@ from picker.errors import PickerError, clip
 from picker.openai import parse_body, rewrite_model
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.prefilter import LeastLoaded, prefilter
+from picker.scheduling.precise import PrecisePrefix
 from picker.scheduling.prefix import PrefixIndex, block_hashes
 from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
@@ -94,10 +95,15 @@ class Router:
         self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
         self.changed: set[str] | None = None
         self.on_change: Callable[[], None] | None = None
+        # Flow control (picker.flowcontrol): `gate(ctx, candidates)` keeps the candidates that can
+        # start the request now or raises to hold it; `on_signals()` runs after every scrape.
+        self.gate: Callable[[SchedulingContext, list[EndpointState]], list[EndpointState]] | None = None
+        self.on_signals: Callable[[], None] | None = None
         self.objectives: dict[str, Objective] = {}
         self.rewrites: list[Rewrite] = []
         self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
         self.set_objects(objectives, rewrites)
+        self.precise: PrecisePrefix | None = None  # precise prefix routing (enable_precise)
 
     # ---- discovery -------------------------------------------------------------------------
     def set_endpoints(self, addresses: Iterable[str]) -> None:
@@ -106,6 +112,8 @@ class Router:
             if addr not in wanted:
                 del self.endpoints[addr]
                 self.prefix.remove_endpoint(addr)
+                if self.precise is not None:
+                    self.precise.forget(addr)
                 self._least.forget(addr)
                 if self.metrics is not None:
                     self.metrics.forget_endpoint(addr)
@@ -142,11 +150,16 @@ class Router:
         had_since = state.since_scrape != state.peer_since_scrape
         record_scrape(state, metrics, self.clock() if now is None else now)
         self._least.observe(state)
+        if self.precise is not None:
+            self.precise.on_metrics(address, metrics.num_gpu_blocks, metrics.block_size,
+                                    metrics.prompt_tokens_computed, state.scraped_at)
         if had_since:
             self._touched(address)
         if not was_ready or old is None or old.models != metrics.models \
                 or old.lora_running != metrics.lora_running or old.lora_waiting != metrics.lora_waiting:
             self._changed()
+        if self.on_signals is not None:
+            self.on_signals()
 
     def on_scrape_failed(self, address: str, now: float | None = None, timed_out: bool = False) -> None:
         """A refused connection, an error status or a bad page takes the endpoint out at once;
@@ -162,6 +175,31 @@ class Router:
                     self._changed()
             if self.metrics is not None and self.count_scrape_errors:
                 self.metrics.scrape_errors.labels(address).inc()
+
+    # ---- KV-cache events: precise prefix routing (scheduling/precise.py) ----------------------
+    def enable_precise(self, tokenizer, max_tokens: int | None = None) -> PrecisePrefix:
+        """Route on the engines' KV-cache events with this tokenizer (picker.tokenizer; None:
+        missing, every endpoint uses the approximate index)."""
+        p = self.profile
+        self.precise = PrecisePrefix(tokenizer, max_tokens or p.max_prefix_blocks * p.block_size_tokens)
+        return self.precise
+
+    def on_kv_events(self, address: str, events, seq: int | None = None,
+                     now: float | None = None, wall_now: float | None = None) -> None:
+        """One batch of an endpoint's KV-cache events, in process: an EventBatch or a list of
+        events (picker.signals.kvevents). Without `seq`, every batch since the engine started
+        is delivered in order; with it, gaps and restarts are handled as from the wire."""
+        state = self.endpoints.get(address)
+        if self.precise is None or state is None:
+            return
+        m = state.metrics
+        self.precise.on_batch(address, events, self.clock() if now is None else now, seq, wall_now,
+                              m.num_gpu_blocks if m else None, m.block_size if m else None)
+
+    def on_kv_deltas(self, deltas, status: dict | None = None) -> None:
+        """Index changes made by the signals process's subscriptions."""
+        if self.precise is not None:
+            self.precise.apply(deltas, status)
 
     # ---- peers: other workers and replicas sharing this pool's view -------------------------
     def own_loads(self) -> dict[str, Load]:
@@ -342,12 +380,20 @@ class Router:
         profile = self.profile
         if priority < 0:
             self._mark_stale(candidates, now)
-        if priority < 0 and pool_saturation(candidates, profile.saturation) >= 1.0:
+        if priority < 0 and self.gate is None \
+                and pool_saturation(candidates, profile.saturation) >= 1.0:  # flow control queues it
             if self.metrics is not None:
                 self.metrics.shed.labels(self.metric_label(model)).inc()
             raise PickerError(429, "the pool is saturated and this request's objective is "
                                    "sheddable (negative priority)", "pool_saturated", model, target)
-        ctx = SchedulingContext(target, parsed.prompt_tokens, parsed.max_tokens, priority, now,
+        precise = self.precise if profile.needs_prefix else None
+        prep = None
+        if precise is not None:
+            m = candidates[0].metrics
+            prep = precise.prepare(info.path, parsed,
+                                   None if m is None or target in m.models else target)
+        prompt_tokens = parsed.prompt_tokens if prep is None else prep.prompt_tokens
+        ctx = SchedulingContext(target, prompt_tokens, parsed.max_tokens, priority, now,
                                 profile.block_size_tokens,
                                 avg_prompt_tokens=self.avg_prompt_tokens)
         if profile.needs_prefix:
@@ -355,11 +401,17 @@ class Router:
                                       profile.max_prefix_blocks)
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
+            if prep is not None:
+                precise.apply_to(ctx, prep)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
+        if self.gate is not None:
+            candidates = self.gate(ctx, candidates)
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
-        uncached = parsed.prompt_tokens - cached
+        uncached = prompt_tokens - cached
+        if prep is not None:
+            precise.after_decision(prep, chosen.address, now)
         if ctx.hashes:
             # The server holds as many of our blocks as its KV cache has tokens for.
             cap_tokens = chosen.metrics.kv_capacity_tokens if chosen.metrics else None
@@ -374,7 +426,7 @@ class Router:
         if target != model and self.metrics is not None:
             self.metrics.rewrites.labels(self.metric_label(model), target).inc()
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
-                        parsed.prompt_tokens, cached, client_id)
+                        prompt_tokens, cached, client_id)
 
     def _prefilter(self, candidates: list[EndpointState], by_addr: dict[str, EndpointState] | None,
                    ctx: SchedulingContext) -> list[EndpointState]:
@@ -383,5 +435,5 @@ class Router:
             return candidates
         if by_addr is None:
             by_addr = {e.address: e for e in candidates}
-        return prefilter(candidates, by_addr, ctx.prefix_match, self._least.members(), self.rng,
+        return prefilter(candidates, by_addr, ctx.owner_tokens(), self._least.members(), self.rng,
                          settings)

@@ -36,6 +36,17 @@ MAX_STREAMS = 2048                      # ext_proc streams
 MAX_BUFFERED_BYTES = 128 * 1024 * 1024  # request body bytes, all streams together
 AVG_PROMPT_ALPHA = 0.05        # EWMA weight of the running mean prompt size
 
+# Flow control (picker.flowcontrol): requests no endpoint can start now wait in the picker.
+# The age bounds must stay below the gateway's ext_proc messageTimeout and the listener's
+# requestReceivedTimeout (make validate checks the manifests).
+FLOW_CONTROL = False          # the CLI default; base/picker turns it on (see README)
+FLOW_MAX_REQUESTS = 1000       # held at once per worker, all priorities
+FLOW_MAX_WAIT = 30.0           # seconds a request of priority >= 0 may wait
+FLOW_MAX_WAIT_SHEDDABLE = 5.0  # seconds a sheddable request (priority < 0) may wait
+FLOW_STRICT_TURNS = 8          # higher-priority dispatches in a row before a lower band's turn
+FLOW_MAX_ENGINE_WAITING = 0    # an engine with more requests waiting has no room
+FLOW_OUTPUT_RESERVE = 256      # KV tokens kept free per dispatched request beyond its prompt
+
 # Candidate prefilter for large pools: above PREFILTER_ABOVE candidates, only the endpoints
 # holding the longest prefix match plus PREFILTER_SAMPLE endpoints sampled at random (the
 # power-of-d idea) and the PREFILTER_LEAST least-loaded are scored in full.
@@ -43,6 +54,33 @@ PREFILTER_ABOVE = 32
 PREFILTER_SAMPLE = 8
 PREFILTER_LEAST = 4
 PREFILTER_OWNERS = 8           # at most this many prefix holders are kept
+
+# KV-cache events (precise prefix routing; signals/kvstate.py, kvsubscriber.py).
+KV_EVENTS_PORT = 5557          # each leader's ZMQ publisher (DESIGN.md; vLLM's example ports)
+KV_REPLAY_PORT = 5558          # its replay (ROUTER) socket
+KV_DEFAULT_MAX_BLOCKS = 65536  # blocks tracked per endpoint until its num_gpu_blocks is scraped
+KV_MAX_BLOCKS_PER_ENDPOINT = 1 << 20  # ceiling even if an endpoint reports more capacity
+KV_MAX_PENDING = 1000          # live messages held per endpoint while a replay runs
+KV_MAX_MESSAGE_BYTES = 16 << 20  # larger ZMQ messages are refused by the socket itself
+# A busy engine publishes tens of KB/s (a few bytes per prompt token); 4 MiB/s per endpoint is
+# ~100x that, and keeps a flooding publisher from taking the signals process's CPU.
+KV_MAX_BYTES_PER_SECOND = 4 * 1024 * 1024
+KV_REPLAY_TIMEOUT = 2.0        # seconds for the replay socket's whole answer
+KV_RESYNC_BACKOFF = 5.0        # seconds before an out-of-sync endpoint asks for a replay again
+# Silence: the engine's metrics show at least this many full blocks of prompt computed, and
+# no batch arrived for KV_SILENCE_SECONDS: the publisher is silent, the endpoint falls back.
+KV_SILENT_BLOCKS = 8
+KV_SILENCE_SECONDS = 5.0
+KV_ASSUMED_BLOCK_SIZE = 16     # block size before an event or the metrics tell it
+KV_FLUSH_INTERVAL = 0.01       # seconds: index changes reach the workers within this
+KV_STATUS_INTERVAL = 1.0       # seconds between per-endpoint status updates (metrics)
+# Tokenizer check (scheduling/precise.py): a routed request's first block should appear in its
+# endpoint's events once prefilled; this many in a row not seen within the window (generous:
+# queueing under load) mean the picker's tokenizer is not the engine's.
+KV_VERIFY_WINDOW = 120.0
+KV_VERIFY_MISSES = 32
+KV_VERIFY_PENDING = 1024       # checks remembered at most
+PRECISE_PREFIX = True          # --precise-prefix: on unless turned off (needs --tokenizer)
 
 # Process model.
 WORKERS = 1                    # ext_proc worker processes behind the one gRPC port

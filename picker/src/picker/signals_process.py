@@ -10,6 +10,8 @@ processes need to share. The workers only apply the results to their Routers.
     signals --("objects", ...)--> workers 1..n-1
     signals --("scrapes", [(address, metrics | None, timed_out, at)])--> every worker
     signals --("models", [(address, names listed in /v1/models)])--> every worker
+    signals --("kv", index deltas, per-endpoint status or None)--> every worker   (with precise
+              routing: the engines' KV-cache events, followed here; kvsubscriber.py)
     signals --("peers", {address: summed load of the others}, their prefix adds, partial)-->
               the other workers at once (partial: the changed endpoints), and every
               PEER_SYNC_INTERVAL each worker the whole table
@@ -69,6 +71,7 @@ class Collector:
 
     def __init__(self):
         self.endpoints: list[str] = []
+        self.on_metrics = None  # with precise routing: capacity and activity to the KV tracker
         self.batch: list[tuple[str, Any, bool, float]] = []
         self.models: list[tuple[str, tuple[str, ...]]] = []  # (address, names in /v1/models)
 
@@ -82,6 +85,9 @@ class Collector:
             self.batch.append((address, None, False, time.monotonic()))
             raise
         self.batch.append((address, metrics, False, time.monotonic()))
+        if self.on_metrics is not None:
+            self.on_metrics(address, metrics.num_gpu_blocks, metrics.block_size,
+                            metrics.prompt_tokens_computed)
 
     def on_scrape_failed(self, address: str, timed_out: bool = False) -> None:
         self.batch.append((address, None, timed_out, time.monotonic()))
@@ -89,7 +95,7 @@ class Collector:
 
 class SignalsHub:
     def __init__(self, conns: list[Connection], interval: float, staleness: float,
-                 peer_store: str | None = None, pool: str = "pool"):
+                 peer_store: str | None = None, pool: str = "pool", kv: dict | None = None):
         self.conns = conns
         self.peers = None
         if peer_store:
@@ -100,10 +106,17 @@ class SignalsHub:
         self.staleness = staleness
         self.collector = Collector()
         self.loads: list[dict[str, Load]] = [{} for _ in conns]
+        self._kv_status = None
 
         self.stopped = asyncio.Event()
         from picker.scraper import Scraper  # aiohttp only in this process
         self.scraper = Scraper(self.collector, interval)
+        self.kv = None
+        if kv is not None:
+            from picker.kvsubscriber import KVSources, KVSubscriber  # pyzmq only here
+            self.kv = KVSubscriber()
+            self.kv_sources = KVSources(self.kv, kv["events_port"], kv["replay_port"])
+            self.collector.on_metrics = self.kv.on_metrics
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -111,6 +124,9 @@ class SignalsHub:
             loop.add_reader(conn.fileno(), self._on_readable, i)
             os.set_blocking(conn.fileno(), True)  # libuv made it non-blocking (see workers.py)
         await self.scraper.start()
+        if self.kv is not None:
+            self.kv.start()
+            await self.kv_sources.start()
         if self.peers is not None:
             await self.peers.start()
         next_peers = loop.time()
@@ -128,6 +144,9 @@ class SignalsHub:
             for conn in self.conns:
                 loop.remove_reader(conn.fileno())
             await self.scraper.close()
+            if self.kv is not None:
+                await self.kv_sources.close()
+                self.kv.stop()
             if self.peers is not None:
                 await self.peers.close()
             for s in self.senders:
@@ -154,6 +173,8 @@ class SignalsHub:
             self.scraper.set_interval(defaults.scrape_interval_for(
                 len(endpoints), self.base_interval, self.staleness))
             self.scraper.sync()
+            if self.kv is not None:
+                self.kv_sources.sync(endpoints)
             for j, s in enumerate(self.senders):
                 if j != i:
                     s.send(msg)
@@ -163,6 +184,14 @@ class SignalsHub:
             self.stopped.set()
 
     def _flush_scrapes(self) -> None:
+        if self.kv is not None:
+            deltas, status = self.kv.take()
+            fresh = status if status is not self._kv_status else None
+            if deltas or fresh is not None:
+                self._kv_status = status
+                msg = ("kv", deltas, fresh)
+                for s in self.senders:
+                    s.send(msg)
         if self.collector.models:
             models, self.collector.models = self.collector.models, []
             for s in self.senders:
@@ -243,12 +272,12 @@ def _sum_loads(tables) -> dict[str, list[int]]:
 
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
-         peer_store: str | None = None, pool: str = "pool") -> None:
+         peer_store: str | None = None, pool: str = "pool", kv: dict | None = None) -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
     import uvloop
-    hub = SignalsHub(conns, interval, staleness, peer_store, pool)
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv)
     try:
         uvloop.run(hub.run())
     except KeyboardInterrupt:

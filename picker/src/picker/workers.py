@@ -3,7 +3,8 @@
     python -m picker --workers N ...
       worker 0 (the main process): discovery, gRPC health, /metrics, ext_proc on the gRPC port
       workers 1..N-1: ext_proc on the same port (SO_REUSEPORT: the kernel spreads connections)
-      the signals process: scrapes and parses /metrics, relays in-flight counts and prefix-index
+      the signals process: scrapes and parses /metrics, follows the engines' KV-cache events
+                           (kvsubscriber.py), relays in-flight counts and prefix-index
                            additions among the workers and, with --peer-store, with the other
                            replicas through Redis (signals_process.py, peer_store.py)
 
@@ -26,6 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from picker.core import Router
+from picker.runtime import (apply_objects, build_flow, build_router, run_loop, start_ext_proc,
+                            stop_on_signals)
 
 log = logging.getLogger("picker.workers")
 MAX_MESSAGES_PER_READ = 64
@@ -108,6 +111,8 @@ class SignalsLink:
         elif kind == "models":
             for address, names in msg[1]:
                 r.on_models(address, names)
+        elif kind == "kv":
+            r.on_kv_deltas(msg[1], msg[2])
         elif kind == "peers":
             r.set_peer_loads(msg[1], partial=msg[3])
             r.add_peer_prefixes(msg[2])
@@ -126,8 +131,10 @@ class SignalsLink:
             self.conn.close()
 
 
-def start_signals_process(args: Namespace, workers: int) -> tuple[mp.process.BaseProcess, list[Connection]]:
-    """The signals process and one connection per worker (index = worker number)."""
+def start_signals_process(args: Namespace, workers: int, kv: dict | None = None
+                          ) -> tuple[mp.process.BaseProcess, list[Connection]]:
+    """The signals process and one connection per worker (index = worker number); with `kv`
+    (app.kv_settings) it subscribes to the engines' KV-cache events."""
     from picker import signals_process
     ctx = mp.get_context("spawn")
     ours, theirs = zip(*(ctx.Pipe(duplex=True) for _ in range(workers)))
@@ -135,7 +142,7 @@ def start_signals_process(args: Namespace, workers: int) -> tuple[mp.process.Bas
                        args=(list(theirs), args.scrape_interval, args.staleness, args.log_level,
                              getattr(args, "peer_store", None),
                              f"{getattr(args, 'pool_namespace', 'default')}/"
-                             f"{getattr(args, 'pool_name', 'pool')}"),
+                             f"{getattr(args, 'pool_name', 'pool')}", kv),
                        daemon=True)
     proc.start()
     for c in theirs:
@@ -158,28 +165,19 @@ def start_workers(args: Namespace, grpc_port: int, conns: list[Connection]) -> l
 
 def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -> None:
     """An extra worker: a Router and the ext_proc server, fed by the signals process."""
-    from picker.app import build_router, run_loop
     from picker.observability.logs import setup_logging
     setup_logging(args.log_level)
 
     async def main():
-        from picker.protocol.server import start_servers
         router = build_router(args, count_scrape_errors=False)
-
-        def apply(endpoints, objectives, rewrites):
-            router.set_endpoints(endpoints)
-            router.set_objects(objectives, rewrites)
-
+        flow = build_flow(args, router)
         stop = asyncio.Event()
-        link = SignalsLink(router, conn, peers=True, on_objects=apply, on_closed=stop.set)
+        link = SignalsLink(router, conn, peers=True,
+                           on_objects=lambda *objects: apply_objects(router, *objects),
+                           on_closed=stop.set)
         link.start()
-        from picker.config import server_limits
-        servers = await start_servers(router, grpc_port, 0, args.secure_serving, args.cert_path,
-                                      args.request_body_mode, args.bind, limits=server_limits(args))
-        loop = asyncio.get_running_loop()
-        import signal
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        servers = await start_ext_proc(router, args, grpc_port, 0, flow)
+        stop_on_signals(stop.set)
         log.info("worker started", extra={"worker": index, "pid": os.getpid()})
         await stop.wait()
         await servers.stop()

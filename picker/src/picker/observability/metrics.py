@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
     from picker.core import Decision, PickerError, Router
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
 class PickerMetrics:
@@ -38,6 +39,21 @@ class PickerMetrics:
         self.refusals = Counter("picker_refused_requests",
                                 "Requests refused because the replica's stream or body budget "
                                 "was full", ["code"], registry=r)
+        # flow control (picker.flowcontrol); priority labels are objective priorities (bounded)
+        self.flow_held = Counter("picker_flow_held_requests",
+                                 "Requests the picker held because no endpoint could start them",
+                                 ["priority"], registry=r)
+        # livesum: with several worker processes, /metrics shows the sum of their queues
+        self.flow_queued = Gauge("picker_flow_queued_requests",
+                                 "Requests held in the picker's queue now, per priority",
+                                 ["priority"], registry=r, multiprocess_mode="livesum")
+        self.flow_wait = Histogram("picker_flow_queue_wait_seconds",
+                                   "Time a held request waited in the picker before dispatch",
+                                   buckets=_WAIT_BUCKETS, registry=r)
+        self.flow_evictions = Counter("picker_flow_evictions",
+                                      "Held requests that left the queue without dispatch, by reason "
+                                      "(expired, evicted, queue_full, cancelled, error)",
+                                      ["reason", "priority"], registry=r)
         # model name -> label value; the Router installs its own (configured or served names)
         self.model_label: Callable[[str], str] = lambda model: model
 
@@ -66,7 +82,9 @@ class PickerMetrics:
                 self.usage_tokens.labels(kind).inc(value)
 
     def watch_router(self, router: "Router", registry: CollectorRegistry | None = None) -> None:
+        from picker.observability.kvmetrics import KVCollector
         (registry or self.registry).register(_RouterCollector(router))
+        (registry or self.registry).register(KVCollector(router))
 
 
 class _RouterCollector:
@@ -96,3 +114,4 @@ class _RouterCollector:
                                 "Mean endpoint saturation max(queue/threshold, kv/threshold)")
         sat.add_metric([], self.router.pool_saturation())
         return [queue, running, kv, inflight, ready, sat]
+

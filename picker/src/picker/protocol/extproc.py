@@ -11,6 +11,7 @@ stream closes. Every stream and every buffered body byte counts against the repl
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -20,6 +21,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from picker.core import Decision, PickerError, RequestInfo, Router
 from picker.errors import clip
+from picker.flowcontrol.controller import FlowControl, Outcome
+from picker.flowcontrol.driver import FlowDriver
+from picker.flowcontrol.queue import Held
 from picker.protocol import messages as msg
 from picker.protocol.limits import Budget, ServerLimits
 from picker.protocol.usage import UsageTracker
@@ -57,8 +61,13 @@ class RequestStream:
     """State of one ext_proc stream (one downstream HTTP request)."""
 
     def __init__(self, router: Router, default_body_mode: int, max_body_bytes: int,
-                 budget: Budget):
+                 budget: Budget, flow: FlowDriver | None = None):
         self.router = router
+        self.flow = flow
+        self.held: Held | None = None      # waiting in the flow-control queue
+        self.waiting: asyncio.Future | None = None  # its outcome, awaited by Process
+        self._held_route: tuple[RequestInfo, bool] | None = None
+        self._after_hold: list[ep.ProcessingResponse] = []
         self.body_mode = default_body_mode
         self.response_body_mode = NONE
         self.max_body_bytes = max_body_bytes
@@ -89,6 +98,9 @@ class RequestStream:
             return self._request_body(req.request_body)
         if kind == "request_trailers":
             out = self._route() if not self.routed else []
+            if self.held is not None:  # the trailers answer follows the held headers answer
+                self._after_hold.append(msg.trailers_response(False))
+                return out
             return out if self.finished else out + [msg.trailers_response(False)]
         if kind == "response_headers":
             self.usage = UsageTracker(_headers(req.response_headers).get("content-type", ""))
@@ -145,16 +157,54 @@ class RequestStream:
         self.routed = True
         headers = self.headers or {}
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        self._drop_body()  # `body` lives on only in this call's answers
+        self.chunks = []  # `body` lives on in `info` (held) or this call's answers; its bytes
+        #                   count against the budget until then (_drop_body)
         info = RequestInfo(headers.get(":path", ""), headers, body or None, self.subset)
         try:
-            d = self.router.decide(info)
+            if self.flow is not None and not bodiless:
+                result = self.flow.flow.submit(info, self._flow_outcome)
+                if isinstance(result, Held):  # answered when dispatched (Process awaits it)
+                    self.held, self._held_route = result, (info, bodiless)
+                    if self.waiting is None:
+                        self.waiting = asyncio.get_running_loop().create_future()
+                    self.flow.arm()
+                    return []
+                d = result
+            else:
+                d = self.router.decide(info)
         except PickerError as err:
             return self._error(err)
         except Exception:  # a bug must not leave Envoy without an answer: 500, logged in full
             log.exception("decision failed", extra={"path": clip(info.path)})
             return self._error(PickerError(500, "internal error in the endpoint picker",
                                            "internal_error"))
+        return self._answer(d, info, bodiless)
+
+    def _flow_outcome(self, outcome: Outcome) -> None:
+        """Called by FlowControl when the held request leaves the queue (possibly at once)."""
+        if self.waiting is None:
+            self.waiting = asyncio.get_running_loop().create_future()
+        if not self.waiting.done():
+            self.waiting.set_result(outcome)
+
+    def resolve(self, outcome: Outcome) -> list[ep.ProcessingResponse]:
+        """The answers for a request that was held: its decision, or the refusal."""
+        info, bodiless = self._held_route
+        self.held = self.waiting = self._held_route = None
+        if isinstance(outcome, PickerError):
+            return self._error(outcome)
+        after, self._after_hold = self._after_hold, []
+        return self._answer(outcome, info, bodiless) + after
+
+    def cancel_hold(self) -> None:
+        """The stream ended while held (the client or Envoy went away): leave the queue now."""
+        if self.held is not None:
+            self.flow.flow.cancel(self.held)
+            self.flow.flow.publish()
+            self.held = None
+
+    def _answer(self, d: Decision, info: RequestInfo, bodiless: bool) -> list[ep.ProcessingResponse]:
+        self._drop_body()
         self.decision = d
         if log.isEnabledFor(logging.DEBUG):
             # request_id: the one Envoy and the client know (x-request-id), for correlation
@@ -204,8 +254,10 @@ class RequestStream:
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router, default_body_mode: str = "full-duplex",
-                 max_body_bytes: int | None = None, limits: ServerLimits | None = None):
+                 max_body_bytes: int | None = None, limits: ServerLimits | None = None,
+                 flow: FlowControl | None = None):
         self.router = router
+        self.flow = FlowDriver(flow) if flow is not None else None
         self.default_body_mode = BODY_MODES[default_body_mode]
         self.max_body_bytes = max_body_bytes or router.settings.max_body_bytes
         self.budget = Budget(limits or ServerLimits(max_body_bytes=self.max_body_bytes))
@@ -225,13 +277,18 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 return
             return
         stream = RequestStream(self.router, self.default_body_mode, self.max_body_bytes,
-                               self.budget)
+                               self.budget, self.flow)
         try:
             async for req in request_iterator:
                 for resp in stream.handle(req):
                     yield resp
+                if stream.waiting is not None:
+                    # held: Envoy waits for this answer; a reset stream cancels this task
+                    for resp in stream.resolve(await stream.waiting):
+                        yield resp
                 if stream.finished:
                     return
         finally:
+            stream.cancel_hold()
             self.budget.close_stream()
             stream.finish()

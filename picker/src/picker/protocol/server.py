@@ -8,6 +8,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from picker.core import Router
+from picker.flowcontrol.controller import FlowControl
 from picker.protocol.extproc import ExtProcServicer
 from picker.protocol.limits import Budget, ServerLimits
 from picker.protocol.tls import server_credentials
@@ -40,12 +41,13 @@ class Servers:
 
 async def start_servers(router: Router, grpc_port: int, health_port: int, secure: bool = True,
                         cert_path: str | None = None, default_body_mode: str = "full-duplex",
-                        host: str = "[::]", limits: ServerLimits | None = None) -> Servers:
+                        host: str = "[::]", limits: ServerLimits | None = None,
+                        flow: FlowControl | None = None) -> Servers:
     """Start both servers (port 0 = any free port) with health NOT_SERVING until set_ready."""
     limits = limits or ServerLimits(max_body_bytes=router.settings.max_body_bytes)
     server = grpc.aio.server(options=limits.grpc_options(),
                              maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
-    servicer = ExtProcServicer(router, default_body_mode, limits.max_body_bytes, limits)
+    servicer = ExtProcServicer(router, default_body_mode, limits.max_body_bytes, limits, flow)
     ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     cert = None
     if secure:

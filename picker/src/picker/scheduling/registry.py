@@ -17,6 +17,7 @@ SCORERS: dict[str, Callable[..., scorers.Scorer]] = {
     "queue": scorers.queue_scorer,
     "kv-cache-utilization": scorers.kv_cache_scorer,
     "prefix-cache": scorers.prefix_cache_scorer,
+    "precise-prefix": scorers.precise_prefix_scorer,
     "inflight-load": scorers.inflight_load_scorer,
     "lora-affinity": scorers.lora_affinity_scorer,
     "predicted-ttft": scorers.predicted_ttft_scorer,
@@ -27,7 +28,7 @@ PICKERS: dict[str, Callable[..., pickers.Picker]] = {
     "weighted-random": pickers.weighted_random_picker,
 }
 # Scorers that need the prompt's prefix match computed before scoring.
-NEEDS_PREFIX = {"prefix-cache", "predicted-ttft", "kv-headroom"}
+NEEDS_PREFIX = {"prefix-cache", "precise-prefix", "predicted-ttft", "kv-headroom"}
 
 
 def canonical(name: str) -> str:

@@ -72,6 +72,28 @@ def prefix_cache_scorer() -> Scorer:
     return score
 
 
+def precise_prefix_scorer() -> Scorer:
+    """Share of the prompt cached on the endpoint: from its KV-cache events where they are in
+    sync (scheduling/precise.py), else the approximate index's share (as `prefix-cache`)."""
+    def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
+        total = len(ctx.hashes)
+        precise, sync = ctx.precise, ctx.sync
+        if precise is None:
+            if total == 0:
+                return [0.0] * len(eps)
+            match = ctx.prefix_match
+            return [match.get(e.address, 0) / total for e in eps]
+        out = []
+        for e in eps:
+            a = e.address
+            if sync.get(a) == "":
+                out.append(ctx.cached_tokens(a) / ctx.prompt_tokens if ctx.prompt_tokens else 0.0)
+            else:
+                out.append(ctx.prefix_match.get(a, 0) / total if total else 0.0)
+        return out
+    return score
+
+
 def inflight_load_scorer() -> Scorer:
     """Requests the picker sent and has not seen finish, min-max normalised."""
     def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:

@@ -17,7 +17,10 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
 LORA_INFO = "vllm:lora_requests_info"
-WANTED = frozenset({WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG, LORA_INFO})
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+WANTED = frozenset({WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG, LORA_INFO,
+                    PROMPT_TOKENS, PREFIX_HITS})
 
 
 class MetricsParseError(ValueError):
@@ -35,6 +38,9 @@ class ModelServerMetrics:
     lora_max: int | None = None
     lora_running: frozenset[str] = field(default_factory=frozenset)
     lora_waiting: frozenset[str] = field(default_factory=frozenset)
+    # prompt tokens the engine computed (prompt tokens - prefix-cache hits, counters summed over
+    # engines): tells a silent KV-events publisher (signals/kvstate.py)
+    prompt_tokens_computed: float | None = None
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -99,6 +105,7 @@ def parse_vllm_metrics(text: str | bytes) -> ModelServerMetrics:
     models: set[str] = set()
     block_size = num_blocks = None
     lora: tuple[float, dict[str, str]] | None = None
+    prompt_tokens = hits = None
     seen_load = False
     for name, labels, value in _samples(text):
         if name != LORA_INFO and "model_name" in labels:
@@ -116,6 +123,10 @@ def parse_vllm_metrics(text: str | bytes) -> ModelServerMetrics:
         elif name == CACHE_CONFIG:
             block_size = _int_label(labels, "block_size") or block_size
             num_blocks = _int_label(labels, "num_gpu_blocks") or num_blocks
+        elif name == PROMPT_TOKENS:
+            prompt_tokens = (prompt_tokens or 0.0) + value
+        elif name == PREFIX_HITS:
+            hits = (hits or 0.0) + value
         elif name == LORA_INFO and (lora is None or value >= lora[0]):
             lora = (value, labels)  # value is an update timestamp: the newest series wins
     if not seen_load:
@@ -132,4 +143,5 @@ def parse_vllm_metrics(text: str | bytes) -> ModelServerMetrics:
         lora_max=_int_label(lora_labels, "max_lora") if lora else None,
         lora_running=_adapters(lora_labels.get("running_lora_adapters")),
         lora_waiting=_adapters(lora_labels.get("waiting_lora_adapters")),
+        prompt_tokens_computed=None if prompt_tokens is None else prompt_tokens - (hits or 0.0),
     )

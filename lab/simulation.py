@@ -40,7 +40,7 @@ import numpy as np
 from local.sim.engine import Engine, block_hashes
 from local.sim.engines import A10_QWQ32B, EngineModel
 from local.sim.tokens import token_ids
-from lab.policies import LabEndpoint, LabRequest, Policy, Rejected
+from lab.policy_api import LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
 _ARRIVAL, _DOWN, _STEP_DONE, _UP = 0, 1, 2, 3
@@ -60,6 +60,11 @@ class LabConfig:
     engine_models: Optional[Sequence[EngineModel]] = None   # per group (heterogeneous pool)
     outages: Sequence[tuple] = ()            # (group index, down at s, back at s)
 
+    @property
+    def block_size(self) -> int:
+        """The KV block size the requests are hashed with (the same for every group)."""
+        return (self.engine_models or [self.engine_model])[0].block_size
+
 
 @dataclass
 class LabRun:
@@ -67,6 +72,8 @@ class LabRun:
     samples: list                            # list[loadtest.metrics.RequestSample]
     series: dict                             # address -> {"t","kv","running","waiting"} lists
     per_endpoint: dict                       # address -> counters (requests, preemptions, ...)
+    wall_s: float = 0.0                      # set by lab.experiment: the run's wall seconds
+    cpu_s: float = 0.0                       # and its CPU seconds
 
 
 @dataclass(eq=False)

@@ -1,0 +1,84 @@
+"""What a lab routing policy sees and implements (the data types every lab module shares).
+
+A policy sees the gateway's view of the pool: the endpoints, the requests the gateway has in
+flight to each (`LabEndpoint.inflight`), and the request. The lab calls, in virtual time:
+
+    policy.start(endpoints, clock, rng)      # once, before the first request
+    policy.pick(request) -> LabEndpoint      # when a request is sent
+    policy.on_done(request, endpoint)        # when its last token was delivered
+
+Policies that read the engines' /metrics (the picker) set `scrape_interval`: the lab then
+records each engine's state for their scrapes (`LabEndpoint.history`); see lab/picker_policy.py.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from local.sim.engine import Engine
+
+
+@dataclass(eq=False)
+class LabEndpoint:
+    index: int
+    address: str                       # "127.0.0.1:8101"-style name, as the picker sees it
+    engine: Engine
+    model_name: str = "qwq"
+    inflight: int = 0                  # gateway-side count of requests sent and not finished
+    busy: bool = False                 # an engine step is scheduled or running
+    step_end: float = 0.0              # when the running step's tokens are delivered
+    up: bool = True                    # False while the group is down (an outage)
+    epoch: int = 0                     # bumps when the group restarts (stale steps are dropped)
+    history: list = field(default_factory=list)   # (time, running, waiting, kv_usage) snapshots
+
+
+@dataclass(eq=False)
+class LabRequest:
+    index: int
+    request_id: str
+    prompt: str
+    token_ids: list
+    hashes: list
+    max_tokens: int
+    group: str = ""
+    arrival: Optional[float] = None    # send time from a trace (None: the run's arrival process)
+    path: str = "/v1/completions"
+    endpoint: Optional[LabEndpoint] = None
+    router_id: Optional[str] = None    # the picker's request id, for on_request_done
+
+    def body(self, model: str) -> dict:
+        return {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+
+class Rejected(Exception):
+    """The policy refuses the request (e.g. the picker's 429/503); the lab counts it failed."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(f"{status}: {reason}")
+        self.status = status
+
+
+class Policy:
+    name = "policy"
+    scrape_interval: Optional[float] = None    # seconds; None = does not scrape
+
+    def start(self, endpoints: list[LabEndpoint], clock: Callable[[], float],
+              rng: random.Random) -> None:
+        self.endpoints = endpoints
+        self.clock = clock
+        self.rng = rng
+
+    def pick(self, request: LabRequest) -> LabEndpoint:
+        raise NotImplementedError
+
+    def set_available(self, endpoints: list[LabEndpoint]) -> None:
+        """The pool changed (a group went down or came back): pick only among `endpoints`, as
+        the gateway does once service discovery drops or re-adds the endpoint."""
+        self.endpoints = endpoints
+
+    def on_done(self, request: LabRequest, endpoint: LabEndpoint) -> None:
+        pass

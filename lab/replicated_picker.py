@@ -1,0 +1,109 @@
+"""Picker replicas as one lab policy: N copies of the picker's real Router, each request decided
+by one replica drawn at random (Envoy spreads ext_proc streams over the picker's endpoints).
+
+- independent: nothing shared; each replica learns prefix affinity from its share of the
+  traffic and counts only its own in-flight requests (`replicas:N:independent`);
+- shared (`replicas:N`): every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S`
+  sets it; the picker itself sends changes as they happen and the whole table every
+  PEER_SYNC_INTERVAL, so `sync=0` and the default bound it from both sides) the replicas exchange
+  what the picker's signals process relays between workers and replicas
+  (picker/src/picker/signals_process.py): each one's in-flight counts per endpoint
+  (`Router.own_loads` -> `Router.set_peer_loads`) and the prefix-index additions of its
+  decisions (`Router.prefix_log` -> `Router.add_peer_prefixes`).
+
+The experiment over 1, 2 and 4 replicas is lab/replicas.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from picker import defaults
+
+from lab.picker_policy import PickerPolicy
+from lab.policy_api import Policy
+
+
+class ReplicatedPicker(Policy):
+    def __init__(self, replicas: int, shared: bool = True, profile: str = "default",
+                 sync_interval: float = defaults.PEER_SYNC_INTERVAL):
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        self.parts = [PickerPolicy(profile) for _ in range(replicas)]
+        self.scrape_interval = self.parts[0].scrape_interval  # the lab records engine history
+        self.shared = shared and replicas > 1
+        self.sync_interval = sync_interval
+        self.name = f"replicas:{replicas}" + ("" if shared else ":independent")
+
+    @classmethod
+    def from_name(cls, name: str) -> "ReplicatedPicker":
+        """`replicas:N` (shared view, exchanged every PEER_SYNC_INTERVAL), `replicas:N:sync=S`
+        (every S seconds; 0 = before every decision) or `replicas:N:independent`."""
+        parts = name.split(":")
+        if len(parts) not in (2, 3) or not parts[1].isdigit():
+            raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+        option = parts[2] if len(parts) == 3 else ""
+        if option == "independent":
+            return cls(int(parts[1]), shared=False)
+        if option.startswith("sync="):
+            try:
+                return cls(int(parts[1]), sync_interval=float(option[5:]))
+            except ValueError:
+                pass
+        elif not option:
+            return cls(int(parts[1]))
+        raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+
+    def start(self, endpoints, clock, rng):
+        super().start(endpoints, clock, rng)
+        # Same scrape phases in every replica (their scrapes read the same engine history); the
+        # first replica draws from `rng` exactly as a lone PickerPolicy would.
+        for p in self.parts:
+            p.start(endpoints, clock, rng)
+            if self.shared:
+                p.router.prefix_log = []
+        self.rng = random.Random(rng.random())
+        self.replica_of: dict[int, int] = {}
+        self.next_sync = -math.inf
+
+    @property
+    def scrapes(self) -> int:
+        return sum(p.scrapes for p in self.parts)
+
+    def _sync(self) -> None:
+        now = self.clock()
+        if now < self.next_sync:
+            return
+        self.next_sync = now + self.sync_interval
+        routers = [p.router for p in self.parts]
+        loads = [r.own_loads() for r in routers]
+        adds = []
+        for r in routers:
+            adds.append(r.prefix_log)
+            r.prefix_log = []
+        for i, r in enumerate(routers):
+            total: dict[str, tuple] = {}
+            for j, lj in enumerate(loads):
+                if j == i:
+                    continue
+                for addr, load in lj.items():
+                    t = total.get(addr, (0, 0, 0, 0))
+                    total[addr] = tuple(a + b for a, b in zip(t, load))
+            r.set_peer_loads(total)
+            r.add_peer_prefixes(a for j, lst in enumerate(adds) if j != i for a in lst)
+
+    def pick(self, request):
+        if self.shared:
+            self._sync()
+        i = self.rng.randrange(len(self.parts))
+        endpoint = self.parts[i].pick(request)
+        self.replica_of[id(request)] = i
+        return endpoint
+
+    def on_done(self, request, endpoint):
+        if self.shared:
+            self._sync()
+        i = self.replica_of.pop(id(request), None)
+        if i is not None:
+            self.parts[i].on_done(request, endpoint)

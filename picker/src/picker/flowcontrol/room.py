@@ -1,0 +1,42 @@
+"""When an endpoint can start a request now: the picker's saturation test for flow control.
+
+An endpoint has room for a request when, from the signals the picker has:
+- its metrics are fresh (a stale or failing endpoint is unknown, not free);
+- its engine had at most `max_engine_waiting` requests waiting at the last scrape (vLLM's
+  `num_requests_waiting`: with a queue, the engine cannot start more now);
+- its KV cache can hold the request's uncached prompt plus `output_reserve_tokens` now: free KV
+  tokens ((1 - kv_usage) x block_size x num_gpu_blocks) minus the prompt tokens the picker sent
+  there since that scrape (not yet in the engine's numbers). Without `vllm:cache_config_info`
+  the test is kv_usage < `kv_usage_without_capacity`.
+
+Requests sent since the last scrape are counted by their tokens, not their number: short
+requests that finish between two scrapes must not cap an endpoint at a few per interval.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picker import defaults
+from picker.scheduling.context import SchedulingContext
+from picker.signals.state import EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class RoomRule:
+    max_engine_waiting: int = defaults.FLOW_MAX_ENGINE_WAITING
+    output_reserve_tokens: int = defaults.FLOW_OUTPUT_RESERVE
+    kv_usage_without_capacity: float = 0.9
+
+
+def has_room(e: EndpointState, ctx: SchedulingContext, rule: RoomRule) -> bool:
+    m = e.metrics
+    if m is None or e.stale or e.failing:
+        return False
+    if m.waiting > rule.max_engine_waiting:
+        return False
+    capacity = m.kv_capacity_tokens
+    if not capacity:
+        return m.kv_usage < rule.kv_usage_without_capacity
+    free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
+    need = ctx.prompt_tokens - ctx.cached_tokens(e.address) + rule.output_reserve_tokens
+    return need <= free or (m.running == 0 and e.since_scrape == 0)  # an idle engine takes anything

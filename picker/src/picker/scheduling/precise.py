@@ -1,0 +1,209 @@
+"""Precise prefix routing for one Router: the request's own token ids matched against the blocks
+the engines reported holding (their KV-cache events), per endpoint, with the approximate index
+as the fallback for every endpoint whose events are not in sync.
+
+    prep = precise.prepare(path, parsed, lora)   # tokenized and matched, or None (fall back)
+    precise.apply_to(ctx, prep)                  # ctx.precise / ctx.sync for the scorers
+    precise.after_decision(prep, address, now)   # checks that the tokenizer matches the engine
+
+The index is fed either by the signals process (deltas, `apply`) or, in process, by a
+KVTracker this object owns (`on_batch`: the routing lab and tests).
+
+Tokenizer check: a request routed to an endpoint in sync makes the engine store (or hit) its
+first block once it is prefilled. If KV_VERIFY_MISSES such first blocks in a row do not show up
+in the index within KV_VERIFY_WINDOW, the picker's tokenizer does not produce the engine's token ids (another model, another
+chat template): precise routing turns off for the whole replica (metric, one log line).
+"""
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from picker import defaults
+from picker.openai import ParsedRequest
+from picker.scheduling.context import SchedulingContext
+from picker.scheduling.kvindex import PreciseIndex
+from picker.signals.kvevents import EventBatch
+from picker.signals.kvstate import KVTracker, chain_hashes, root_seed
+from picker.tokenizer import ModelTokenizer, NotTokenizable
+
+log = logging.getLogger("picker.precise")
+
+# state values (metric picker_kv_tokenizer{state})
+LOADED, MISSING, MISMATCH = "loaded", "missing", "mismatch"
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request, ready for scoring: its prompt tokens (exact, or estimated past the last
+    block any endpoint holds), cached tokens per in-sync endpoint that holds some of it, and
+    its first block's own hash per block size (the tokenizer check)."""
+    prompt_tokens: int
+    cached: dict[str, int]
+    first: dict[int, int]
+
+
+class PrecisePrefix:
+    def __init__(self, tokenizer: ModelTokenizer | None, max_tokens: int = 16384,
+                 verify_window: float = defaults.KV_VERIFY_WINDOW,
+                 verify_misses: int = defaults.KV_VERIFY_MISSES):
+        self.tokenizer = tokenizer
+        self.state = LOADED if tokenizer is not None else MISSING
+        self.max_tokens = max_tokens                 # longest prefix matched, in tokens
+        self.index = PreciseIndex()
+        self.tracker: KVTracker | None = None        # in-process feeding only
+        self.status: dict[str, tuple] = {}           # per endpoint, from the tracker
+        self.untokenizable = 0                       # requests routed on the approximate index
+        self.verify_window = verify_window
+        self.verify_misses = verify_misses
+        self._checks: deque = deque()                # (sent, address, first block's own hash)
+        self._misses = 0
+
+    @property
+    def active(self) -> bool:
+        return self.state == LOADED
+
+    # ---- feeding -----------------------------------------------------------------------------
+    def apply(self, deltas: Iterable[tuple], status: dict[str, tuple] | None = None) -> None:
+        """Index changes from the signals process (signals.kvstate.KVTracker.take_deltas)."""
+        self.index.apply(deltas)
+        if status is not None:
+            self.status = status
+
+    def on_batch(self, address: str, batch: EventBatch | list, now: float,
+                 seq: int | None = None, wall_now: float | None = None,
+                 num_gpu_blocks: int | None = None, block_size: int | None = None) -> None:
+        """Events of one endpoint, in process. A list of events is taken as one batch; the
+        endpoint's last scraped cache config sizes it when it is new."""
+        if not isinstance(batch, EventBatch):
+            batch = EventBatch(now if wall_now is None else wall_now, list(batch))
+        tracker = self._tracker()
+        if address not in tracker.endpoints:
+            tracker.add(address, now, replay=seq not in (None, 0))
+            tracker.set_capacity(address, num_gpu_blocks, block_size)
+        tracker.on_batch(address, batch, now, seq, wall_now)
+        self._sync()
+
+    def on_metrics(self, address: str, num_gpu_blocks: int | None, block_size: int | None,
+                   computed_tokens: float | None, now: float) -> None:
+        if self.tracker is not None and address in self.tracker.endpoints:
+            self.tracker.set_capacity(address, num_gpu_blocks, block_size)
+            self.tracker.on_activity(address, computed_tokens, now)
+            self._sync()
+
+    def forget(self, address: str) -> None:
+        self.index.forget(address)
+        if self.tracker is not None:
+            self.tracker.remove(address)
+            self._sync()
+
+    def _tracker(self) -> KVTracker:
+        if self.tracker is None:
+            self.tracker = KVTracker()
+        return self.tracker
+
+    def _sync(self) -> None:
+        self.index.apply(self.tracker.take_deltas())
+        self.status = self.tracker.status()
+
+    # ---- deciding ----------------------------------------------------------------------------
+    def prepare(self, path: str, parsed: ParsedRequest, lora: str | None) -> Prepared | None:
+        """Tokenize the request as the engine will and match it against the in-sync endpoints'
+        blocks. None: route approximately (precise off, nothing in sync, not tokenizable).
+
+        Tokenization stops at the first block no in-sync endpoint holds (nothing further can
+        match); the rest of the prompt's token count is then estimated at the tokens per
+        character seen so far. Windows of a prefix shared by many prompts are cached."""
+        index = self.index
+        sizes = index.sizes()
+        if self.state != LOADED or not sizes:
+            return None
+        try:
+            text, special, ids = self.tokenizer.request_text(path, parsed.obj)
+        except NotTokenizable:
+            self.untokenizable += 1
+            return None
+        seed = root_seed(lora)
+        chains: dict[int, list[int]] = {bs: [] for bs in sizes}
+        tokens = array("I")
+        limit = self.max_tokens
+        pieces = [(ids, None)] if text is None else self.tokenizer.windows(text, special)
+        consumed = before = 0
+        for piece, consumed in pieces:
+            tokens.extend(piece)
+            if not self._extend(chains, tokens, seed, limit) or len(tokens) >= limit:
+                break
+            before = consumed
+        if text is None or consumed >= len(text):
+            prompt_tokens = len(tokens)
+        else:  # stopped early: the rest at the last window's tokens per character
+            span = consumed - before
+            rate = len(piece) / span if span >= 256 else len(tokens) / consumed
+            prompt_tokens = len(tokens) + round((len(text) - consumed) * rate)
+        cached: dict[str, int] = {}
+        first: dict[int, int] = {}
+        sizes_of = index.block_size
+        for bs, chain in chains.items():
+            if chain:
+                first[bs] = chain[0]
+                for addr, n in index.match(chain).items():
+                    if sizes_of.get(addr) == bs:
+                        cached[addr] = n * bs
+        return Prepared(prompt_tokens, cached, first)
+
+    def _extend(self, chains: dict[int, list[int]], tokens: array, seed: int, limit: int) -> bool:
+        """Hash the newly complete blocks of each block size; False once no in-sync endpoint
+        holds the last block of any chain (nothing further can match)."""
+        alive = False
+        holds_any = self.index.holds_any
+        for bs, chain in chains.items():
+            done = len(chain)
+            if done and not holds_any(chain[-1]):
+                continue
+            full = min(len(tokens), limit) // bs
+            if full > done:
+                chain.extend(chain_hashes(tokens[done * bs:full * bs], bs,
+                                          chain[-1] if chain else seed))
+            if not chain or holds_any(chain[-1]):
+                alive = True
+        return alive
+
+    def apply_to(self, ctx: SchedulingContext, prep: Prepared) -> None:
+        ctx.precise = prep.cached
+        ctx.sync = self.index.reason
+
+    def after_decision(self, prep: Prepared, address: str, now: float) -> None:
+        """Remember this request's first block on its endpoint; settle the oldest checks: a
+        first block found is a hit, one not found within the window a miss."""
+        if self.index.in_sync(address):
+            bs = self.index.block_size.get(address)
+            h = prep.first.get(bs) if bs else None
+            if h is not None:
+                if len(self._checks) >= defaults.KV_VERIFY_PENDING:
+                    self._checks.popleft()
+                self._checks.append((now, address, h))
+        checks, index = self._checks, self.index
+        while checks:
+            sent, addr, h = checks[0]
+            if index.holds(h, addr):
+                self._misses = 0
+            elif not index.in_sync(addr):
+                pass                     # no verdict from an endpoint out of sync
+            elif now - sent < self.verify_window:
+                return                   # not yet: it may be waiting in the engine's queue
+            else:
+                self._misses += 1
+                if self._misses >= self.verify_misses and self.state == LOADED:
+                    self._mismatch()
+                    return
+            checks.popleft()
+
+    def _mismatch(self) -> None:
+        self.state = MISMATCH
+        self._checks.clear()
+        log.error("the tokenizer does not match the engines: the first blocks of %d requests in "
+                  "a row never appeared in their KV events; precise prefix routing is off, the "
+                  "approximate prefix index is used", self._misses)

@@ -1,0 +1,275 @@
+"""Flow control: the queue's order and bounds, the controller on a real Router with an injected
+clock, and the ext_proc server holding a stream until an endpoint has room."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from picker.core import RequestInfo
+from picker.discovery.objects import Objective
+from picker.errors import PickerError
+from picker.flowcontrol.controller import FlowControl, FlowSettings
+from picker.flowcontrol.queue import FlowQueue, Held, QueueLimits
+from picker.flowcontrol.room import RoomRule
+from picker.observability.metrics import PickerMetrics
+from picker.protocol.server import start_servers
+
+import extproc_client as c
+from helpers import FakeClock, body, make_router, metrics_text
+
+OBJECTIVES = [Objective("interactive", 10), Objective("batch", -10)]
+
+
+def order(q: FlowQueue) -> list:
+    out = []
+    while (h := q.peek()) is not None:
+        q.pop(h)
+        out.append(h.payload)
+    return out
+
+
+# ---- the queue --------------------------------------------------------------------------------
+
+def test_higher_priority_first_fifo_within_a_band():
+    q = FlowQueue(QueueLimits(strict_turns=100))
+    for i, p in enumerate([0, 10, 0, 10, -10]):
+        q.push(p, "", float(i), f"p{p}-{i}")
+    assert order(q) == ["p10-1", "p10-3", "p0-0", "p0-2", "p-10-4"]
+
+
+def test_clients_take_turns_within_a_band():
+    q = FlowQueue()
+    for i in range(10):
+        q.push(0, "heavy", float(i), f"h{i}")
+    q.push(0, "light", 10.0, "l0")
+    q.push(0, "light", 11.0, "l1")
+    got = order(q)
+    # the light client's first request goes second, not eleventh
+    assert got[:4] == ["h0", "l0", "h1", "l1"]
+    assert got[4:] == [f"h{i}" for i in range(2, 10)]
+
+
+def test_lower_band_gets_a_turn_after_strict_turns():
+    q = FlowQueue(QueueLimits(strict_turns=3))
+    q.push(0, "", 0.0, "low")
+    for i in range(10):
+        q.push(10, "", 1.0 + i, f"hi{i}")
+    got = order(q)
+    assert got.index("low") == 3  # after exactly 3 higher-band dispatches
+
+
+def test_age_bounds_per_priority_and_next_deadline():
+    q = FlowQueue(QueueLimits(max_wait=30.0, max_wait_sheddable=5.0))
+    q.push(0, "", 0.0, "normal")
+    q.push(-10, "", 1.0, "sheddable")
+    assert q.next_deadline() == 6.0
+    assert [h.payload for h in q.expired(5.9)] == []
+    assert [h.payload for h in q.expired(6.0)] == ["sheddable"]
+    assert [h.payload for h in q.expired(30.0)] == ["normal"]
+    assert len(q) == 0 and q.next_deadline() is None
+
+
+def test_full_queue_evicts_the_newest_of_the_lowest_band_or_refuses():
+    q = FlowQueue(QueueLimits(max_requests=3))
+    q.push(-10, "", 0.0, "batch-old")
+    q.push(-10, "", 1.0, "batch-new")
+    q.push(0, "", 2.0, "normal")
+    held, evicted = q.push(10, "", 3.0, "interactive")
+    assert held is not None and evicted.payload == "batch-new"
+    held, evicted = q.push(-10, "", 4.0, "batch-late")  # not above the lowest band: refused
+    assert held is None and evicted is None
+    assert order(q) == ["interactive", "normal", "batch-old"]
+
+
+def test_removed_request_leaves_at_once():
+    q = FlowQueue()
+    a, _ = q.push(0, "x", 0.0, "a")
+    b, _ = q.push(0, "x", 1.0, "b")
+    q.remove(a)
+    q.remove(a)  # twice is harmless
+    assert len(q) == 1 and q.peek() is b and q.sizes() == {0: 1}
+
+
+# ---- the controller on a real Router ----------------------------------------------------------
+
+def flow_router(waiting=1, kv=0.5, running=0, **limits):
+    clock = FakeClock()
+    metrics = PickerMetrics()
+    router = make_router(profile="default", n=2, clock=clock, objectives=OBJECTIVES,
+                         metrics=metrics, waiting=waiting, kv=kv, running=running)
+    flow = FlowControl(router, FlowSettings(QueueLimits(**limits), RoomRule()))
+    return router, flow, clock, metrics
+
+
+def info(prompt="hello", objective=None, client=None):
+    headers = {"content-type": "application/json"}
+    if objective:
+        headers["x-gateway-inference-objective"] = objective
+    if client:
+        headers["x-client-id"] = client
+    return RequestInfo("/v1/completions", headers, body(prompt=prompt))
+
+
+def scrape_all(router, clock, **load):
+    for addr in router.endpoints:
+        router.on_scrape_ok(addr, metrics_text(**load), clock())
+
+
+def sample(metrics, name, **labels):
+    value = metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def test_room_decides_at_once_and_no_room_holds_until_a_scrape_shows_room():
+    router, flow, clock, metrics = flow_router(waiting=0)
+    outcomes = []
+    d = flow.submit(info(), outcomes.append)
+    assert not isinstance(d, Held) and d.endpoint in router.endpoints
+    scrape_all(router, clock, waiting=2)  # every engine has a queue: no room
+    held = flow.submit(info(), outcomes.append)
+    assert isinstance(held, Held) and outcomes == []
+    assert flow.pump() == 0 and outcomes == []
+    clock.t += 1.0
+    router.on_scrape_ok("10.0.0.2:8000", metrics_text(waiting=0), clock())
+    assert flow.pump() == 1
+    assert outcomes[0].endpoint == "10.0.0.2:8000"  # the one endpoint with room
+    assert metrics.registry.get_sample_value("picker_flow_queue_wait_seconds_sum") == 1.0
+
+
+def test_kv_without_room_for_the_prompt_holds():
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.99, running=4)  # 640 KV tokens free
+    held = flow.submit(info(prompt="x" * 4 * 2000), lambda o: None)  # ~2,000 tokens
+    assert isinstance(held, Held)
+    small = flow.submit(info(prompt="short"), lambda o: None)
+    assert isinstance(small, Held)  # FIFO: no overtaking of the held head
+
+
+def test_expiry_answers_503_or_429_with_the_reason_and_counts_it():
+    router, flow, clock, metrics = flow_router(waiting=3, max_wait=30.0, max_wait_sheddable=5.0)
+    outcomes = {}
+    flow.submit(info(), lambda o: outcomes.setdefault("normal", o))
+    flow.submit(info(objective="batch"), lambda o: outcomes.setdefault("batch", o))
+    clock.t += 5.0
+    scrape_all(router, clock, waiting=3)  # fresh signals, still no room
+    flow.pump()
+    assert outcomes["batch"].status == 429 and outcomes["batch"].code == "queue_timeout"
+    assert "normal" not in outcomes
+    clock.t += 25.0
+    scrape_all(router, clock, waiting=3)
+    flow.pump()
+    err = outcomes["normal"]
+    assert isinstance(err, PickerError) and err.status == 503 and err.code == "queue_timeout"
+    assert b'"queue_timeout"' in err.openai_body() and "30s" in err.message
+    assert sample(metrics, "picker_flow_evictions_total", reason="expired", priority="-10") == 1
+    assert sample(metrics, "picker_flow_evictions_total", reason="expired", priority="0") == 1
+
+
+def test_full_queue_refuses_sheddable_with_429_and_evicts_it_for_interactive():
+    router, flow, clock, metrics = flow_router(waiting=3, max_requests=1)
+    outcomes = []
+    flow.submit(info(objective="batch"), outcomes.append)
+    with pytest.raises(PickerError) as refused:
+        flow.submit(info(objective="batch"), outcomes.append)
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    flow.submit(info(objective="interactive"), outcomes.append)
+    assert outcomes[0].status == 429 and outcomes[0].code == "queue_evicted"
+    assert sample(metrics, "picker_flow_queued_requests", priority="10") == 1
+    assert sample(metrics, "picker_flow_queued_requests", priority="-10") == 0
+
+
+def test_cancel_leaves_the_queue_and_is_counted():
+    router, flow, clock, metrics = flow_router(waiting=3)
+    held = flow.submit(info(), lambda o: None)
+    assert sample(metrics, "picker_flow_queued_requests", priority="0") == 1
+    flow.cancel(held)
+    flow.publish()
+    assert len(flow.queue) == 0
+    assert sample(metrics, "picker_flow_queued_requests", priority="0") == 0
+    assert sample(metrics, "picker_flow_evictions_total", reason="cancelled", priority="0") == 1
+
+
+def test_stale_pool_is_not_held():
+    router, flow, clock, _ = flow_router(waiting=3)
+    clock.t += 60.0  # every scrape is stale: room unknown
+    d = flow.submit(info(), lambda o: None)
+    assert not isinstance(d, Held)
+
+
+def test_sheddable_is_queued_not_shed_at_once():
+    router, flow, clock, _ = flow_router(waiting=10, kv=0.9)  # pool saturation >= 1
+    assert isinstance(flow.submit(info(objective="batch"), lambda o: None), Held)
+
+
+def test_a_heavy_client_does_not_delay_a_light_one():
+    router, flow, clock, _ = flow_router(waiting=3)
+    served = []
+    for i in range(20):
+        flow.submit(info(prompt=f"heavy {i}", client="heavy"), lambda o, i=i: served.append(f"h{i}"))
+    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
+    for _ in range(3):  # room for one request per scrape
+        clock.t += 0.1
+        router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0), clock())
+        flow.pump()
+    assert served[:2] == ["h0", "light"]
+
+
+# ---- the ext_proc server ----------------------------------------------------------------------
+
+@pytest.fixture
+async def held_picker():
+    metrics = PickerMetrics()
+    router = make_router(profile="default", n=2, metrics=metrics, objectives=OBJECTIVES,
+                         waiting=3, kv=0.5)
+    router.clock = __import__("time").monotonic
+    for a in router.endpoints:
+        router.on_scrape_ok(a, metrics_text(waiting=3, kv=0.5))
+    flow = FlowControl(router, FlowSettings(QueueLimits(max_wait=30.0)))
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", flow=flow)
+    await servers.set_ready(True)
+    ch = c.channel(servers.grpc_port, None)
+    yield router, flow, c.ep_stub(ch)
+    await ch.close()
+    await servers.stop(0)
+
+
+async def until(pred, timeout=5.0):
+    end = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+async def test_server_holds_the_stream_until_a_scrape_shows_room(held_picker, mode):
+    router, flow, stub = held_picker
+    send = c.send_buffered if mode == "buffered" else c.send_full_duplex
+    task = asyncio.ensure_future(send(stub, c.post_headers(), body(prompt="held")))
+    await until(lambda: len(flow.queue) == 1)
+    assert not task.done()
+    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.5))  # room: dispatched
+    call, answers = await asyncio.wait_for(task, 5.0)
+    assert c.lb_destination(answers[-1] if mode == "buffered" else answers[0]) == "10.0.0.1:8000"
+    call.cancel()
+
+
+async def test_server_drops_a_held_request_when_the_stream_is_cancelled(held_picker):
+    router, flow, stub = held_picker
+    call = stub.Process()
+    await call.write(c.request_headers(c.post_headers(), mode=c.BUFFERED))
+    await call.read()
+    await call.write(c.request_body(body(prompt="going away"), True))
+    await until(lambda: len(flow.queue) == 1)
+    call.cancel()
+    await until(lambda: len(flow.queue) == 0)
+
+
+def test_command_line_flags_build_the_settings_and_refuse_bad_bounds():
+    from picker.config import flow_settings, parse_args
+    base = ["--discovery", "static", "--endpoints", "127.0.0.1:8101"]
+    assert flow_settings(parse_args(base)) is None  # off unless asked for
+    s = flow_settings(parse_args(base + ["--flow-control", "--flow-max-wait", "12",
+                                         "--flow-max-wait-sheddable", "2"]))
+    assert s.limits.max_wait == 12.0 and s.limits.wait_bound(-1) == 2.0
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--flow-control", "--flow-max-wait", "0"])

@@ -1,0 +1,171 @@
+"""The whole service with precise prefix routing: `python -m picker` with the tiny model's
+tokenizer, endpoints that name their publishers in /kv_event_sources, stand-ins for vLLM's
+publishers over ZMQ on loopback; the signals process subscribes, the worker routes on it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+import extproc_client as c
+from helpers import FakeVllm, free_ports, metrics_text, until
+from kvpublisher import StandInPublisher
+from kvsamples import map_payload, stored
+from local.tinymodel.tokenizer import write_tokenizer
+from picker.app import App
+from picker.config import parse_args
+from picker.tokenizer import ModelTokenizer
+
+BS = 16
+
+
+class VllmWithEvents(FakeVllm):
+    """/metrics, /v1/models and /kv_event_sources naming a stand-in publisher (wildcard host,
+    as vLLM answers)."""
+
+    def __init__(self, publisher: StandInPublisher | None):
+        super().__init__(text=metrics_text(block_size=BS, num_blocks=4000, kv=0.5))
+        self.publisher = publisher
+
+    async def sources(self, request):
+        if self.publisher is None:
+            return web.Response(status=404)
+        return web.json_response({"0": {
+            "publisher": "zmq", "topic": "kv",
+            "endpoint": f"tcp://*:{self.publisher.port}",
+            "replay_endpoint": f"tcp://*:{self.publisher.replay_port}"}})
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/kv_event_sources", self.sources)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tiny-model"))
+
+
+def chat_body(system: str, user: str) -> bytes:
+    return json.dumps({"model": "qwq", "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode()
+
+
+async def route(app: App, body: bytes) -> str:
+    ch = c.channel(app.servers.grpc_port, app.servers.certificate)
+    try:
+        _, answers = await c.send_full_duplex(
+            c.ep_stub(ch), c.post_headers("/v1/chat/completions"), body)
+        return c.set_headers(answers[0].request_headers.response)["x-gateway-destination-endpoint"]
+    finally:
+        await ch.close()
+
+
+def metrics_page(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+async def start_app(extra: list[str], endpoints: list[str]) -> tuple[App, int, asyncio.Task]:
+    metrics_port, = free_ports(1)
+    args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port",
+                       str(metrics_port), "--bind", "127.0.0.1", "--no-secure-serving",
+                       "--discovery", "static", "--endpoints", ",".join(endpoints),
+                       "--scrape-interval", "0.05", *extra])
+    app = App(args)
+    await app.start()
+    return app, metrics_port, asyncio.create_task(app.maintain())
+
+
+async def test_routes_on_the_engines_events_through_the_signals_process(tok_dir):
+    tok = ModelTokenizer(tok_dir)
+    pubs = [StandInPublisher(), StandInPublisher()]
+    servers = [await VllmWithEvents(p).start() for p in pubs]
+    a, b = (s.address for s in servers)
+    app, metrics_port, maintain = await start_app(["--tokenizer", str(tok_dir)], [a, b])
+    try:
+        await until(lambda: app.router.ready, timeout=10)
+        index = app.router.precise.index
+        await until(lambda: index.in_sync(a) and index.in_sync(b), timeout=15)
+        rng = random.Random(5)
+        for system, pub in (("alpha " * 400, pubs[1]), ("beta " * 400, pubs[0])):
+            tokens = tok.request_tokens("/v1/chat/completions", json.loads(chat_body(system, "q")))
+            n = len(tokens) // BS
+            pub.publish(map_payload([stored([rng.getrandbits(64) for _ in range(n)], None,
+                                            tokens[:n * BS], BS)]))
+        await until(lambda: index.size(a) > 0 and index.size(b) > 0, timeout=10)
+        for _ in range(3):
+            assert await route(app, chat_body("alpha " * 400, "another question")) == b
+            assert await route(app, chat_body("beta " * 400, "another question")) == a
+        await until(lambda: app.router.precise.status.get(b, (0, 0, 0, (0,)))[3][0] == 1,
+                    timeout=5)  # the counters come every KV_STATUS_INTERVAL
+        page = await asyncio.to_thread(metrics_page, metrics_port)
+        assert 'picker_kv_tokenizer{state="loaded"} 1.0' in page
+        assert f'picker_kv_endpoint_in_sync{{endpoint="{a}"}} 1.0' in page
+        assert f'picker_kv_endpoint_in_sync{{endpoint="{b}"}} 1.0' in page
+        assert f'picker_kv_event_batches_total{{endpoint="{b}"}} 1.0' in page
+    finally:
+        app.request_stop()
+        await maintain
+        await app.stop()
+        for s in servers:
+            await s.stop()
+        for p in pubs:
+            p.close()
+
+
+async def test_endpoint_without_events_and_a_missing_tokenizer(tok_dir, tmp_path):
+    pub = StandInPublisher()
+    servers = [await VllmWithEvents(pub).start(), await VllmWithEvents(None).start()]
+    a, b = (s.address for s in servers)
+    # b has no /kv_event_sources: the fixed ports, where nothing listens -> falls back
+    app, metrics_port, maintain = await start_app(
+        ["--tokenizer", str(tok_dir), "--kv-events-port", str(free_ports(1)[0])], [a, b])
+    try:
+        index = app.router.precise.index
+        await until(lambda: index.in_sync(a), timeout=15)
+        await until(lambda: b in app.router.precise.status, timeout=5)
+        assert not index.in_sync(b)
+        page = await asyncio.to_thread(metrics_page, metrics_port)
+        assert f'picker_kv_endpoint_in_sync{{endpoint="{b}"}} 0.0' in page
+        assert re.search(r'picker_kv_endpoints_fallback\{reason="(syncing|replay_failed)"\} 1.0',
+                         page)
+    finally:
+        app.request_stop()
+        await maintain
+        await app.stop()
+    app, metrics_port, maintain = await start_app(["--tokenizer", str(tmp_path / "none")], [a, b])
+    try:
+        assert app.router.precise.state == "missing"
+        await until(lambda: app.router.ready, timeout=10)
+        assert await route(app, chat_body("x " * 100, "q")) in (a, b)
+        page = await asyncio.to_thread(metrics_page, metrics_port)
+        assert 'picker_kv_tokenizer{state="missing"} 1.0' in page
+        assert app.signals_proc is not None and pub.replay_requests == [0]  # no new subscriber
+    finally:
+        app.request_stop()
+        await maintain
+        await app.stop()
+    app, metrics_port, maintain = await start_app(["--no-precise-prefix"], [a, b])
+    try:
+        assert app.router.precise is None
+        page = await asyncio.to_thread(metrics_page, metrics_port)
+        assert 'picker_kv_tokenizer{state="off"} 1.0' in page
+    finally:
+        app.request_stop()
+        await maintain
+        await app.stop()
+        for s in servers:
+            await s.stop()
+        pub.close()
