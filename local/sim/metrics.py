@@ -52,7 +52,6 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
         "num_gpu_blocks": str(p.num_gpu_blocks),
         "num_gpu_blocks_override": "None",
         "sliding_window": "None",
-        "swap_space_bytes": str(4 * 1024 ** 3),
     }
 
 

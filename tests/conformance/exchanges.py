@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from loadtest.workloads import VOCABULARY
+from loadtest.prompts import VOCABULARY
 
 
 @dataclass(frozen=True)
