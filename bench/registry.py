@@ -8,8 +8,10 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import coldstart, crosscheck, demo, lab_suites, phases, robustness, validation_time
+from bench import (coldstart, crosscheck, demo, kv_http, kv_suites, lab_suites, phases,
+                   robustness, validation_time)
 from bench.markdown import section
+from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
 
 
@@ -57,12 +59,35 @@ BENCHMARKS = [
     Benchmark("picker-scale", "make bench-picker-scale: decide() against pool size, scraping, worker processes",
               lambda a: picker_suites.run_scale(),
               titled("Picker at scale: pool size, scraping, worker processes", picker_suites.scale_report)),
+    Benchmark("kv-events", "precise prefix routing's cost: decoding and indexing KV-cache events per batch, "
+              "over ZMQ at 16/256/1,024 endpoints, memory per endpoint, decide() with and without",
+              lambda a: picker_kvevents.run(),
+              titled("Precise prefix routing: the cost of following the engines' KV-cache events",
+                     picker_kvevents.report)),
     Benchmark("prefilter", "the lab on 16 groups: the default profile vs the prefilter forced on",
               lambda a: lab_suites.run_prefilter(a.seeds),
               titled("Picker candidate prefilter: routing quality", lab_suites.prefilter_report)),
     Benchmark("replicas", "python -m lab.replicas on 16 groups: 1, 2, 4 picker replicas, shared or independent",
               lambda a: lab_suites.run_replicas(a.seeds),
               titled("Picker replicas: routing quality with 1, 2 and 4 replicas", lab_suites.replicas_report)),
+    Benchmark("kv-rate", "python -m lab.kv_rate: KV-cache events the simulator's engine publishes "
+              "under the demo workload", lambda a: kv_suites.run_kv_rate(a.seeds),
+              titled("KV-cache events: the simulator's event rate", kv_suites.kv_rate_report)),
+    Benchmark("cache-pressure", "python -m lab matrix on the cache-pressure scenarios: 1, 2, 4 "
+              "picker replicas, approximate vs precise (KV-cache events) vs the oracle",
+              lambda a: kv_suites.run_pressure(a.seeds),
+              titled("Precise prefix routing under cache pressure", kv_suites.pressure_report)),
+    Benchmark("matrix-precise", "python -m lab matrix on matrix scenarios (outage among them): the "
+              "picker approximate vs precise", lambda a: kv_suites.run_matrix_precise(a.seeds),
+              titled("Precise prefix routing on the scenario matrix", kv_suites.matrix_precise_report)),
+    Benchmark("replicas-precise", "python -m lab.replicas --precise on 16 groups: 1, 2, 4 "
+              "independent replicas with and without KV-cache events",
+              lambda a: kv_suites.run_replicas_precise(a.seeds),
+              titled("Picker replicas with precise prefix routing", kv_suites.replicas_precise_report)),
+    Benchmark("precise-http", "make demo with the picker on KV-cache events and on its approximate "
+              "index, both listeners; the events' delivery lag (run under flock /tmp/local-stack.lock)",
+              lambda a: kv_http.run(),
+              titled("Precise prefix routing on the real data plane", kv_http.report)),
     Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
               lambda a: robustness.soak(a.soak_seconds),
               titled("The picker under hostile traffic (soak)", robustness.soak_report)),

@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict, deque
 
 from local.sim.engine import Engine, EngineRequest
-from lab.policy_api import LabEndpoint, LabRequest, Policy
+from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy
 
 MAX_STEPS = 20000        # a request not started after this many steps counts as never
 
@@ -39,6 +39,7 @@ def copy_engine(engine: Engine, clock) -> Engine:
     """An independent copy of the engine's scheduling state (not its histograms or counters)."""
     c = Engine.__new__(Engine)
     c.engine_model, c.clock = engine.engine_model, clock
+    c.kv_events, c.output_token = None, engine.output_token      # a copy publishes nothing
     requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
     c.requests = requests
     c.waiting = deque(requests[r.request_id] for r in engine.waiting)
@@ -106,3 +107,69 @@ class Oracle(Policy):
             if best is None or key < best_key:
                 best, best_key = ep, key
         return best
+
+
+def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
+    """The engine would admit the request at its next step: nothing waiting ahead of it, a free
+    batch slot, and KV blocks for its uncached prompt above the watermark (exact state)."""
+    engine = ep.engine
+    p = engine.engine_model
+    if engine.waiting or len(engine.running) >= p.max_num_seqs:
+        return False
+    bs = p.block_size
+    hits = 0
+    if p.enable_prefix_caching:
+        limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
+        while hits < limit and request.hashes[hits] in engine.refs:
+            hits += 1
+    new_blocks = -(-len(request.token_ids) // bs) - hits
+    return p.num_gpu_blocks - engine.used - new_blocks >= engine.watermark_blocks
+
+
+class LateOracle(Oracle):
+    """The oracle that may hold (late binding): a request goes only to a group that would start
+    it at once (can_start_now, exact engine state), chosen by the oracle's rule among those;
+    while no group can, it waits at the gateway, FIFO, and is retried whenever an engine step
+    ends. Requests that no idle group could ever admit go at once (no deadlock)."""
+
+    name = "oracle-late"
+
+    def start(self, endpoints, clock, rng):
+        super().start(endpoints, clock, rng)
+        self.held: deque = deque()
+
+    def _room(self, request: LabRequest) -> list[LabEndpoint]:
+        return [ep for ep in self.endpoints if can_start_now(ep, request)]
+
+    def pick(self, request: LabRequest) -> LabEndpoint:
+        room = self._room(request) if not self.held else []
+        if room:
+            return self._best(room, request)
+        if not self.held and all(not ep.busy for ep in self.endpoints):
+            return super().pick(request)  # nothing running anywhere: holding cannot help
+        self.held.append(request)
+        raise Deferred()
+
+    def _best(self, eps: list[LabEndpoint], request: LabRequest) -> LabEndpoint:
+        all_eps, self.endpoints = self.endpoints, eps
+        try:
+            return super().pick(request)
+        finally:
+            self.endpoints = all_eps
+
+    def next_wakeup(self):
+        if not self.held:
+            return None
+        ends = [ep.step_end for ep in self.endpoints if ep.busy]
+        return min(ends) if ends else self.clock()
+
+    def wake(self):
+        out = []
+        while self.held:
+            request = self.held[0]
+            room = self._room(request)
+            if not room and any(ep.busy for ep in self.endpoints):
+                break
+            self.held.popleft()
+            out.append((request, self._best(room, request) if room else super().pick(request)))
+        return out

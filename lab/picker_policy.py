@@ -16,11 +16,21 @@ Scrapes are replayed lazily: before each Router call the adapter performs, per e
 latest scrape tick not yet performed, with the engine state recorded at that tick. Only the
 latest scrape before a call can influence the Router (each scrape replaces the previous
 signals), so this equals scraping at every tick, at a fraction of the cost.
+
+Precise prefix routing (`precise=True`, policy names ending in `+precise`): the engines record
+their KV-cache events (local.sim.engine) and publish each step's batch when the step ends, with
+vLLM's sequence numbers (from 0 at every engine start); the adapter delivers each batch
+`kv_delay` seconds later through `Router.on_kv_events` (the picker's tracker and precise index,
+as its signals process feeds them from the wire) and gives the Router the model's tokenizer
+(`Router.enable_precise`: the tiny model's, lab/tokenizer.py, which the engines' token ids come
+from too). Batches are applied lazily, in delivery order, before each Router call.
+`KV_EVENTS_DELAY` is the delay measured on the local stack (BENCHMARKS.md, "KV-cache events").
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import math
 import random
@@ -28,17 +38,41 @@ import random
 from picker import defaults
 from picker.core import RequestInfo, Router, RouterSettings
 from picker.errors import PickerError
+from picker.flowcontrol.controller import FlowControl, FlowSettings
+from picker.flowcontrol.queue import Held
 from picker.scheduling.profile import load_profile
 
+from local.sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from local.sim.metrics import cache_config_labels, render_gauges
-from lab.policy_api import LabRequest, Policy, Rejected
+from lab.policy_api import Deferred, LabRequest, Policy, Rejected
 
 PHASES = ("request", "response")
+# Seconds from the end of an engine step to the picker's index holding its events, measured on
+# the local stack (simulator publish -> ZMQ -> the picker's signals process -> its workers).
+KV_EVENTS_DELAY = 0.05
+
+
+def picker_events(events: list) -> list:
+    """The engine's events as the picker's decoder produces them (picker.signals.kvevents)."""
+    from picker.signals import kvevents as kv
+    out = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(kv.BlockStored(block_hashes=e.block_hashes,
+                                      parent_block_hash=e.parent_block_hash,
+                                      token_ids=e.token_ids, block_size=e.block_size))
+        elif isinstance(e, BlockRemoved):
+            out.append(kv.BlockRemoved(block_hashes=e.block_hashes))
+        elif isinstance(e, AllBlocksCleared):
+            out.append(kv.AllBlocksCleared())
+    return out
 
 
 class PickerPolicy(Policy):
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
-                 staleness: float | None = None, phases: str = "request"):
+                 staleness: float | None = None, phases: str = "request", flow: bool = False,
+                 flow_settings: FlowSettings | None = None, precise: bool = False,
+                 kv_delay: float | None = None):
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
         self.phases = phases
@@ -46,6 +80,14 @@ class PickerPolicy(Policy):
         self.name = "picker" if profile == "default" else f"picker:{profile}"
         if phases != "request":
             self.name += f"+{phases}"
+        # flow control: the picker's own FlowControl holds what no endpoint can start now
+        self.flow_settings = flow_settings or (FlowSettings() if flow else None)
+        if self.flow_settings is not None:
+            self.name = self.name.replace("picker", "picker-flow", 1)
+        self.kv_events = precise
+        self.kv_delay = KV_EVENTS_DELAY if kv_delay is None else kv_delay
+        if precise:
+            self.name += "+precise" if kv_delay is None else f"+precise={kv_delay:g}"
         self.profile = load_profile(profile)
         self.scrape_interval = scrape_interval or defaults.SCRAPE_INTERVAL
         self.settings = RouterSettings() if staleness is None else RouterSettings(staleness=staleness)
@@ -57,15 +99,39 @@ class PickerPolicy(Policy):
                              settings=self.settings)
         self.router.set_endpoints([ep.address for ep in endpoints])
         self.by_address = {ep.address: ep for ep in endpoints}
+        self.flow = FlowControl(self.router, self.flow_settings) if self.flow_settings else None
+        self.out: list = []   # (request, Decision | PickerError) handed out by the queue
         n, iv = len(endpoints), self.scrape_interval
         # Scraping started one interval before the first request, phases spread evenly.
         self.phase = [-iv + i * iv / n for i in range(n)]
         self.done_tick = [-math.inf] * n
         self.cache_config = [cache_config_labels(ep.engine) for ep in endpoints]
         self.texts: dict = {}
+        self.kv_queue: list = []         # heap of (deliver at, n, address, seq, published at, events)
+        self.kv_batches = 0
+        if self.kv_events:
+            from picker.tokenizer import load_tokenizer
+            from lab.tokenizer import tokenizer_dir
+            self.router.enable_precise(load_tokenizer(tokenizer_dir()))
+
+    def on_kv_events(self, endpoint, seq, events, at):
+        self.queue_kv(endpoint.address, seq, picker_events(events), at)
+
+    def queue_kv(self, address: str, seq: int, events: list, at: float) -> None:
+        heapq.heappush(self.kv_queue, (at + self.kv_delay, self.kv_batches, address, seq, at, events))
+        self.kv_batches += 1
+
+    def _apply_kv(self, now: float) -> None:
+        from picker.signals.kvevents import EventBatch
+        queue = self.kv_queue
+        while queue and queue[0][0] <= now:
+            deliver, _, address, seq, at, events = heapq.heappop(queue)
+            self.router.on_kv_events(address, EventBatch(at, events), seq=seq, now=deliver)
 
     def _catch_up(self) -> None:
         now, iv = self.clock(), self.scrape_interval
+        if self.kv_queue:
+            self._apply_kv(now)
         for ep in self.endpoints:
             i = ep.index
             tick = self.phase[i] + math.floor((now - self.phase[i]) / iv) * iv
@@ -98,13 +164,44 @@ class PickerPolicy(Policy):
         body = json.dumps(request.body(self.endpoints[0].model_name)).encode()
         info = RequestInfo(request.path, {"content-type": "application/json"}, body)
         try:
-            decision = self.router.decide(info)
+            if self.flow is not None:
+                decision = self.flow.submit(info, lambda o: self.out.append((request, o)))
+                if isinstance(decision, Held):
+                    raise Deferred()
+            else:
+                decision = self.router.decide(info)
         except PickerError as err:
             raise Rejected(getattr(err, "status", 500), str(err)) from err
+        return self._bound(request, decision)
+
+    def _bound(self, request: LabRequest, decision):
         request.router_id = decision.request_id
         if self.phases == "request":  # Envoy closes the stream once the request phase is answered
             self.router.on_request_done(decision.request_id)
         return self.by_address[decision.endpoint]
+
+    def next_wakeup(self):
+        """The next scrape tick of any endpoint (new signals), or the queue's next age bound."""
+        if self.flow is None or not (len(self.flow.queue) or self.out):
+            return None
+        now, iv = self.clock(), self.scrape_interval
+        if self.out:
+            return now
+        ticks = []
+        for i, done in enumerate(self.done_tick):
+            tick = self.phase[i] + (math.floor((now - self.phase[i]) / iv) + 1) * iv
+            while tick <= max(now, done) + 1e-9:  # float rounding: always a tick still to come
+                tick += iv
+            ticks.append(tick)
+        deadline = self.flow.next_deadline()
+        return min(ticks + ([deadline] if deadline is not None else []))
+
+    def wake(self):
+        self._catch_up()
+        self.flow.pump()
+        out, self.out = self.out, []
+        return [(r, Rejected(o.status, str(o)) if isinstance(o, PickerError) else self._bound(r, o))
+                for r, o in out]
 
     def on_done(self, request, endpoint):
         self._catch_up()

@@ -61,15 +61,31 @@ def file_name(policy: str) -> str:
 
 def make_policy(name: str, **options) -> Policy:
     """A policy by name: round-robin, random, least-request, picker[:PROFILE] (PROFILE = a
-    picker profile name or YAML path, default `default`; `picker-upstream` = upstream-default)."""
+    picker profile name or YAML path, default `default`; `picker-upstream` = upstream-default).
+    A picker or replicas name ending in `+precise` (or `+precise=SECONDS`: the events' delivery
+    delay) routes on the engines' KV-cache events (lab/picker_policy.py)."""
+    base, plus, precise = name.partition("+precise")
+    if plus and (name.startswith(("picker", "replicas:"))) and (not precise or precise.startswith("=")):
+        try:
+            delay = float(precise[1:]) if precise else None
+        except ValueError:
+            raise ValueError(f"bad policy {name!r}: +precise=SECONDS") from None
+        return make_policy(base, **options, precise=True, kv_delay=delay)
     if name in BASIC_POLICIES:
         return BASIC_POLICIES[name]()
     if name.startswith("replicas:"):
         from lab.replicated_picker import ReplicatedPicker
-        return ReplicatedPicker.from_name(name)
+        return ReplicatedPicker.from_name(name, **options)
     if name == "oracle":
         from lab.oracle import Oracle
         return Oracle()
+    if name == "oracle-late":
+        from lab.oracle import LateOracle
+        return LateOracle()
+    if name == "picker-flow" or name.startswith("picker-flow:"):
+        from lab.picker_policy import PickerPolicy
+        profile = name.partition(":")[2] or "default"
+        return PickerPolicy(profile, flow=True, **options)
     if name == "picker-upstream":
         name = "picker:upstream-default"
     if name == "picker" or name.startswith("picker:"):
@@ -77,4 +93,5 @@ def make_policy(name: str, **options) -> Policy:
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, **options)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, oracle, "
-                     f"picker[:PROFILE], picker-upstream, replicas:N[:independent]")
+                     f"oracle-late, picker[:PROFILE], picker-flow[:PROFILE], picker-upstream, "
+                     f"replicas:N[:independent], each picker or replicas name with +precise[=SECONDS]")

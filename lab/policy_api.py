@@ -32,6 +32,7 @@ class LabEndpoint:
     up: bool = True                    # False while the group is down (an outage)
     epoch: int = 0                     # bumps when the group restarts (stale steps are dropped)
     history: list = field(default_factory=list)   # (time, running, waiting, kv_usage) snapshots
+    kv_seq: int = 0                    # sequence number of the engine's next KV-event batch
 
 
 @dataclass(eq=False)
@@ -41,17 +42,30 @@ class LabRequest:
     prompt: str
     token_ids: list
     hashes: list
-    max_tokens: int
+    max_tokens: int                    # the true output length (the engine stops there)
     group: str = ""
     arrival: Optional[float] = None    # send time from a trace (None: the run's arrival process)
     path: str = "/v1/completions"
     endpoint: Optional[LabEndpoint] = None
     router_id: Optional[str] = None    # the picker's request id, for on_request_done
+    max_tokens_cap: Optional[int] = None  # what the client sends as max_tokens (None: the length)
 
     def body(self, model: str) -> dict:
+        """The client's body. With a cap, `max_tokens` is the cap (the model stops earlier, at
+        its own end of sequence: the true length); without one, the true length + ignore_eos,
+        as vLLM's benchmark sends it."""
+        if self.max_tokens_cap is not None:
+            return {"model": model, "prompt": self.prompt,
+                    "max_tokens": max(self.max_tokens_cap, self.max_tokens), "stream": True,
+                    "stream_options": {"include_usage": True}}
         return {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
+
+
+class Deferred(Exception):
+    """The policy holds the request (late binding): it hands it out later from `wake()`. The
+    client's clock runs from the send, so the hold counts in TTFT."""
 
 
 class Rejected(Exception):
@@ -65,6 +79,7 @@ class Rejected(Exception):
 class Policy:
     name = "policy"
     scrape_interval: Optional[float] = None    # seconds; None = does not scrape
+    kv_events: bool = False                    # True: the engines record KV-cache events for it
 
     def start(self, endpoints: list[LabEndpoint], clock: Callable[[], float],
               rng: random.Random) -> None:
@@ -82,3 +97,18 @@ class Policy:
 
     def on_done(self, request: LabRequest, endpoint: LabEndpoint) -> None:
         pass
+
+    def on_kv_events(self, endpoint: LabEndpoint, seq: int, events: list, at: float) -> None:
+        """One batch of an engine's KV-cache events (local.sim.engine's BlockStored,
+        BlockRemoved, AllBlocksCleared), published at `at` with sequence number `seq` (from 0
+        at every engine start, as vLLM numbers them). Only called when `kv_events` is True; the
+        policy models its own delivery delay."""
+
+    # Late binding: a policy whose pick() raises Deferred answers these.
+    def next_wakeup(self) -> Optional[float]:
+        """When held requests may go (virtual time), None if nothing is held."""
+        return None
+
+    def wake(self) -> list:
+        """Held requests that go now: (request, LabEndpoint | Rejected) pairs."""
+        return []

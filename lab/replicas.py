@@ -5,7 +5,10 @@ only that replica sees it. The replicas run independent or shared (the policy
 `replicas:N[:independent|:sync=S]`, lab/replicated_picker.py, says how they share).
 
     python -m lab.replicas [--workload shared-prefix] [--engines 16] [--seeds 0 1 2]
-                           [--replicas 1 2 4] [--json FILE]
+                           [--replicas 1 2 4] [--precise] [--json FILE]
+
+`--precise`: the replicas route on the engines' KV-cache events, each subscribed on its own
+(`+precise` policies): one picker, then 2 and 4 independent replicas, with and without events.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ from loadtest.workloads import workload_settings
 from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 
+def precise_policies_for(replicas: list[int]) -> list[str]:
+    """One picker and N independent replicas, approximate and precise (`+precise`)."""
+    out = []
+    for n in replicas:
+        name = "picker" if n == 1 else f"replicas:{n}:independent"
+        out += [name, f"{name}+precise"]
+    return out
+
+
 def policies_for(replicas: list[int]) -> list[str]:
     """One replica, then per count: shared, independent; and the largest count sharing before
     every decision (no exchange delay: the upper bound of a shared view)."""
@@ -40,7 +52,8 @@ def policies_for(replicas: list[int]) -> list[str]:
 
 
 def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
-        num_prompts: int | None = None, request_rate: float = math.inf) -> dict:
+        num_prompts: int | None = None, request_rate: float = math.inf,
+        precise: bool = False) -> dict:
     """Mean TTFT (and the rest of the lab's table) per policy over seeds, like `lab run`."""
     engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
     settings = workload_settings(workload, num_prompts=num_prompts)
@@ -55,11 +68,12 @@ def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
     started = time.perf_counter()
     config = LabConfig(num_engines=engines, engine_model=engine_model, concurrency=concurrency,
                        request_rate=request_rate)
-    runs = run_policies(named_workload(workload, num_prompts), policies_for(replicas), seeds,
+    policies = precise_policies_for(replicas) if precise else policies_for(replicas)
+    runs = run_policies(named_workload(workload, num_prompts), policies, seeds,
                         config, on_run=progress)
     return {"workload": workload, "engines": engines, "seeds": seeds, "concurrency": concurrency,
             "request_rate": "inf" if math.isinf(request_rate) else request_rate,
-            "num_prompts": num_prompts, "replicas": replicas,
+            "num_prompts": num_prompts, "replicas": replicas, "precise": precise,
             "sync_interval_s": defaults.PEER_SYNC_INTERVAL, "wall_s": time.perf_counter() - started,
             "policies": aggregate(summaries(runs), SUMMARY_KEYS)}
 
@@ -74,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s (default: all at once, then as the concurrency allows)")
+    p.add_argument("--precise", action="store_true",
+                   help="independent replicas with and without KV-cache events (+precise)")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
-    out = run(a.workload, a.engines, a.seeds, a.replicas, a.num_prompts, a.request_rate)
+    out = run(a.workload, a.engines, a.seeds, a.replicas, a.num_prompts, a.request_rate, a.precise)
     base = out["policies"]["picker"]["mean_ttft_ms"]["mean"]
     print(f"{a.workload}, {a.engines} engines, seeds {' '.join(map(str, a.seeds))}: mean TTFT "
           "(ms, mean ± std over seeds), change against one replica")

@@ -8,8 +8,8 @@ by one replica drawn at random (Envoy spreads ext_proc streams over the picker's
   PEER_SYNC_INTERVAL, so `sync=0` and the default bound it from both sides) the replicas exchange
   what the picker's signals process relays between workers and replicas
   (picker/src/picker/signals_process.py): each one's in-flight counts per endpoint
-  (`Router.own_loads` -> `Router.set_peer_loads`) and the prefix-index additions of its
-  decisions (`Router.prefix_log` -> `Router.add_peer_prefixes`).
+  (`Router.own_loads` -> `Router.set_peer_loads`, summed by `merge_loads`) and the prefix-index
+  additions of its decisions (`Router.take_prefix_additions` -> `Router.add_peer_prefixes`).
 
 The experiment over 1, 2 and 4 replicas is lab/replicas.py.
 """
@@ -20,24 +20,31 @@ import math
 import random
 
 from picker import defaults
+from picker.signals.state import merge_loads
 
-from lab.picker_policy import PickerPolicy
+from lab.picker_policy import PickerPolicy, picker_events
 from lab.policy_api import Policy
 
 
 class ReplicatedPicker(Policy):
     def __init__(self, replicas: int, shared: bool = True, profile: str = "default",
-                 sync_interval: float = defaults.PEER_SYNC_INTERVAL):
+                 sync_interval: float = defaults.PEER_SYNC_INTERVAL, precise: bool = False,
+                 kv_delay: float | None = None):
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
-        self.parts = [PickerPolicy(profile) for _ in range(replicas)]
+        # Precise: every replica subscribes to every engine on its own (same batches, same delay).
+        self.parts = [PickerPolicy(profile, precise=precise, kv_delay=kv_delay)
+                      for _ in range(replicas)]
+        self.kv_events = precise
         self.scrape_interval = self.parts[0].scrape_interval  # the lab records engine history
         self.shared = shared and replicas > 1
         self.sync_interval = sync_interval
         self.name = f"replicas:{replicas}" + ("" if shared else ":independent")
+        if precise:
+            self.name += self.parts[0].name[len("picker"):]
 
     @classmethod
-    def from_name(cls, name: str) -> "ReplicatedPicker":
+    def from_name(cls, name: str, **options) -> "ReplicatedPicker":
         """`replicas:N` (shared view, exchanged every PEER_SYNC_INTERVAL), `replicas:N:sync=S`
         (every S seconds; 0 = before every decision) or `replicas:N:independent`."""
         parts = name.split(":")
@@ -45,15 +52,20 @@ class ReplicatedPicker(Policy):
             raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
         option = parts[2] if len(parts) == 3 else ""
         if option == "independent":
-            return cls(int(parts[1]), shared=False)
+            return cls(int(parts[1]), shared=False, **options)
         if option.startswith("sync="):
             try:
-                return cls(int(parts[1]), sync_interval=float(option[5:]))
+                return cls(int(parts[1]), sync_interval=float(option[5:]), **options)
             except ValueError:
                 pass
         elif not option:
-            return cls(int(parts[1]))
+            return cls(int(parts[1]), **options)
         raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+
+    def on_kv_events(self, endpoint, seq, events, at):
+        converted = picker_events(events)
+        for p in self.parts:
+            p.queue_kv(endpoint.address, seq, converted, at)
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
@@ -62,7 +74,7 @@ class ReplicatedPicker(Policy):
         for p in self.parts:
             p.start(endpoints, clock, rng)
             if self.shared:
-                p.router.prefix_log = []
+                p.router.share_with_peers()
         self.rng = random.Random(rng.random())
         self.replica_of: dict[int, int] = {}
         self.next_sync = -math.inf
@@ -78,19 +90,9 @@ class ReplicatedPicker(Policy):
         self.next_sync = now + self.sync_interval
         routers = [p.router for p in self.parts]
         loads = [r.own_loads() for r in routers]
-        adds = []
-        for r in routers:
-            adds.append(r.prefix_log)
-            r.prefix_log = []
+        adds = [r.take_prefix_additions() for r in routers]
         for i, r in enumerate(routers):
-            total: dict[str, tuple] = {}
-            for j, lj in enumerate(loads):
-                if j == i:
-                    continue
-                for addr, load in lj.items():
-                    t = total.get(addr, (0, 0, 0, 0))
-                    total[addr] = tuple(a + b for a, b in zip(t, load))
-            r.set_peer_loads(total)
+            r.set_peer_loads(merge_loads(lj for j, lj in enumerate(loads) if j != i))
             r.add_peer_prefixes(a for j, lst in enumerate(adds) if j != i for a in lst)
 
     def pick(self, request):

@@ -39,11 +39,11 @@ import numpy as np
 
 from local.sim.engine import Engine, block_hashes
 from local.sim.engines import A10_QWQ32B, EngineModel
-from local.sim.tokens import token_ids
-from lab.policy_api import LabEndpoint, LabRequest, Policy, Rejected
+from lab.tokenizer import prompt_token_ids
+from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy, Rejected
 from loadtest.metrics import RequestSample, summarize
 
-_ARRIVAL, _DOWN, _STEP_DONE, _UP = 0, 1, 2, 3
+_ARRIVAL, _DOWN, _STEP_DONE, _UP, _WAKE = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -59,6 +59,7 @@ class LabConfig:
     base_port: int = 8101                    # endpoint names 127.0.0.1:<base_port + i>
     engine_models: Optional[Sequence[EngineModel]] = None   # per group (heterogeneous pool)
     outages: Sequence[tuple] = ()            # (group index, down at s, back at s)
+    max_tokens_cap: Optional[int] = None     # clients send this max_tokens (a cap), not the length
 
     @property
     def block_size(self) -> int:
@@ -87,10 +88,11 @@ class _Client:
 
 
 def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
-    """Tokenise a workload (loadtest.workloads.PromptSpec list) once; reusable across runs."""
+    """Tokenise a workload (loadtest.workloads.PromptSpec list) once, with the tiny model's
+    tokenizer (lab/tokenizer.py: one word, one token); reusable across runs."""
     out = []
-    for i, s in enumerate(specs):
-        ids = token_ids(s.prompt)
+    all_ids = prompt_token_ids([s.prompt for s in specs])
+    for i, (s, ids) in enumerate(zip(specs, all_ids)):
         out.append(LabRequest(index=i, request_id=f"req-{i}", prompt=s.prompt, token_ids=ids,
                               hashes=block_hashes(ids, block_size), max_tokens=s.output_tokens,
                               group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None)))
@@ -109,7 +111,8 @@ class Lab:
         if len(engine_models) != config.num_engines:
             raise ValueError(f"{len(engine_models)} engine models for {config.num_engines} engines")
         self.endpoints = [
-            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", Engine(engine_models[i], clock),
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}",
+                        Engine(engine_models[i], clock, kv_events=policy.kv_events),
                         config.model_name)
             for i in range(config.num_engines)]
         self.rng = random.Random(config.seed)
@@ -125,6 +128,10 @@ class Lab:
         self.next_sample = [0.0] * len(self.endpoints)
         self.counts = {ep.address: {"requests": 0} for ep in self.endpoints}
         self.track_history = policy.scrape_interval is not None
+        self.held_since: dict[str, float] = {}   # request id -> send time, while the policy holds it
+        self.wake_at: Optional[float] = None
+        for r in self.requests:  # requests are shared across runs: set it either way
+            r.max_tokens_cap = config.max_tokens_cap
 
     # ----- event plumbing ------------------------------------------------------------------
 
@@ -165,13 +172,41 @@ class Lab:
     def _send(self, req: LabRequest) -> None:
         try:
             ep = self.policy.pick(req)
-        except Rejected as err:
-            self.samples.append(RequestSample(start=self.now, success=False, end=self.now,
-                                              error=str(err), prompt_tokens=len(req.token_ids),
-                                              group=req.group))
+        except Deferred:
+            self.held_since[req.request_id] = self.now
+            self.inflight += 1     # the client waits for it: it holds a concurrency slot
             return
+        except Rejected as err:
+            self._rejected(req, err, self.now)
+            return
+        self._dispatch(req, ep, self.now)
+
+    def _rejected(self, req: LabRequest, err: Exception, sent: float) -> None:
+        self.samples.append(RequestSample(start=sent, success=False, end=self.now,
+                                          error=str(err), prompt_tokens=len(req.token_ids),
+                                          group=req.group))
+
+    def _wake(self) -> None:
+        for req, outcome in self.policy.wake():
+            sent = self.held_since.pop(req.request_id)
+            self.inflight -= 1
+            if isinstance(outcome, Rejected):
+                self._rejected(req, outcome, sent)
+            else:
+                self._dispatch(req, outcome, sent)
+        self._send_pending()
+
+    def _arm_wake(self) -> None:
+        if not self.held_since:
+            return
+        t = self.policy.next_wakeup()
+        if t is not None and (self.wake_at is None or t < self.wake_at):
+            self.wake_at = max(t, self.now)
+            self._push(self.wake_at, _WAKE, self.wake_at)
+
+    def _dispatch(self, req: LabRequest, ep: LabEndpoint, sent: float) -> None:
         req.endpoint = ep
-        client = _Client(req, sent=self.now)
+        client = _Client(req, sent=sent)
         try:
             ep.engine.add_request(req.request_id, req.token_ids, req.max_tokens,
                                   hashes=req.hashes)
@@ -218,6 +253,16 @@ class Lab:
         else:
             ep.step_end = result.end_time
             self._push(result.end_time, _STEP_DONE, (ep, result, ep.epoch))
+            if self.policy.kv_events:
+                self._publish(ep, result.end_time)
+
+    def _publish(self, ep: LabEndpoint, at: float) -> None:
+        """The step's KV-cache events as one batch, published when the step ends (as the
+        simulator's server and vLLM publish them)."""
+        events = ep.engine.take_kv_events()
+        if events:
+            self.policy.on_kv_events(ep, ep.kv_seq, events, at)
+            ep.kv_seq += 1
 
     def _deliver(self, ep: LabEndpoint, result, epoch: int) -> None:
         if epoch != ep.epoch:       # a step of an engine that has failed since
@@ -253,7 +298,9 @@ class Lab:
         self._send_pending()
 
     def _up(self, ep: LabEndpoint) -> None:
-        ep.engine = Engine(ep.engine.engine_model, self.clock)     # restarted: empty cache
+        # Restarted: an empty cache, and its event sequence starts again from 0.
+        ep.engine = Engine(ep.engine.engine_model, self.clock, kv_events=self.policy.kv_events)
+        ep.kv_seq = 0
         ep.history.clear()
         ep.up = True
         self.policy.set_available([e for e in self.endpoints if e.up])
@@ -277,9 +324,15 @@ class Lab:
                 self._down(obj)
             elif kind == _UP:
                 self._up(obj)
+            elif kind == _WAKE:
+                if obj != self.wake_at:
+                    continue   # superseded by an earlier wake-up
+                self.wake_at = None
+                self._wake()
             else:
                 self.pending.append(obj)
                 self._send_pending()
+            self._arm_wake()
         return self._result()
 
     def _result(self) -> LabRun:

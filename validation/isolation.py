@@ -30,6 +30,7 @@ MONITORING_NAMESPACE = "monitoring"
 VLLM_PORT = 8000
 PICKER_GRPC_PORTS = (9002, 9003)
 PICKER_METRICS_PORT = 9090
+KV_EVENT_PORT_NAMES = ("kv-events", "kv-replay")   # the leaders' KV-cache event ports
 ANY_PORT = -1
 
 
@@ -177,6 +178,12 @@ def lws_pods(objs):
             yield Pod(t, labels, g)
 
 
+def kv_event_ports(t: PodTemplate) -> set[int]:
+    """The numbers of a template's KV-cache event ports (container ports kv-events, kv-replay)."""
+    named = _named_ports(t)
+    return {named[n] for n in KV_EVENT_PORT_NAMES if n in named}
+
+
 def _group_labels(pod: Pod) -> dict:
     return {LWS_NAME: pod.labels[LWS_NAME], LWS_GROUP: pod.labels[LWS_GROUP]}
 
@@ -231,8 +238,12 @@ def ray_ports_isolated(objs):
             problems.append(f"{pod.where}: no NetworkPolicy selects these pods, so any pod can reach "
                             f"Ray (GCS 6379, client 10001)")
             continue
+        kv_ports = kv_event_ports(pod.template) if pod.template.role == "leader" else set()
         for r in rules:
-            api_only = pod.template.role == "leader" and r.ports == [VLLM_PORT]
+            # The API port and the KV-event ports have their own checks (vllm_api_isolated,
+            # validation/kv_events.py).
+            api_only = pod.template.role == "leader" and (
+                r.ports == [VLLM_PORT] or bool(r.ports and set(r.ports) <= kv_ports))
             if not api_only:
                 problems += _peer_problems(r, f"Ray/NCCL ports of {pod.where}",
                                            [lambda p, g=group: is_pod_of(p, g)], text)

@@ -111,7 +111,21 @@ def test_scenarios_vary_one_factor_of_the_base():
                                                    "burstiness"},
             "pool": {"engines", "num_prompts", "concurrency"}, "KV": {"kv_scale"},
             "heterogeneous": {"slow_group", "small_kv_group"}, "outage": {"outages"}}[s.factor], s.name
-    assert len(matrix.SCENARIOS) == len(matrix.BY_NAME) == 18
+    assert len(matrix.SCENARIOS) == 18
+    assert len(matrix.BY_NAME) == 18 + len(matrix.PRESSURE_SCENARIOS)
+
+
+def test_pressure_scenarios_fill_60_to_80_percent_of_the_pools_kv():
+    pool_tokens = 3 * matrix.A10_QWQ32B.num_gpu_blocks * matrix.A10_QWQ32B.block_size
+    tenants = set()
+    for s in matrix.PRESSURE_SCENARIOS:
+        args = dict(s.workload_args)
+        assert s.workload == "shared-prefix" and s.engines == 3 and s.name in matrix.BY_NAME
+        assert 0.6 <= args["num_groups"] * args["system_prompt_len"] / pool_tokens <= 0.8, s.name
+        tenants.add(args["num_groups"])
+        specs = matrix.named_workload(s.workload, 20, **args)(100)
+        assert {len(x.prompt.split()) for x in specs} == {args["system_prompt_len"] + 800}
+    assert len(tenants) == len(matrix.PRESSURE_SCENARIOS)
     assert not set(matrix.REPORTED_SEEDS) & set(matrix.TUNING_SEEDS)
 
 

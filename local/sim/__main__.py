@@ -8,7 +8,9 @@ import logging
 from aiohttp import web
 
 from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
+from local.sim.kv_events import KVEventsConfig
 from local.sim.server import Faults, SimServer
+from local.sim.tokenizer import load_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,7 +35,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--metrics-fail", action="store_true", help="/metrics answers HTTP 500")
     p.add_argument("--stall-after", type=int, metavar="N",
                    help="serve N requests, then the engine stops making progress (a stall)")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="publish KV-cache events like vLLM, e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", "
+                        "\"replay_endpoint\": \"tcp://127.0.0.1:5558\", \"topic\": \"kv@pod\"}'")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's tokenizer directory (tokenizer.json, tokenizer_config.json); "
+                        "default: one word is one token")
     args = p.parse_args(argv)
+    if args.kv_events_config is not None:
+        try:
+            args.kv_events_config = KVEventsConfig.from_json(args.kv_events_config)
+        except ValueError as err:
+            p.error(str(err))
+    if args.tokenizer is not None:
+        try:
+            args.tokenizer = load_tokenizer(args.tokenizer)
+        except Exception as err:     # noqa: BLE001 - tokenizers raises its own exception types
+            p.error(f"--tokenizer {args.tokenizer}: {err}")
     if not 0.0 <= args.error_rate <= 1.0:
         p.error("--error-rate must be in [0, 1]")
     if args.speedup <= 0:
@@ -50,10 +69,14 @@ def main(argv=None) -> None:
     if overrides:
         engine_model = engine_model.with_overrides(**overrides)
     faults = Faults(args.error_rate, args.metrics_delay, args.metrics_fail, args.stall_after)
-    server = SimServer(engine_model, args.names or ["qwq"], args.speedup, args.seed, faults)
+    server = SimServer(engine_model, args.names or ["qwq"], args.speedup, args.seed, faults,
+                       kv_events=args.kv_events_config, tokenizer=args.tokenizer)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     print(f"local.sim: {', '.join(server.names)} on http://{args.host}:{args.port} "
-          f"(engine model {engine_model.name}, speedup {args.speedup:g}, seed {args.seed})", flush=True)
+          f"(engine model {engine_model.name}, speedup {args.speedup:g}, seed {args.seed}, "
+          f"tokenizer {server.tokenizer.name}"
+          + (f", KV events on {args.kv_events_config.endpoint}" if server.publisher else "")
+          + ")", flush=True)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None,
                 access_log=None)
 

@@ -20,9 +20,19 @@ Model (what vLLM's scheduler does, simplified where noted):
   (vLLM V0's rule; V1 allocates per chunk). Decoding takes a new block every `block_size` tokens;
   when none is free the newest running request is preempted: its blocks are freed and it returns
   to the head of the queue to recompute prompt + generated tokens later.
-- Prefix cache: full prompt blocks are keyed by chained hashes of their token ids. Once computed
-  they are shared; blocks nobody references stay cached and are evicted LRU when space is needed.
-  Only prompt blocks are hashed (vLLM hashes generated blocks too; no workload here reuses them).
+- Prefix cache: full blocks are keyed by chained hashes of their token ids (unsigned 64-bit, like
+  vLLM's). Once computed they are shared, prompt blocks and blocks filled by generated tokens
+  alike; blocks nobody references stay cached and are evicted LRU when space is needed. A
+  finished request frees its blocks tail first, so within a cached prefix the tail is evicted
+  first (vLLM's order). Blocks freed without a hash (partial, or duplicates of a block another
+  request cached first) are reused before any cached block is evicted (vLLM keeps one LRU queue
+  for both; a simplification).
+- KV-cache events (`Engine(..., kv_events=True)`): the allocator records, in order,
+  `BlockStored` (blocks that became cached: hashes, parent hash, token ids), `BlockRemoved` (one
+  per evicted block) and `AllBlocksCleared` (`reset_prefix_cache`), as vLLM's block pool does;
+  the driver drains them with `take_kv_events()` after each step and publishes them
+  (local/sim/kv_events.py). Generated tokens are `output_token(seed, index)` ids, `seed` being
+  the CRC-32 of the request id (the ids of the words the HTTP server streams).
 - Step time per stage = base + prefill tokens + decoding sequences + context tokens attended, each
   times a constant; pipeline stages run in series for one batch.
 """
@@ -31,11 +41,15 @@ from __future__ import annotations
 
 import bisect
 import time
+import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from local.sim.engines import EngineModel
+from local.sim.tokens import filler_word, word_id
+
+HASH_MASK = (1 << 64) - 1           # block hashes are unsigned 64-bit integers, as vLLM publishes
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -86,17 +100,45 @@ class StepResult(NamedTuple):
     num_decode_seqs: int
 
 
+class BlockStored(NamedTuple):
+    """Blocks that became cached, in chain order (vLLM's BlockStored)."""
+    block_hashes: list
+    parent_block_hash: Optional[int]   # the block before the first one; None at a prompt's start
+    token_ids: list                    # block_size ids per block, concatenated
+    block_size: int
+
+
+class BlockRemoved(NamedTuple):
+    """A cached block was evicted (one per block, as vLLM publishes evictions)."""
+    block_hashes: list
+
+
+class AllBlocksCleared(NamedTuple):
+    """The prefix cache was reset."""
+
+
+def default_output_token(seed: int, index: int) -> int:
+    """Token id of generated token `index`: the word the HTTP server streams, as the simulator's
+    word tokenizer numbers it."""
+    return word_id(filler_word(seed, index))
+
+
 class EngineRequest:
-    __slots__ = ("request_id", "prompt_len", "block_hashes", "max_tokens", "stop_at",
+    __slots__ = ("request_id", "prompt_len", "token_ids", "output_seed", "block_hashes",
+                 "max_tokens", "stop_at",
                  "num_output", "num_computed", "prefill_len", "hashed", "private",
                  "registered", "arrival_time", "first_token_time", "last_token_time",
                  "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
                  "_hit_epoch", "_hit_blocks")
 
     def __init__(self, request_id: str, prompt_len: int, block_hashes: list, max_tokens: int,
-                 stop_at: int, arrival_time: float):
+                 stop_at: int, arrival_time: float, token_ids: Sequence[int] = ()):
         self.request_id = request_id
         self.prompt_len = prompt_len
+        self.token_ids = token_ids          # the prompt's (not copied: never changed)
+        self.output_seed = zlib.crc32(request_id.encode())
+        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. Never
+        # appended in place: the list may be the caller's (the lab reuses them across runs).
         self.block_hashes = block_hashes
         self.max_tokens = max_tokens
         self.stop_at = stop_at              # output length at which generation ends
@@ -122,10 +164,11 @@ class EngineRequest:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> list:
-    """Chained hashes of the full blocks of `token_ids` (tuple hashes of ints are stable)."""
+    """Chained hashes of the full blocks of `token_ids`, unsigned 64-bit (tuple hashes of ints
+    are stable across processes, unlike str hashes)."""
     hashes, prev = [], salt
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, *token_ids[start:start + block_size]))
+        prev = hash((prev, *token_ids[start:start + block_size])) & HASH_MASK
         hashes.append(prev)
     return hashes
 
@@ -146,9 +189,13 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, engine_model: EngineModel, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine_model: EngineModel, clock: Callable[[], float] = time.monotonic,
+                 kv_events: bool = False,
+                 output_token: Callable[[int, int], int] = default_output_token):
         self.engine_model = engine_model
         self.clock = clock
+        self.kv_events: Optional[list] = [] if kv_events else None   # recorded, not yet taken
+        self.output_token = output_token
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
@@ -200,7 +247,8 @@ class Engine:
         if hashes is None:
             hashes = block_hashes(token_ids, p.block_size) if p.enable_prefix_caching else []
         stop = max_tokens if stop_at is None else max(1, min(stop_at, max_tokens))
-        req = EngineRequest(request_id, prompt_len, hashes, max_tokens, stop, self.clock())
+        req = EngineRequest(request_id, prompt_len, hashes, max_tokens, stop, self.clock(),
+                            token_ids)
         self.requests[request_id] = req
         self.waiting.append(req)
         self.prompt_tokens += prompt_len
@@ -227,21 +275,60 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    # ----- KV-cache events ------------------------------------------------------------------
+
+    def take_kv_events(self) -> list:
+        """The events recorded since the last call, in order (empty when not recording)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block nobody references (vLLM's reset_prefix_cache). Like vLLM, it
+        refuses (False) while requests hold blocks."""
+        if self.used:
+            return False
+        for h in self.evictable:
+            del self.refs[h]
+        self.evictable.clear()
+        self.cache_epoch += 1
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+        self.version += 1
+        return True
+
+    def _block_tokens(self, req: EngineRequest, index: int) -> list:
+        """Token ids of full block `index` of the request: prompt, then generated tokens."""
+        bs = self.engine_model.block_size
+        start, end = index * bs, (index + 1) * bs
+        prompt = req.token_ids
+        out = list(prompt[start:end])
+        if end > req.prompt_len:
+            seed, token = req.output_seed, self.output_token
+            out.extend(token(seed, i - req.prompt_len)
+                       for i in range(max(start, req.prompt_len), end))
+        return out
+
     # ----- KV blocks ------------------------------------------------------------------------
 
     def _allocate(self, n: int) -> None:
         """Take n fresh blocks, evicting least recently used cached blocks if needed."""
         empty = self.engine_model.num_gpu_blocks - self.used - len(self.evictable)
         if empty < n:
+            events = self.kv_events
             for _ in range(n - empty):
                 h, _ = self.evictable.popitem(last=False)
                 del self.refs[h]
+                if events is not None:
+                    events.append(BlockRemoved([h]))
             self.cache_epoch += 1
         self.used += n
 
     def _free(self, req: EngineRequest) -> None:
         refs, evictable = self.refs, self.evictable
-        for h in req.hashed:
+        for h in reversed(req.hashed):      # tail first: the tail is evicted before the head
             c = refs[h] - 1
             refs[h] = c
             if c == 0:
@@ -300,18 +387,47 @@ class Engine:
         return True
 
     def _publish_blocks(self, req: EngineRequest) -> None:
-        """Make the request's newly computed full prompt blocks shareable through the cache."""
-        full = min(req.num_computed // self.engine_model.block_size, len(req.block_hashes))
+        """Make the request's newly computed full blocks shareable through the cache."""
+        bs = self.engine_model.block_size
+        full = req.num_computed // bs
         if full <= req.registered:
             return
-        refs = self.refs
-        for h in req.block_hashes[req.registered:full]:
+        hashes = req.block_hashes
+        if full > len(hashes):             # blocks filled by generated tokens: hash them now
+            new, prev = [], hashes[-1] if hashes else 0
+            for k in range(len(hashes), full):
+                prev = hash((prev, *self._block_tokens(req, k))) & HASH_MASK
+                new.append(prev)
+            hashes = req.block_hashes = hashes + new
+        refs, events = self.refs, self.kv_events
+        stored: list = []                  # indexes of the blocks this call caches
+        for k in range(req.registered, full):
+            h = hashes[k]
             if h not in refs:          # else another request computed the same block first
                 refs[h] = 1
                 req.hashed.append(h)
                 req.private -= 1
                 self.cache_epoch += 1
+                stored.append(k)
         req.registered = full
+        if events is not None and stored:
+            self._record_stored(req, stored)
+
+    def _record_stored(self, req: EngineRequest, indexes: list) -> None:
+        """One BlockStored per run of consecutive blocks (vLLM: one per request and step)."""
+        bs, hashes = self.engine_model.block_size, req.block_hashes
+        run = [indexes[0]]
+        for k in indexes[1:] + [None]:
+            if k is not None and k == run[-1] + 1:
+                run.append(k)
+                continue
+            first = run[0]
+            tokens: list = []
+            for i in run:
+                tokens.extend(self._block_tokens(req, i))
+            self.kv_events.append(BlockStored([hashes[i] for i in run],
+                                              hashes[first - 1] if first else None, tokens, bs))
+            run = [k]
 
     def _preempt(self, req: EngineRequest) -> None:
         self._free(req)
@@ -391,12 +507,14 @@ class Engine:
         for r, n in scheduled:
             if r.num_computed < r.prefill_len:
                 r.num_computed += n
-                if p.enable_prefix_caching and r.registered < len(r.block_hashes):
+                if p.enable_prefix_caching and r.num_computed >= (r.registered + 1) * bs:
                     self._publish_blocks(r)
                 if r.num_computed < r.prefill_len:
                     continue
             else:
                 r.num_computed += 1
+                if p.enable_prefix_caching and r.num_computed % bs == 0:
+                    self._publish_blocks(r)     # a block filled by generated tokens
             r.num_output += 1
             self.generation_tokens += 1
             first = r.first_token_time is None

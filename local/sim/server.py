@@ -10,6 +10,13 @@ Fault options for tests: `error_rate` (fraction of completion requests answered 
 `metrics_delay` (seconds before /metrics answers), `metrics_fail` (/metrics answers 500),
 `stall_after` (when one more request than that arrives, the engine stops stepping: requests hang while
 /health and /metrics keep answering, like a wedged GPU worker).
+
+KV-cache events (`kv_events`, vLLM's `--kv-events-config`): after each engine step the events
+its block allocator recorded are published as one batch (local/sim/kv_events.py), when the step's
+tokens are delivered; `GET /kv_event_sources` returns the publisher's config per data-parallel
+rank and `POST /reset_prefix_cache` clears the prefix cache (published with the next step, as
+vLLM does). `tokenizer` (local/sim/tokenizer.py) turns prompts into token ids; without one a
+word is a token.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from aiohttp import web
 from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engine import Engine, StepOutput
 from local.sim.engines import EngineModel
+from local.sim.kv_events import EventPublisher, KVEventsConfig
 from local.sim.metrics import CONTENT_TYPE, render_metrics
 from local.sim import validation
-from local.sim.tokens import chat_token_ids, filler_word, token_ids
+from local.sim.tokenizer import WordTokenizer
+from local.sim.tokens import filler_word
 from local.sim.validation import RequestError
 
 VLLM_VERSION = "0.32.0"      # the vLLM whose surfaces the simulator follows (tests/conformance)
@@ -61,7 +70,8 @@ async def _json_http_errors(request: web.Request, handler):
 
 class SimServer:
     def __init__(self, engine_model: EngineModel, served_model_names: list[str], speedup: float = 1.0,
-                 seed: int = 0, faults: Optional[Faults] = None):
+                 seed: int = 0, faults: Optional[Faults] = None,
+                 kv_events: Optional[KVEventsConfig] = None, tokenizer=None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         if not served_model_names:
@@ -73,7 +83,11 @@ class SimServer:
         self.faults = faults or Faults()
         self.rng = random.Random(seed)
         self.start = time.monotonic()
-        self.engine = Engine(engine_model, self.model_time)
+        self.tokenizer = tokenizer or WordTokenizer()
+        self.kv_events = kv_events
+        self.publisher = EventPublisher(kv_events) if kv_events and kv_events.publishes else None
+        self.engine = Engine(engine_model, self.model_time, kv_events=self.publisher is not None,
+                             output_token=self.tokenizer.output_token)
         self.streams: dict[str, asyncio.Queue] = {}
         self.accepted = 0
         self.counter = 0
@@ -104,6 +118,8 @@ class SimServer:
                 continue
             delay = to_wall_seconds(result.end_time - self.model_time(), self.speedup)
             await asyncio.sleep(max(0.0, delay))
+            if self.publisher is not None:
+                self.publisher.publish(engine.take_kv_events())
             for out in result.outputs:
                 queue = self.streams.get(out.request_id)
                 if queue is not None:
@@ -111,6 +127,8 @@ class SimServer:
 
     async def on_startup(self, app: web.Application) -> None:
         self.wakeup = asyncio.Event()
+        if self.publisher is not None:
+            self.publisher.start()
         self.loop_task = asyncio.create_task(self.run_engine())
 
     async def on_shutdown(self, app: web.Application) -> None:
@@ -125,6 +143,8 @@ class SimServer:
                 await self.loop_task
             except asyncio.CancelledError:
                 pass
+        if self.publisher is not None:
+            await self.publisher.close()
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_json_http_errors])
@@ -135,6 +155,8 @@ class SimServer:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_get("/kv_event_sources", self.kv_event_sources)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self.on_startup)
         app.on_shutdown.append(self.on_shutdown)
         app.on_cleanup.append(self.on_cleanup)
@@ -167,6 +189,18 @@ class SimServer:
         return web.json_response({"count": len(ids), "max_model_len": self.engine_model.max_model_len,
                                   "tokens": ids, "token_strs": None})
 
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """The KV-event publisher's config per data-parallel rank ({} when events are off)."""
+        if self.kv_events is None or not self.kv_events.enable_kv_cache_events:
+            return web.json_response({})
+        return web.json_response({"0": self.kv_events.as_dict()})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.engine.reset_prefix_cache():
+            return _error(RequestError(400, "cannot reset the prefix cache while requests hold "
+                                            "KV blocks", "BadRequestError"))
+        return web.Response(status=200)
+
     async def metrics(self, request: web.Request) -> web.Response:
         if self.faults.metrics_delay > 0:
             await asyncio.sleep(self.faults.metrics_delay)
@@ -191,14 +225,17 @@ class SimServer:
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise RequestError(400, "'messages' must be a list of message objects",
                                    "BadRequestError", "messages")
-            return chat_token_ids(messages)
+            try:
+                return self.tokenizer.chat_ids(messages)
+            except ValueError as err:
+                raise RequestError(400, str(err), "BadRequestError", "messages") from None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if prompt is None or prompt == "" or prompt == []:
             raise validation.empty_prompt()
         if isinstance(prompt, str):
-            return token_ids(prompt) or [0]     # whitespace only: still one token, as in vLLM
+            return self.tokenizer.prompt_ids(prompt) or [0]   # whitespace only: still one token
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                             for t in prompt):
             return list(prompt)

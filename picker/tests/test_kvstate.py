@@ -288,3 +288,14 @@ def test_removed_then_stored_again_in_one_delta_stays(n):
         tracker.on_message(A, 2 + 2 * i, map_payload([stored([1], None, [1] * 16, 16)]), 0.0)
     index.apply(tracker.take_deltas())
     assert index.match(chain_hashes([1] * 16, 16)) == {A: 1}
+
+
+def test_engine_started_after_subscribing_needs_no_replay_socket():
+    tracker = KVTracker(replay_timeout=1.0)
+    tracker.add(A, 0.0)
+    assert tracker.due_replays(0.0) == [(A, 0)]
+    tracker.on_message(A, 0, map_payload([stored([1], None, [1] * 16, 16)]), 0.5)
+    tracker.on_message(A, 1, map_payload([stored([2], 1, [2] * 16, 16)]), 0.6)
+    tracker.due_replays(1.5)                            # the replay timed out ...
+    ep = tracker.endpoints[A]
+    assert ep.in_sync and list(ep.blocks) == [1, 2]     # ... but seq 0 onwards is here

@@ -113,9 +113,10 @@ def test_peers_in_flight_counts_add_to_ours_and_only_ours_are_reported():
 
 def test_peer_prefix_additions_give_the_same_affinity():
     one, two = make_router(profile="default", n=4), make_router(profile="default", n=4, seed=9)
-    one.prefix_log = []
+    one.share_with_peers()
     d = one.decide(req(body(prompt=PROMPT + "q1")))
-    two.add_peer_prefixes(one.prefix_log)
+    two.add_peer_prefixes(one.take_prefix_additions())
+    assert one.take_prefix_additions() == []  # taken once
     assert two.decide(req(body(prompt=PROMPT + "q2"))).endpoint == d.endpoint
 
 
@@ -294,8 +295,8 @@ async def test_replicas_share_in_flight_counts_and_prefixes_through_redis(redis_
 
 def test_changed_loads_are_reported_once_and_partial_peer_loads_leave_the_rest():
     r = make_router(n=3)
-    r.changed, calls = set(), []
-    r.on_change = lambda: calls.append(1)
+    calls = []
+    r.share_with_peers(on_change=lambda: calls.append(1))
     d1 = r.decide(req(body(prompt="x" * 400)))
     r.decide(req(body(prompt="y" * 400)))
     assert calls == [1]  # one callback per batch of changes
@@ -351,3 +352,13 @@ def test_a_large_scrape_batch_arrives_whole_on_the_service_event_loop():
 
     uvloop.run(main())
     assert sum(e.ready for e in router.endpoints.values()) == n
+
+
+def test_loads_merge_per_endpoint_in_one_place():
+    from picker.signals.state import ZERO_LOAD, merge_loads, subtract_load
+    one = {"a": (1, 10, 1, 10), "b": (2, 0, 0, 0)}
+    two = {"a": [3, 5, 0, 0]}                       # as a peer's JSON message carries it
+    assert merge_loads([one, two]) == {"a": (4, 15, 1, 10), "b": (2, 0, 0, 0)}
+    assert merge_loads([one, two], ["a", "c"]) == {"a": (4, 15, 1, 10), "c": ZERO_LOAD}
+    assert merge_loads([]) == {}
+    assert subtract_load((4, 15, 1, 10), one["a"]) == (3, 5, 0, 0)

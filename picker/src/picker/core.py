@@ -24,8 +24,9 @@ from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
 from picker.scheduling.saturation import pool_saturation
 from picker.signals.metrics import MetricsParseError, ModelServerMetrics, parse_vllm_metrics
-from picker.signals.state import (EndpointState, InflightEntry, Load, add_inflight, end_inflight,
-                                  own_load, record_scrape, set_peer_load)
+from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load, PeerSync,
+                                  add_inflight, end_inflight, own_load, record_scrape,
+                                  set_peer_load)
 
 __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
@@ -89,12 +90,7 @@ class Router:
         self._serving_lists: dict[str, list[EndpointState]] = {}
         self._ready_list: list[EndpointState] | None = None
         self._least = LeastLoaded(profile.prefilter.least)
-        # For the peers that share this view (None: no peers): the prefix-index additions made
-        # here, the endpoints whose in-flight counts changed here, and a callback for the first
-        # change after take_changed_loads() (workers.py flushes them within the loop iteration).
-        self.prefix_log: list[tuple[str, list[int], int | None]] | None = None
-        self.changed: set[str] | None = None
-        self.on_change: Callable[[], None] | None = None
+        self.peer_sync: PeerSync | None = None   # share_with_peers(); None: no peers
         # Flow control (picker.flowcontrol): `gate(ctx, candidates)` keeps the candidates that can
         # start the request now or raises to hold it; `on_signals()` runs after every scrape.
         self.gate: Callable[[SchedulingContext, list[EndpointState]], list[EndpointState]] | None = None
@@ -210,18 +206,33 @@ class Router:
                 out[addr] = own_load(e)
         return out
 
+    def share_with_peers(self, on_change: Callable[[], None] | None = None) -> PeerSync:
+        """Keep what the peers need (PeerSync): this router's prefix additions and the endpoints
+        whose own counts changed; on_change is called at the first change after a take."""
+        self.peer_sync = PeerSync(on_change=on_change)
+        return self.peer_sync
+
     def take_changed_loads(self) -> dict[str, Load]:
         """This process's in-flight counts of the endpoints whose counts changed since the last
         call (zeros included)."""
-        out = {a: own_load(self.endpoints[a]) for a in self.changed or () if a in self.endpoints}
-        if self.changed:
-            self.changed.clear()
+        sync = self.peer_sync
+        if sync is None or not sync.changed:
+            return {}
+        out = {a: own_load(self.endpoints[a]) for a in sync.changed if a in self.endpoints}
+        sync.changed.clear()
         return out
+
+    def take_prefix_additions(self) -> list[tuple[str, list[int], int | None]]:
+        """The prefix-index additions of this router's decisions since the last call."""
+        sync = self.peer_sync
+        if sync is None:
+            return []
+        adds, sync.prefix_log = sync.prefix_log, []
+        return adds
 
     def set_peer_loads(self, loads: dict[str, Load], partial: bool = False) -> None:
         """The sum of the peers' in-flight counts per endpoint (absent = none; with partial,
         absent = unchanged)."""
-        zero = (0, 0, 0, 0)
         if partial:
             for addr, load in loads.items():
                 e = self.endpoints.get(addr)
@@ -229,8 +240,8 @@ class Router:
                     set_peer_load(e, load)
             return
         for addr, e in self.endpoints.items():
-            load = loads.get(addr, zero)
-            if load != zero or e.peer_inflight or e.peer_since_scrape:
+            load = loads.get(addr, ZERO_LOAD)
+            if load != ZERO_LOAD or e.peer_inflight or e.peer_since_scrape:
                 set_peer_load(e, load)
 
     def add_peer_prefixes(self, adds: Iterable[tuple[str, list[int], int | None]]) -> None:
@@ -305,11 +316,11 @@ class Router:
             e.stale = e.scraped_at is None or e.scraped_at < oldest
 
     def _touched(self, address: str) -> None:
-        changed = self.changed
-        if changed is not None:
-            if not changed and self.on_change is not None:
-                self.on_change()
-            changed.add(address)
+        sync = self.peer_sync
+        if sync is not None:
+            if not sync.changed and sync.on_change is not None:
+                sync.on_change()
+            sync.changed.add(address)
 
     def _changed(self) -> None:
         self._serving.clear()
@@ -417,8 +428,8 @@ class Router:
             cap_tokens = chosen.metrics.kv_capacity_tokens if chosen.metrics else None
             cap_blocks = cap_tokens // profile.block_size_tokens if cap_tokens else None
             self.prefix.add(chosen.address, ctx.hashes, cap_blocks)
-            if self.prefix_log is not None:
-                self.prefix_log.append((chosen.address, ctx.hashes, cap_blocks))
+            if self.peer_sync is not None:
+                self.peer_sync.prefix_log.append((chosen.address, ctx.hashes, cap_blocks))
         self.avg_prompt_tokens += self.settings.avg_prompt_alpha * (uncached - self.avg_prompt_tokens)
         self.inflight[request_id] = add_inflight(chosen, uncached, now)
         self._touched(chosen.address)

@@ -24,11 +24,10 @@ import time
 import uuid
 from typing import Callable
 
-from picker.signals.state import Load
+from picker.signals.state import Load, merge_loads
 
 log = logging.getLogger("picker.peers")
 LOAD_TTL = 2.0   # seconds without a message after which a replica's counts are dropped
-ZERO: Load = (0, 0, 0, 0)
 
 
 class RedisPeers:
@@ -116,17 +115,7 @@ class RedisPeers:
         cutoff = time.monotonic() - LOAD_TTL
         for r in [r for r, t in self._seen.items() if t < cutoff]:
             del self._seen[r], self._tables[r]
-        out: dict[str, list[int]] = {}
-        for table in self._tables.values():
-            for a, load in table.items():
-                if addresses is None or a in addresses:
-                    t = out.setdefault(a, [0, 0, 0, 0])
-                    for k in range(4):
-                        t[k] += load[k]
-        if addresses is not None:
-            for a in addresses:
-                out.setdefault(a, [0, 0, 0, 0])
-        return {a: tuple(t) for a, t in out.items()}
+        return merge_loads(self._tables.values(), addresses)
 
     def _ok(self) -> None:
         if self._failing:

@@ -36,11 +36,10 @@ from typing import Any
 
 from picker import defaults
 from picker.signals.metrics import MetricsParseError, parse_vllm_metrics
-from picker.signals.state import Load
+from picker.signals.state import ZERO_LOAD, Load, merge_loads, subtract_load
 
 log = logging.getLogger("picker.signals")
 FLUSH_EVERY = 0.01   # seconds: scrape results reach the workers within this
-ZERO: Load = (0, 0, 0, 0)
 
 
 class _Sender:
@@ -208,13 +207,13 @@ class SignalsHub:
         """Worker i's changed counts and prefix additions: merged, and passed on at once."""
         mine = self.loads[i]
         for addr, load in changed.items():
-            if load == ZERO:
+            if load == ZERO_LOAD:
                 mine.pop(addr, None)
             else:
                 mine[addr] = load
         remote = {}
         if self.peers is not None:
-            local = {a: self._local_sum(a, None) for a in changed}
+            local = merge_loads(self.loads, changed)
             self.peers.publish_changes(local, adds)
             remote = self.peers.remote_loads(changed)
         self._forward(changed, remote, adds, skip=i)
@@ -223,52 +222,25 @@ class SignalsHub:
         """Another replica's changes (peer_store.py): passed on to every worker at once."""
         self._forward(remote, remote, adds, skip=None)
 
-    def _local_sum(self, addr: str, skip: int | None) -> list[int]:
-        t = [0, 0, 0, 0]
-        for k, loads in enumerate(self.loads):
-            if k != skip:
-                load = loads.get(addr)
-                if load:
-                    for n in range(4):
-                        t[n] += load[n]
-        return t
-
     def _forward(self, addresses, remote: dict[str, Load], adds: list, skip: int | None) -> None:
         """To each worker but `skip`: the others' sums for `addresses`, and `adds`."""
         for j, s in enumerate(self.senders):
             if j == skip:
                 continue
-            others = {}
-            for addr in addresses:
-                t = self._local_sum(addr, j)
-                r = remote.get(addr, ZERO)
-                others[addr] = (t[0] + r[0], t[1] + r[1], t[2] + r[2], t[3] + r[3])
-            s.send(("peers", others, adds, True))
+            tables = [loads for k, loads in enumerate(self.loads) if k != j]
+            s.send(("peers", merge_loads([*tables, remote], addresses), adds, True))
 
     def _send_peers(self) -> None:
         """The whole table: to the other replicas (their heartbeat from us) and to each worker."""
         remote = {}
         if self.peers is not None:
-            self.peers.publish_table({a: tuple(t) for a, t in _sum_loads(self.loads).items()})
+            self.peers.publish_table(merge_loads(self.loads))
             remote = self.peers.remote_loads()
-        total = _sum_loads([*self.loads, remote])
+        total = merge_loads([*self.loads, remote])
         for i, s in enumerate(self.senders):
             own = self.loads[i]
-            others = {}
-            for addr, t in total.items():
-                o = own.get(addr, ZERO)
-                others[addr] = (t[0] - o[0], t[1] - o[1], t[2] - o[2], t[3] - o[3])
+            others = {addr: subtract_load(t, own.get(addr, ZERO_LOAD)) for addr, t in total.items()}
             s.send(("peers", others, [], False))
-
-
-def _sum_loads(tables) -> dict[str, list[int]]:
-    total: dict[str, list[int]] = {}
-    for loads in tables:
-        for addr, load in loads.items():
-            t = total.setdefault(addr, [0, 0, 0, 0])
-            for k in range(4):
-                t[k] += load[k]
-    return total
 
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,

@@ -50,9 +50,7 @@ class SignalsLink:
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         if peers:
-            router.prefix_log = []
-            router.changed = set()
-            router.on_change = self._schedule_flush
+            router.share_with_peers(on_change=self._schedule_flush)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -69,8 +67,7 @@ class SignalsLink:
     def _flush(self) -> None:
         """This worker's changed in-flight counts and prefix additions, to the signals process."""
         self._flush_pending = False
-        adds = self.router.prefix_log
-        self.router.prefix_log = []
+        adds = self.router.take_prefix_additions()
         loads = self.router.take_changed_loads()
         if loads or adds:
             self._send(("load", loads, adds))

@@ -288,8 +288,13 @@ class KVTracker:
             return
         ep.replay_started = None
         if not complete:
-            self._out(ep, REPLAY_FAILED, "no full answer from the replay socket", now, retry=True)
-            return
+            if ep.expected is None and any(seq == 0 for seq, _ in ep.held):
+                # the engine started since we subscribed: its whole history is held
+                complete, messages, start = True, [], 0
+            else:
+                self._out(ep, REPLAY_FAILED, "no full answer from the replay socket", now,
+                          retry=True)
+                return
         if ep.expected is None:
             ep.expected = start
         messages = sorted(messages, key=lambda m: m[0])

@@ -1,7 +1,10 @@
-"""Per-endpoint load state: the last scrape, its age, and requests sent but not yet finished."""
+"""Per-endpoint load state: the last scrape, its age, and requests sent but not yet finished; the
+in-flight counts as shared with peers (`Load`, `merge_loads`) and what a Router keeps for them
+(`PeerSync`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
 
 from picker.signals.metrics import ModelServerMetrics
 
@@ -79,6 +82,42 @@ def record_scrape(state: EndpointState, metrics: ModelServerMetrics, now: float)
 
 
 Load = tuple[int, int, int, int]  # inflight, inflight_tokens, since_scrape, since_scrape_tokens
+ZERO_LOAD: Load = (0, 0, 0, 0)
+
+
+def merge_loads(tables: Iterable[Mapping[str, Load]],
+                addresses: Iterable[str] | None = None) -> dict[str, Load]:
+    """Per endpoint, the sum of the tables' loads: of every endpoint a table names, or of exactly
+    `addresses` (ZERO_LOAD where no table has one). The one place loads are added up: the
+    signals process (workers and replicas), the peer store and the lab's replicas use it."""
+    tables = list(tables)
+    if addresses is None:
+        addresses = dict.fromkeys(a for table in tables for a in table)
+    total = {}
+    for addr in addresses:
+        t = ZERO_LOAD
+        for table in tables:
+            load = table.get(addr)
+            if load is not None:
+                t = (t[0] + load[0], t[1] + load[1], t[2] + load[2], t[3] + load[3])
+        total[addr] = t
+    return total
+
+
+def subtract_load(total: Load, part: Load) -> Load:
+    """total - part, field by field (the others' share of a sum that includes part)."""
+    return (total[0] - part[0], total[1] - part[1], total[2] - part[2], total[3] - part[3])
+
+
+@dataclass(slots=True, eq=False)
+class PeerSync:
+    """What a Router keeps for the peers that share its view (other workers and replicas), owned
+    by the Router (`Router.share_with_peers`): the prefix-index additions of its decisions, the
+    endpoints whose own in-flight counts changed since the last `take_changed_loads`, and a
+    callback at the first such change (workers.py flushes them within the loop iteration)."""
+    prefix_log: list[tuple[str, list[int], int | None]] = field(default_factory=list)
+    changed: set[str] = field(default_factory=set)
+    on_change: Callable[[], None] | None = None
 
 
 def own_load(state: EndpointState) -> Load:

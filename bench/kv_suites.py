@@ -1,0 +1,197 @@
+"""Benchmarks of precise prefix routing (the engines' KV-cache events), lab side:
+
+- `kv-rate`: how many events the simulator's engine publishes under the demo workload
+  (`python -m lab.kv_rate`), the input of the picker's event-cost benchmark;
+- `cache-pressure`: the lab's cache-pressure scenarios (lab/matrix.py PRESSURE_SCENARIOS), one
+  picker and 2 / 4 independent replicas, approximate vs precise vs the oracle;
+- `matrix-precise`: matrix scenarios (the outage among them), the picker approximate vs precise;
+- `replicas-precise`: `python -m lab.replicas --precise` on 16 groups, both lab workloads.
+
+Each runs a lab command and turns the JSON it writes into its BENCHMARKS.md section.
+"""
+
+from __future__ import annotations
+
+from bench.common import PY, RESULTS, read_json, run_suite, run_suites
+from bench.markdown import md_table, num, versus
+
+SEEDS = [0, 1, 2, 3, 4]
+PRESSURE_POLICIES = ["least-request", "picker", "picker+precise", "replicas:2:independent",
+                     "replicas:2:independent+precise", "replicas:4:independent",
+                     "replicas:4:independent+precise", "oracle"]
+MATRIX_SCENARIOS = ["base", "shared-prefix", "multi-turn", "kv-0.8x", "outage"]
+MATRIX_POLICIES = ["least-request", "picker", "picker+precise", "oracle"]
+
+
+def run_kv_rate(seeds: list[int] | None = None) -> dict:
+    seeds = seeds or SEEDS
+    path = RESULTS / "kv-rate-lab.json"
+    cmd = [PY, "-m", "lab.kv_rate", "--workload", "demo", "--seeds", *map(str, seeds),
+           "--json", str(path)]
+    return run_suite("kv-rate", cmd, lambda: {"rate": read_json(path)}, log=RESULTS / "kv-rate.log")
+
+
+def _matrix(name: str, scenarios: list[str], policies: list[str], seeds: list[int] | None,
+            jobs: int = 2) -> dict:
+    seeds = seeds or SEEDS
+    out = RESULTS / f"lab-{name}"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds),
+           "--jobs", str(jobs), "--resume",
+           *(a for s in scenarios for a in ("--scenario", s)),
+           *(a for p in policies for a in ("--policy", p))]
+    return run_suite(name, cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)
+
+
+def run_pressure(seeds: list[int] | None = None) -> dict:
+    from lab.matrix import PRESSURE_SCENARIOS
+    return _matrix("cache-pressure", [s.name for s in PRESSURE_SCENARIOS], PRESSURE_POLICIES, seeds)
+
+
+def run_matrix_precise(seeds: list[int] | None = None) -> dict:
+    return _matrix("matrix-precise", MATRIX_SCENARIOS, MATRIX_POLICIES, seeds)
+
+
+def run_replicas_precise(seeds: list[int] | None = None) -> dict:
+    seeds = seeds or SEEDS
+    runs = {}
+    for workload in ("shared-prefix", "article"):
+        path = RESULTS / f"replicas-precise-{workload}.json"
+        runs[workload] = ([PY, "-m", "lab.replicas", "--engines", "16", "--replicas", "1", "2", "4",
+                           "--precise", "--workload", workload, "--seeds", *map(str, seeds),
+                           "--json", str(path)], path)
+    return run_suites("replicas-precise", runs)
+
+
+# ---------------------------------------------------------------- report sections
+
+def kv_rate_report(d: dict) -> list[str]:
+    r = d["rate"]
+    mean, peak = r["per_engine_per_model_s"]["mean"], r["per_engine_per_model_s"]["max"]
+    rows = [[label, num(mean[k], 1), num(peak[k], 1), num(mean[k] * 5, 1)]
+            for k, label in (("batches", "batches (ZMQ messages)"), ("events", "events"),
+                             ("blocks_stored", "blocks stored"), ("blocks_removed", "blocks removed"),
+                             ("payload_bytes", "payload bytes"))]
+    return [f"Command: `{d['command']}` (lab/kv_rate.py; {d['wall_s']:.0f} s wall). The simulator's "
+            f"engine core (the code `python -m local.sim` runs, which publishes one batch per engine "
+            f"step that produced events) under the `demo` workload on the local stack's pool: "
+            f"{r['engines']} groups of {r['num_gpu_blocks']} blocks x {r['block_size']} tokens "
+            f"(`a10-qwq32b` KV / 6), closed loop {r['concurrency']}, least request, seeds "
+            f"{' '.join(map(str, r['seeds']))}. Per engine and model second (mean over engines and "
+            "seeds, and the busiest engine-seed); the local stack at speedup 5 publishes 5 times as "
+            "many per wall second.", ""] + md_table(
+        ["per engine", "per model s (mean)", "max", "per wall s at speedup 5"], rows)
+
+
+def _cell(stats: dict) -> str:
+    m = stats["mean_ttft_ms"]
+    return f"{num(m['mean'])} ± {num(m['std'])}"
+
+
+def _gap(p: dict, name: str) -> float | None:
+    lr, orc = p["least-request"]["mean_ttft_ms"]["mean"], p["oracle"]["mean_ttft_ms"]["mean"]
+    if name not in p or lr <= orc:
+        return None
+    return (lr - p[name]["mean_ttft_ms"]["mean"]) / (lr - orc) * 100
+
+
+def _matrix_lines(d: dict, title: str) -> list[str]:
+    m = d["matrix"]
+    return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
+            f"{len(m['policies'])} policies x {len(m['seeds'])} seeds: {d['wall_s'] / 60:.1f} min "
+            f"wall, 1-minute load average {d['load_average_start']:.1f} at the start, "
+            f"{d['load_average_end']:.1f} at the end). {title} Reported seeds "
+            f"{' '.join(map(str, m['seeds']))}; nothing was tuned on them (tuning seeds "
+            f"{' '.join(map(str, m['tuning_seeds']))}). Cells: mean TTFT ms, mean ± std over the "
+            "seeds; gap closed = (least request - policy) / (least request - oracle).", ""]
+
+
+def pressure_report(d: dict) -> list[str]:
+    m = d["matrix"]
+    out = _matrix_lines(d, "Tenants' system prompts fill 64-77 % of the 3 groups' KV; each "
+                           "request goes to one picker replica drawn at random; `+precise`: every "
+                           "replica follows every engine's KV-cache events on its own.")
+    policies = [p for p in PRESSURE_POLICIES if p in m["policies"]]
+    rows = []
+    for s in m["scenarios"]:
+        p = s["policies"]
+        rows.append([f"{s['name']}: {s['description']}", *(_cell(p[n]) for n in policies)])
+    out += md_table(["scenario", *policies], rows) + [""]
+    rows = []
+    for s in m["scenarios"]:
+        p = s["policies"]
+        cells = []
+        for n in ("picker", "replicas:2:independent", "replicas:4:independent"):
+            if n in p and f"{n}+precise" in p:
+                a, q = p[n]["mean_ttft_ms"]["mean"], p[f"{n}+precise"]["mean_ttft_ms"]["mean"]
+                gap_a, gap_q = _gap(p, n), _gap(p, f"{n}+precise")
+                cells.append(f"{versus(q, a)}; gap closed {num(gap_a)} % -> {num(gap_q)} %")
+        rows.append([s["name"], *cells])
+    out += ["Precise against approximate (mean TTFT change; gap closed approximate -> precise):", ""]
+    out += md_table(["scenario", "1 picker", "2 replicas", "4 replicas"], rows)
+    worse = [s["name"] for s in m["scenarios"] for n in ("picker", "replicas:2:independent",
+                                                        "replicas:4:independent")
+             if n in s["policies"] and f"{n}+precise" in s["policies"]
+             and s["policies"][f"{n}+precise"]["mean_ttft_ms"]["mean"]
+             > s["policies"][n]["mean_ttft_ms"]["mean"]]
+    keep = []
+    for s in m["scenarios"]:
+        p = s["policies"]
+        if "picker+precise" in p:
+            one = p["picker+precise"]["mean_ttft_ms"]["mean"]
+            for n in ("replicas:2:independent+precise", "replicas:4:independent+precise"):
+                if n in p:
+                    keep.append(f"{s['name']} {n.split(':')[1]} replicas {versus(p[n]['mean_ttft_ms']['mean'], one)}")
+    return out + ["", "Target: precise never worse than approximate (mean TTFT): "
+                  + ("met" if not worse else f"not met in {', '.join(sorted(set(worse)))}") + ".",
+                  "Replicas with precise routing against one precise picker: " + "; ".join(keep) + "."]
+
+
+def matrix_precise_report(d: dict) -> list[str]:
+    m = d["matrix"]
+    out = _matrix_lines(d, "The picker's default profile with and without the engines' "
+                           "KV-cache events, on scenarios of the routing matrix.")
+    rows = []
+    for s in m["scenarios"]:
+        p = s["policies"]
+        rows.append([f"{s['name']}: {s['description']}", *(_cell(p[n]) for n in MATRIX_POLICIES),
+                     versus(p["picker+precise"]["mean_ttft_ms"]["mean"], p["picker"]["mean_ttft_ms"]["mean"]),
+                     f"{num(_gap(p, 'picker'))} % -> {num(_gap(p, 'picker+precise'))} %"])
+    out += md_table(["scenario", *MATRIX_POLICIES, "precise vs approximate", "gap closed"], rows)
+    outage = next((s for s in m["scenarios"] if s["name"] == "outage"), None)
+    if outage:
+        gap = _gap(outage["policies"], "picker+precise")
+        out += ["", f"Target: the `outage` scenario closes >= 85 % of the oracle gap with precise "
+                    f"routing: {num(gap, 1)} %, {'met' if gap is not None and gap >= 85 else 'not met'}."]
+    return out
+
+
+def replicas_precise_report(d: dict) -> list[str]:
+    out = ["Command: `python -m bench replicas-precise` (`python -m lab.replicas --precise`, "
+           "lab/README.md): the lab's workloads on 16 simulated groups at concurrency 160; each "
+           "request goes to one picker replica drawn at random; replicas share nothing (no Redis). "
+           "`+precise`: every replica follows every engine's KV-cache events. Mean TTFT, mean ± std "
+           "over the seeds, change against one picker with the same signals.", ""]
+    rows = []
+    names = []
+    for run in d["runs"].values():
+        names += [n for n in run["policies"] if n not in names]
+    for name in names:
+        cells = []
+        for run in d["runs"].values():
+            p = run["policies"]
+            base = p["picker+precise" if name.endswith("+precise") else "picker"]["mean_ttft_ms"]["mean"]
+            m = p[name]["mean_ttft_ms"]
+            cells.append(f"{num(m['mean'])} ± {num(m['std'])} ({versus(m['mean'], base)})")
+        rows.append([name, *cells])
+    out += md_table(["policy", *d["runs"]], rows)
+    verdict = []
+    for workload, run in d["runs"].items():
+        p = run["policies"]
+        one = p["picker+precise"]["mean_ttft_ms"]["mean"]
+        for n in ("replicas:2:independent+precise", "replicas:4:independent+precise"):
+            if n in p:
+                change = (p[n]["mean_ttft_ms"]["mean"] / one - 1) * 100
+                verdict.append(f"{workload} {n.split(':')[1]} replicas {change:+.1f} % "
+                               f"({'met' if change <= 3 else 'not met'})")
+    return out + ["", "Target: with precise routing, 2 and 4 replicas within +3 % mean TTFT of one "
+                  "picker: " + "; ".join(verdict) + "."]

@@ -1,0 +1,74 @@
+"""Precise prefix routing in the lab: the engines' KV-cache events reach the picker's Router
+(every replica on its own), in order, after the configured delay, and restarts start over."""
+
+import pytest
+
+from lab.policies import make_policy
+from lab.simulation import LabConfig, prepare_requests, run_lab
+from loadtest.workloads import build_workload
+
+
+@pytest.fixture(scope="module")
+def requests():
+    specs = build_workload("shared-prefix", seed=100, num_prompts=40, num_groups=4,
+                           system_prompt_len=600, question_len=100, output_len=40)
+    return prepare_requests(specs, 16)
+
+
+def drain(policy):
+    """Deliver every batch still queued (the run ends before the last delays pass)."""
+    policy._apply_kv(float("inf"))
+
+
+def test_the_pickers_index_ends_equal_to_every_engines_cache(requests):
+    policy = make_policy("picker+precise=0.05")
+    assert policy.kv_events and policy.kv_delay == 0.05
+    config = LabConfig(concurrency=8, seed=1,
+                       engine_model=LabConfig().engine_model.with_overrides(num_gpu_blocks=200))
+    run = run_lab(requests, policy, config)
+    assert run.summary["completed"] == len(requests)
+    drain(policy)
+    precise = policy.router.precise
+    assert precise.active and precise.untokenizable == 0
+    evicted = 0
+    for ep in policy.endpoints:
+        assert precise.index.in_sync(ep.address)
+        assert precise.index.counts[ep.address] == len(ep.engine.refs) > 0
+        evicted += ep.engine.prefix_cache_queries - ep.engine.prefix_cache_hits
+    assert evicted > 0
+
+
+def test_events_wait_for_their_delay(requests):
+    policy = make_policy("picker+precise=1000")
+    run_lab(requests[:5], policy, LabConfig(concurrency=5, seed=1))
+    assert policy.kv_queue and sum(policy.router.precise.index.counts.values()) == 0
+    drain(policy)
+    assert sum(policy.router.precise.index.counts.values()) > 0
+
+
+def test_every_replica_gets_every_batch(requests):
+    policy = make_policy("replicas:2:independent+precise")
+    run_lab(requests, policy, LabConfig(concurrency=8, seed=1))
+    for part in policy.parts:
+        drain(part)
+    counts = [dict(p.router.precise.index.counts) for p in policy.parts]
+    assert counts[0] == counts[1] and sum(counts[0].values()) > 0
+    assert {ep.address: len(ep.engine.refs) for ep in policy.endpoints} == counts[0]
+
+
+def test_a_restarted_group_starts_empty_in_the_index(requests):
+    policy = make_policy("picker+precise=0")
+    config = LabConfig(concurrency=4, seed=1, outages=((0, 5.0, 6.0),))
+    run = run_lab(requests, policy, config)
+    assert run.summary["failed"] > 0                     # the group was busy when it failed
+    drain(policy)
+    index = policy.router.precise.index
+    restarted = policy.endpoints[0]
+    assert restarted.kv_seq > 0 and restarted.engine.refs   # it served again after the restart
+    for e in policy.endpoints:                               # no block of the old engine is left
+        assert index.counts.get(e.address, 0) == len(e.engine.refs)
+
+
+def test_bad_precise_names_are_refused():
+    with pytest.raises(ValueError, match="precise"):
+        make_policy("picker+precise=soon")
