@@ -19,8 +19,9 @@ RUN_DIR     ?= runs/local
 GROUPS      ?= 3
 SPEEDUP     ?= 20
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
-# `demo` is the article's workload / 6, so its simulators get KV / 6 (as `make demo` does).
-KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),6,1)
+# `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
+# KV / DEMO_SCALE (as `make demo` does).
+KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),$(shell sed -n 's/^DEMO_SCALE = //p' loadtest/workloads.py),1)
 # on: the cluster's edge (API keys, rate limits) with throw-away keys; off: open listeners
 EDGE_SECURITY ?= on
 
@@ -43,13 +44,14 @@ $(KUBECONFORM):
 	mkdir -p $(TOOLS)
 	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/yannh/kubeconform/cmd/kubeconform@$(KUBECONFORM_VERSION)
 
-# Envoy Gateway and egctl (its offline translator), pinned in one place: local/dataplane.py.
+# Envoy Gateway and egctl (its offline translator), the version the Argo CD app installs
+# (validation/pins.py reads the same line; tests/policy/test_pins.py checks both agree).
 # A cold build takes several minutes; Go's module and build caches live outside the repo.
-EG_VERSION  := $(shell sed -n 's/^EG_VERSION = "\(.*\)"/\1/p' local/dataplane.py)
+EG_VERSION  := $(shell sed -n 's/^ *targetRevision: *//p' argocd/apps/envoy-gateway.yaml)
 ENVOY_GATEWAY := $(TOOLS)/envoy-gateway
 EGCTL       := $(TOOLS)/egctl
 
-$(ENVOY_GATEWAY) $(EGCTL) &: local/dataplane.py
+$(ENVOY_GATEWAY) $(EGCTL) &: argocd/apps/envoy-gateway.yaml
 	mkdir -p $(TOOLS)
 	GOBIN=$(CURDIR)/$(TOOLS) GOFLAGS=-mod=mod go install github.com/envoyproxy/gateway/cmd/envoy-gateway@$(EG_VERSION) \
 		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
@@ -143,7 +145,7 @@ up: setup ## start the local stack in the background (simulators, picker, Envoy 
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
-	$(PY) -m local.observe --name $(notdir $(RUN_DIR)) --port $(OBSERVE_PORT)
+	$(PY) -m monitoring.local_prometheus --name $(notdir $(RUN_DIR)) --port $(OBSERVE_PORT)
 
 down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi

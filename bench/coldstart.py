@@ -132,7 +132,8 @@ def run_http(trials: int) -> dict:
     picker profile; simulators and picker restarted (cold) before every trial."""
     import asyncio
 
-    from local.stack import Stack, StackConfig, reset
+    from local.stack import Stack, StackConfig
+    from local.stack.launcher import reset
 
     out = {}
     for name, profile, listener in (("least-request", "default", "http"), ("picker", "default", "llm-gw"),

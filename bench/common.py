@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from local.stack import python_env
+from local.stack.processes import python_env
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results" / "bench"

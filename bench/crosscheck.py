@@ -63,12 +63,11 @@ def lab_side(seed: int, lab_seeds: list[int], model_interval: float, model_stale
     from lab.simulation import LabConfig
     from lab.stats import aggregate
     from loadtest.workloads import build_workload, workload_settings
-    from local.sim.engines import get_engine_model
-    from local.stack import DEMO_ENGINE_MODEL, DEMO_SCALE
+    from local.stack.demo import demo_config
+    from local.stack.plan import sim_engine_model
     from picker import defaults
 
-    engine_model = get_engine_model(DEMO_ENGINE_MODEL)
-    engine_model = engine_model.with_overrides(num_gpu_blocks=engine_model.num_gpu_blocks // DEMO_SCALE)
+    engine_model = sim_engine_model(demo_config(speedup=speedup))  # what the demo's simulators run
     config = LabConfig(concurrency=workload_settings("demo")["concurrency"], engine_model=engine_model)
     unscaled = to_model_seconds(defaults.SCRAPE_INTERVAL, speedup)  # the picker's default read as wall time
     policies = {
@@ -101,18 +100,20 @@ def verdict(http: dict, lab: dict) -> dict:
 
 def main(seed: int = 0, lab_seeds: list[int] | None = None, speedup: float | None = None) -> dict:
     from loadtest.workloads import workload_settings
-    from local.stack import DEMO_SCALE, StackConfig, picker_timing
+    from local.stack.demo import demo_config
+    from local.stack.plan import picker_timing
 
     speedup = speedup or DEFAULT_SPEEDUP
     lab_seeds = lab_seeds or [0, 1, 2, 3, 4]
-    timing = picker_timing(StackConfig(speedup=speedup))
+    config = demo_config(speedup=speedup)
+    timing = picker_timing(config)
     load_start = load_average()
     out = RESULTS / "crosscheck-http"
     http, wall = http_side(seed, speedup, out)
     started = time.monotonic()
     lab = lab_side(seed, lab_seeds, timing.model_scrape_interval, timing.model_staleness, speedup)
     data = {"command": f"python -m bench crosscheck --seed {seed} --speedup {speedup:g}",
-            "workload": "demo", "num_prompts": workload_settings("demo")["num_prompts"], "kv_scale": DEMO_SCALE, "speedup": speedup, "seed": seed, "lab_seeds": lab_seeds,
+            "workload": "demo", "num_prompts": workload_settings("demo")["num_prompts"], "kv_scale": config.kv_scale, "speedup": speedup, "seed": seed, "lab_seeds": lab_seeds,
             "picker_scrape_interval_wall_s": timing.scrape_interval,
             "picker_scrape_interval_model_s": timing.model_scrape_interval,
             "picker_staleness_model_s": timing.model_staleness,

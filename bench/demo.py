@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bench.common import PY, REPO, RESULTS, read_json, run_suite, shown
 from bench.markdown import md_table, versus
+from local.dataplane import EG_VERSION, ENVOY_VERSION
 
 
 def run() -> dict:
@@ -17,13 +18,14 @@ def run() -> dict:
         return {"dataplane": ports, "results": {name: read_json(out / f"{port}.json")
                                                 for name, port in ports["listeners"].items()}}
     return run_suite("demo", cmd, results, log=RESULTS / "demo.log", command="make demo (" + shown(cmd) + ")",
-                     results_dir=str(out.relative_to(REPO)))
+                     results_dir=str(out.relative_to(REPO)), envoy_gateway=EG_VERSION, envoy=ENVOY_VERSION)
 
 
 def report(d: dict) -> list[str]:
     dp = d["dataplane"]
+    versions = f"Envoy Gateway {d.get('envoy_gateway', EG_VERSION)} (standalone) and Envoy {d.get('envoy', ENVOY_VERSION)}"
     out = [f"Command: `{d['command']}`, {d['wall_s']:.0f} s wall (Go tools already built): 3 simulator processes, "
-           "the picker, Envoy Gateway v1.9.0 (standalone) and Envoy 1.39.0, `loadtest compare` of listener `http` "
+           f"the picker, {versions}, `loadtest compare` of listener `http` "
            f"(least request) vs `llm-gw` (picker) on the `{dp['workload']}` workload, speedup {dp['speedup']:g} "
            "(times are wall-clock ms at that speedup). Results: "
            f"`{d['results_dir']}/report.md`.", ""]

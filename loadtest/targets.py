@@ -1,8 +1,8 @@
 """The Gateway ports a load test targets, what routing each one means, and a check that they answer.
 
 CLUSTER_PORTS is the one place in loadtest/ that names the listener ports (the Makefile's
-LT_PORTS says the same); the local stack serves them LOCAL_PORT_OFFSET higher (as
-local/dataplane.py does; a test keeps the two equal). Everything else takes ports from options.
+LT_PORTS says the same); the local stack serves them LOCAL_PORT_OFFSET higher (local/dataplane.py
+takes the offset from here). Everything else takes ports from options.
 No locust/gevent imports (and no import of local/: the in-cluster locust ships loadtest/ only).
 """
 from __future__ import annotations

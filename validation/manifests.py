@@ -13,10 +13,22 @@ from dataclasses import dataclass
 from validation.problems import describe
 
 GPU = "nvidia.com/gpu"
+GATEWAY_GROUPS = ("gateway.networking.k8s.io", "gateway.envoyproxy.io")  # what Envoy Gateway reads
 
 
 def of_kind(objs, kind):
     return [o for o in objs if o.get("kind") == kind]
+
+
+def group_of(obj: dict) -> str:
+    """The API group of an object ("" for the core group)."""
+    api = obj.get("apiVersion", "")
+    return api.split("/")[0] if "/" in api else ""
+
+
+def gateway_objects(objs: list[dict]) -> list[dict]:
+    """The objects Envoy Gateway reads: Gateway API and Envoy Gateway kinds."""
+    return [o for o in objs if group_of(o) in GATEWAY_GROUPS]
 
 
 def ns_of(obj, default="default"):

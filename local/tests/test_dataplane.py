@@ -8,7 +8,9 @@ import copy
 import pytest
 
 from local import dataplane
-from local.stack import StackConfig, render
+from local.stack import StackConfig
+from local.stack.topology import render
+from validation import manifests
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def test_only_the_off_cluster_parts_change(rendered):
     services = {"qwq-dist-v1": [("127.0.0.1", 8101), ("127.0.0.1", 8102)],
                 "qwq-leaders": [("127.0.0.1", 8101), ("127.0.0.1", 8102)]}
     out = dataplane.localize(rendered, services, ("127.0.0.1", 9002))
-    original = {(o["kind"], o["metadata"]["name"]): o for o in dataplane.gateway_objects(rendered)}
+    original = {(o["kind"], o["metadata"]["name"]): o for o in manifests.gateway_objects(rendered)}
     local = {(o["kind"], o["metadata"]["name"]): o for o in out}
     # every cluster object is there, plus one Backend per Service a route names
     assert set(local) - set(original) == {("Backend", "qwq-dist-v1"), ("Backend", "qwq-leaders")}

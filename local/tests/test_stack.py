@@ -10,8 +10,16 @@ import time
 
 import pytest
 
-from local import stack as st
-from local.stack import Stack, StackConfig, StackError, topology
+from loadtest.workloads import DEMO_SCALE
+from local.stack import Stack, StackConfig, StackError
+from local.stack.api_keys import api_keys_secret, new_api_keys, read_api_keys
+from local.stack.cli import config_from, main, parser
+from local.stack.config import API_CLIENTS, REPO
+from local.stack.demo import DEMO_SPEEDUP, demo_command
+from local.stack.launcher import down
+from local.stack.plan import MIN_WALL_SCRAPE_INTERVAL, kv_scale_args, picker_timing, picker_timing_args
+from local.stack.processes import alive, is_ours
+from local.stack.topology import topology
 
 
 def test_plain_topology_follows_the_a10_overlay():
@@ -45,16 +53,16 @@ def test_edge_security_is_rendered_in_the_overlays_namespace_and_can_be_left_out
 
 def test_api_keys_are_fresh_private_and_fill_the_secret_the_policy_names(tmp_path):
     import base64
-    keys = st.new_api_keys(tmp_path / "keys.json")
-    again = st.new_api_keys(tmp_path / "keys.json")
-    assert set(keys) == set(st.API_CLIENTS) and keys != again and len(set(keys.values())) == len(keys)
+    keys = new_api_keys(tmp_path / "keys.json")
+    again = new_api_keys(tmp_path / "keys.json")
+    assert set(keys) == set(API_CLIENTS) and keys != again and len(set(keys.values())) == len(keys)
     assert (tmp_path / "keys.json").stat().st_mode & 0o777 == 0o600
-    assert st.read_api_keys(tmp_path / "keys.json") == again
-    secret = st.api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1])).gateway, again)
+    assert read_api_keys(tmp_path / "keys.json") == again
+    secret = api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1])).gateway, again)
     assert secret["metadata"] == {"name": "inference-gateway-api-keys", "namespace": "llm"}
     assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == again
     with pytest.raises(StackError, match="no SecurityPolicy with apiKeyAuth"):
-        st.api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1], edge_security=False)).gateway, again)
+        api_keys_secret(topology(StackConfig(groups=1, sim_ports=[1], edge_security=False)).gateway, again)
 
 
 def test_canary_topology_follows_the_overlay():
@@ -101,7 +109,7 @@ def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypat
     stack = Stack(config)
     with pytest.raises(StackError, match="exited"):
         stack.start()
-    assert stack.procs and all(not st._alive(p.pid) for p in stack.procs)
+    assert stack.procs and all(not alive(p.pid) for p in stack.procs)
     assert not stack.state_file.exists()
 
 
@@ -109,68 +117,73 @@ def test_down_stops_the_recorded_process_group(tmp_path):
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
     child = subprocess.Popen(cmd, start_new_session=True)
     deadline = time.monotonic() + 10
-    while not st._is_ours(child.pid, cmd):  # until the fork has exec'd the command
+    while not is_ours(child.pid, cmd):  # until the fork has exec'd the command
         assert time.monotonic() < deadline
         time.sleep(0.01)
     run = tmp_path / "x"
     run.mkdir()
     (run / "state.json").write_text(json.dumps({"name": "x", "procs": [
         {"name": "sleeper", "cmd": cmd, "log": "", "health": "http:", "pid": child.pid}]}))
-    assert st.down("x", run_root=tmp_path) == 0
+    assert down("x", run_root=tmp_path) == 0
     assert child.wait(timeout=10) is not None
     assert not (run / "state.json").exists()
-    assert st.down("x", run_root=tmp_path) == 0  # nothing left: still fine
+    assert down("x", run_root=tmp_path) == 0  # nothing left: still fine
 
 
 def test_picker_scrapes_at_the_production_interval_in_model_time():
-    timing = st.picker_timing(StackConfig(speedup=5))
+    timing = picker_timing(StackConfig(speedup=5))
     assert timing.scrape_interval == pytest.approx(0.02) and timing.staleness == pytest.approx(0.2)
     assert timing.model_scrape_interval == pytest.approx(0.1) and timing.model_staleness == pytest.approx(1.0)
-    args = st.picker_timing_args(StackConfig(speedup=5, picker_scrape_interval=0.5, picker_staleness=2.0))
+    args = picker_timing_args(StackConfig(speedup=5, picker_scrape_interval=0.5, picker_staleness=2.0))
     assert args == ["--scrape-interval", "0.1", "--staleness", "0.4"]
 
 
 def test_picker_scrape_interval_has_a_wall_time_floor_and_keeps_the_staleness_ratio():
-    timing = st.picker_timing(StackConfig(speedup=100))
-    assert timing.scrape_interval == st.MIN_WALL_SCRAPE_INTERVAL
+    timing = picker_timing(StackConfig(speedup=100))
+    assert timing.scrape_interval == MIN_WALL_SCRAPE_INTERVAL
     assert timing.staleness / timing.scrape_interval == pytest.approx(10.0)
-    assert timing.model_scrape_interval == pytest.approx(st.MIN_WALL_SCRAPE_INTERVAL * 100)
+    assert timing.model_scrape_interval == pytest.approx(MIN_WALL_SCRAPE_INTERVAL * 100)
 
 
 def test_explicit_picker_timing_args_are_left_alone():
     config = StackConfig(speedup=100, picker_args=["--scrape-interval", "0.2"])
-    assert st.picker_timing(config) is None and st.picker_timing_args(config) == []
+    assert picker_timing(config) is None and picker_timing_args(config) == []
 
 
 def test_kv_scale_divides_the_simulator_capacity():
     from local.sim.engines import get_engine_model
 
-    full = get_engine_model(st.DEMO_ENGINE_MODEL).num_gpu_blocks
-    assert st.kv_scale_args(StackConfig(kv_scale=st.DEMO_SCALE)) == ["--num-gpu-blocks", str(full // st.DEMO_SCALE)]
-    assert st.kv_scale_args(StackConfig()) == []
-    assert st.kv_scale_args(StackConfig(kv_scale=6, sim_args=["--num-gpu-blocks", "99"])) == []
+    from local.sim.engines import DEFAULT_ENGINE_MODEL
+
+    full = get_engine_model(DEFAULT_ENGINE_MODEL).num_gpu_blocks
+    assert kv_scale_args(StackConfig(kv_scale=DEMO_SCALE)) == ["--num-gpu-blocks", str(full // DEMO_SCALE)]
+    assert kv_scale_args(StackConfig()) == []
+    assert kv_scale_args(StackConfig(kv_scale=6, sim_args=["--num-gpu-blocks", "99"])) == []
     tiny = StackConfig(kv_scale=2, sim_args=["--engine-model", "tiny"])
-    assert st.kv_scale_args(tiny) == ["--num-gpu-blocks", str(get_engine_model("tiny").num_gpu_blocks // 2)]
+    assert kv_scale_args(tiny) == ["--num-gpu-blocks", str(get_engine_model("tiny").num_gpu_blocks // 2)]
 
 
 def test_demo_defaults_scale_the_article_workload():
     from loadtest.workloads import WORKLOADS
 
-    args = st.parser().parse_args(["demo"])
-    assert args.speedup == st.DEMO_SPEEDUP and args.kv_scale == st.DEMO_SCALE
-    assert st.parser().parse_args(["up"]).kv_scale == 1
+    args = parser().parse_args(["demo"])
+    assert args.speedup == DEMO_SPEEDUP and args.kv_scale == DEMO_SCALE
+    assert parser().parse_args(["up"]).kv_scale == 1
     article, demo = WORKLOADS["article"], WORKLOADS["demo"]
     for key in ("prefix_len", "input_len", "output_len"):
-        assert demo[key] == article[key] // st.DEMO_SCALE
+        assert demo[key] == article[key] // DEMO_SCALE
     assert demo["concurrency"] == article["concurrency"] and demo["range_ratio"] == article["range_ratio"]
+    make = subprocess.run(["make", "--no-print-directory", "-s", "--eval", "print-kv: ; @echo $(KV_SCALE)",
+                           "print-kv", "WORKLOAD=demo"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert make.stdout.split()[-1] == str(DEMO_SCALE)  # `make up` for `make compare` of the demo workload
 
 
 def test_demo_order_sets_which_listener_loadtest_compare_loads_first(tmp_path, capsys):
     listeners = {"http": 18080, "llm-gw": 18081}
 
     def ports(argv):
-        args, rest = st.parser().parse_known_args(["demo", *argv])
-        cmd = st.demo_command(st.config_from(args), listeners, ["127.0.0.1:8101"], tmp_path, args.workload,
+        args, rest = parser().parse_known_args(["demo", *argv])
+        cmd = demo_command(config_from(args), listeners, ["127.0.0.1:8101"], tmp_path, args.workload,
                               rest, args.warm, args.order)
         after = cmd[cmd.index("--ports") + 1:]
         return after[:after.index("--workload")], cmd
@@ -181,9 +194,9 @@ def test_demo_order_sets_which_listener_loadtest_compare_loads_first(tmp_path, c
     assert picker_first == ["18081", "18080"]
     assert cmd.count("--ports") == 1 and cmd[-2:] == ["--num-prompts", "12"] and "--before-each-run" not in cmd
     with pytest.raises(SystemExit):
-        st.parser().parse_args(["demo", "--order", "llm-first"])
+        parser().parse_args(["demo", "--order", "llm-first"])
     with pytest.raises(SystemExit):   # refused before any stack starts
-        st.main(["demo", "--run-root", str(tmp_path), "--ports", "18081", "18080"])
+        main(["demo", "--run-root", str(tmp_path), "--ports", "18081", "18080"])
     assert "--order" in capsys.readouterr().err
 
 
@@ -203,3 +216,34 @@ def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path):
         with pytest.raises(StackError, match="Only one local stack can run at a time"):
             stack.start()
     assert stack.procs == [] and not (tmp_path / "second").exists()
+
+
+def test_run_state_round_trips_through_its_file(tmp_path):
+    from local.stack.processes import Proc, RunState
+
+    config = StackConfig(name="x", run_root=tmp_path, speedup=5, sim_ports=[1, 2])
+    procs = [Proc("sim-1", ["python", "-m", "local.sim"], "sim-1.log", "http:http://127.0.0.1:1/health", 42)]
+    (tmp_path / "x").mkdir()
+    assert RunState.read(config.run_dir) is None
+    RunState("x", config, procs, {"sim-1": 1.5}).write(config.run_dir)
+    raw = json.loads(RunState.file(config.run_dir).read_text())
+    assert raw["config"]["speedup"] == 5 and raw["config"]["run_root"] == str(tmp_path)  # what loadtest reads
+    back = RunState.read(config.run_dir)
+    assert back.config == config and back.procs == procs and back.retired_cpu_s == {"sim-1": 1.5}
+    RunState.remove(config.run_dir)
+    assert RunState.read(config.run_dir) is None
+
+
+def test_the_plan_lists_every_process_and_writes_nothing(tmp_path):
+    from local.stack.plan import plan
+
+    config = StackConfig(name="planned", run_root=tmp_path, groups=2, sim_ports=[1001, 1002], kv_scale=DEMO_SCALE)
+    procs = plan(config, topology(config))
+    assert [p.name for p in procs] == ["sim-1001", "sim-1002", "picker", "envoy-gateway"]
+    assert all(p.pid is None and p.log.startswith(str(config.run_dir)) for p in procs)
+    assert procs[0].cmd[procs[0].cmd.index("--num-gpu-blocks") + 1] == kv_scale_args(config)[1]
+    picker = procs[2].cmd
+    assert picker[picker.index("--endpoints") + 1] == "127.0.0.1:1001,127.0.0.1:1002"
+    assert "--secure-serving" in picker  # base/gateway's Backend for the picker has TLS
+    assert procs[3].health.split() == ["http:http://127.0.0.1:18080/v1/models", "http:http://127.0.0.1:18081/v1/models"]
+    assert not config.run_dir.exists()

@@ -1,7 +1,7 @@
 """Every dashboard query and alert expression against a real Prometheus scraping the local stack.
 
 The stack (simulators, picker, gateway) runs on free loopback ports; Prometheus scrapes it with
-the config derived from the PodMonitors (local/observe.py) while load runs on both listeners:
+the config derived from the PodMonitors (monitoring/local_prometheus.py) while load runs on both listeners:
 plain requests, sheddable ones (objective `batch`) against a picker whose saturation thresholds
 are low enough to shed them, and one simulator stopped half way (so the picker's scrape errors
 and a down target exist). Then every dashboard query must return series, every selector in an
@@ -19,9 +19,10 @@ import promql_parser
 import pytest
 import yaml
 
-from local import observe
-from local.stack import REPO, Stack
+from local.stack import Stack
+from local.stack.config import REPO
 from monitoring import dashboards, rules
+from monitoring import local_prometheus
 
 SAMPLES = REPO.parent / "shared" / "metrics-samples"
 RATE_WINDOW = "30s"            # $__rate_interval for the dashboards' queries (scrapes every 1 s)
@@ -96,7 +97,7 @@ async def load(stack: Stack, seconds: float, tally: dict) -> None:
 def live(tmp_path_factory):
     run_root = tmp_path_factory.mktemp("observe")
     tally: dict = {}
-    with observe.observed_stack(
+    with local_prometheus.observed_stack(
             "observe", run_root, groups=3, speedup=100.0, seed=3,
             profile=str(sheddable_profile(run_root / "shed-early.yaml")),
             sim_args=["--max-num-seqs", "2"], picker_args=["--scrape-interval", "0.2"]) as (stack, prom):

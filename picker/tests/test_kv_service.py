@@ -169,3 +169,39 @@ async def test_endpoint_without_events_and_a_missing_tokenizer(tok_dir, tmp_path
         for s in servers:
             await s.stop()
         pub.close()
+
+
+def test_cli_flags_of_precise_routing(tmp_path):
+    base = ["--discovery", "static", "--endpoints", "127.0.0.1:8101"]
+    a = parse_args(base)
+    assert (a.precise_prefix, a.tokenizer, a.kv_events_port, a.kv_replay_port) == (True, None, 5557, 5558)
+    a = parse_args(base + ["--no-precise-prefix", "--tokenizer", str(tmp_path),
+                           "--kv-events-port", "6000", "--kv-replay-port", "0"])
+    assert (a.precise_prefix, a.tokenizer, a.kv_events_port, a.kv_replay_port) == \
+        (False, str(tmp_path), 6000, 0)
+    for bad in (["--kv-events-port", "0"], ["--kv-events-port", "70000"], ["--kv-replay-port", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
+
+
+def test_every_worker_applies_the_signals_process_deltas(tok_dir):
+    """Workers 1..n-1 get the same ("kv", deltas, status) messages as worker 0 (workers.py)."""
+    import multiprocessing as mp
+
+    from helpers import make_router
+    from picker.signals.kvstate import KVTracker
+    from picker.workers import SignalsLink
+    router = make_router("default", n=2)
+    router.enable_precise(ModelTokenizer(tok_dir))
+    ours, theirs = mp.Pipe()
+    link = SignalsLink(router, ours, peers=True)
+    tracker = KVTracker()
+    addr = next(iter(router.endpoints))
+    tracker.add(addr, 0.0, replay=False)
+    tracker.on_message(addr, 0, map_payload([stored([1, 2], None, [3] * 32, BS)]), 0.0)
+    link._handle(("kv", tracker.take_deltas(), tracker.status()))
+    assert router.precise.index.in_sync(addr) and router.precise.index.size(addr) == 2
+    assert router.precise.status[addr][2] == 2
+    link._handle(("kv", [], None))            # no new status: the last one stays
+    assert router.precise.status[addr][2] == 2
+    theirs.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from local.observe import free_ports
+from local.stack.processes import free_ports
 from local.stack import Stack, StackConfig
 
 SPEEDUP = 100.0

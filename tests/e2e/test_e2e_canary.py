@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from local.stack import REPO
+from local.stack.config import REPO
 from tests.e2e.conftest import completion, start_stack, successes
 from validation.canary import split_weights
 

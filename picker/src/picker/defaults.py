@@ -36,6 +36,17 @@ MAX_STREAMS = 2048                      # ext_proc streams
 MAX_BUFFERED_BYTES = 128 * 1024 * 1024  # request body bytes, all streams together
 AVG_PROMPT_ALPHA = 0.05        # EWMA weight of the running mean prompt size
 
+# Prefix-cache affinity (a profile's `prefix:` section): the picker hashes prompts in blocks of
+# this many tokens (vLLM's KV block size), matches at most this many leading blocks, and keeps
+# this many blocks per endpoint in its LRU index (about the KV cache of one A10 group).
+PREFIX_BLOCK_SIZE_TOKENS = 16
+PREFIX_MAX_BLOCKS = 256
+PREFIX_LRU_CAPACITY_PER_SERVER = 31250
+# Saturation (a profile's `saturation:` section): an endpoint with more waiting requests than
+# this, or a KV cache fuller than this, counts as saturated.
+SATURATION_QUEUE_DEPTH = 5.0
+SATURATION_KV_CACHE_UTIL = 0.8
+
 # Flow control (picker.flowcontrol): requests no endpoint can start now wait in the picker.
 # The age bounds must stay below the gateway's ext_proc messageTimeout and the listener's
 # requestReceivedTimeout (make validate checks the manifests).

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from picker import defaults
+
 
 @dataclass(slots=True)
 class SchedulingContext:
@@ -11,7 +13,7 @@ class SchedulingContext:
     max_tokens: int | None
     priority: int
     now: float
-    block_size_tokens: int = 16
+    block_size_tokens: int = defaults.PREFIX_BLOCK_SIZE_TOKENS
     hashes: list[int] = field(default_factory=list)
     prefix_match: dict[str, int] = field(default_factory=dict)  # address -> leading blocks held
     avg_prompt_tokens: float = 0.0   # running mean over recent requests, sizes unknown work

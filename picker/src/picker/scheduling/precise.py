@@ -55,7 +55,7 @@ class PrecisePrefix:
         self.max_tokens = max_tokens                 # longest prefix matched, in tokens
         self.index = PreciseIndex()
         self.tracker: KVTracker | None = None        # in-process feeding only
-        self.status: dict[str, tuple] = {}           # per endpoint, from the tracker
+        self._status: dict[str, tuple] = {}          # per endpoint, from the signals process
         self.untokenizable = 0                       # requests routed on the approximate index
         self.verify_window = verify_window
         self.verify_misses = verify_misses
@@ -71,7 +71,12 @@ class PrecisePrefix:
         """Index changes from the signals process (signals.kvstate.KVTracker.take_deltas)."""
         self.index.apply(deltas)
         if status is not None:
-            self.status = status
+            self._status = status
+
+    @property
+    def status(self) -> dict[str, tuple]:
+        """Per endpoint followed: (in sync, reason, blocks, counters; kvstate.STAT_FIELDS)."""
+        return self.tracker.status() if self.tracker is not None else self._status
 
     def on_batch(self, address: str, batch: EventBatch | list, now: float,
                  seq: int | None = None, wall_now: float | None = None,
@@ -107,7 +112,6 @@ class PrecisePrefix:
 
     def _sync(self) -> None:
         self.index.apply(self.tracker.take_deltas())
-        self.status = self.tracker.status()
 
     # ---- deciding ----------------------------------------------------------------------------
     def prepare(self, path: str, parsed: ParsedRequest, lora: str | None) -> Prepared | None:

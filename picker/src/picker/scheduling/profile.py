@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from picker import defaults
 from picker.scheduling import registry
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.filters import Filter
@@ -42,9 +43,9 @@ class Profile:
     scorers: list[WeightedScorer]
     picker: Picker
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)
-    block_size_tokens: int = 16
-    max_prefix_blocks: int = 256
-    lru_capacity_per_server: int = 31250
+    block_size_tokens: int = defaults.PREFIX_BLOCK_SIZE_TOKENS
+    max_prefix_blocks: int = defaults.PREFIX_MAX_BLOCKS
+    lru_capacity_per_server: int = defaults.PREFIX_LRU_CAPACITY_PER_SERVER
     needs_prefix: bool = False
     prefilter: PrefilterSettings = field(default_factory=PrefilterSettings)
     source: dict[str, Any] = field(default_factory=dict)
@@ -110,11 +111,12 @@ def profile_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Profile:
             filters=filters,
             scorers=scorers,
             picker=picker,
-            saturation=SaturationThresholds(float(sat.get("queueDepthThreshold", 5)),
-                                            float(sat.get("kvCacheUtilThreshold", 0.8))),
-            block_size_tokens=int(prefix.get("blockSizeTokens", 16)),
-            max_prefix_blocks=int(prefix.get("maxPrefixBlocks", 256)),
-            lru_capacity_per_server=int(prefix.get("lruCapacityPerServer", 31250)),
+            saturation=SaturationThresholds(
+                float(sat.get("queueDepthThreshold", defaults.SATURATION_QUEUE_DEPTH)),
+                float(sat.get("kvCacheUtilThreshold", defaults.SATURATION_KV_CACHE_UTIL))),
+            block_size_tokens=int(prefix.get("blockSizeTokens", defaults.PREFIX_BLOCK_SIZE_TOKENS)),
+            max_prefix_blocks=int(prefix.get("maxPrefixBlocks", defaults.PREFIX_MAX_BLOCKS)),
+            lru_capacity_per_server=int(prefix.get("lruCapacityPerServer", defaults.PREFIX_LRU_CAPACITY_PER_SERVER)),
             needs_prefix=needs_prefix,
             prefilter=prefilter,
             source=doc,

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from picker import defaults
 from picker.signals.state import EndpointState
 
 
 @dataclass(frozen=True, slots=True)
 class SaturationThresholds:
-    queue_depth: float = 5.0
-    kv_cache_util: float = 0.8
+    queue_depth: float = defaults.SATURATION_QUEUE_DEPTH
+    kv_cache_util: float = defaults.SATURATION_KV_CACHE_UTIL
 
 
 def endpoint_saturation(state: EndpointState, t: SaturationThresholds) -> float:

@@ -1,17 +1,15 @@
-"""local.observe: the scrape config derived from the PodMonitors, and finding a running stack."""
+"""monitoring.local_prometheus: the scrape config derived from the PodMonitors, and finding a running stack."""
 from __future__ import annotations
-
-import dataclasses
-import json
 
 import pytest
 
-from local import observe
 from local.stack import StackConfig
+from local.stack.processes import RunState
+from monitoring import local_prometheus
 
 
 def test_scrape_config_keeps_the_monitors_relabelings_after_renaming_local_listeners():
-    config = observe.prometheus_config({"envoy-proxy": [observe.Target("127.0.0.1:1", "envoy-0")]},
+    config = local_prometheus.prometheus_config({"envoy-proxy": [local_prometheus.Target("127.0.0.1:1", "envoy-0")]},
                                        listeners={8080: 18080, 8081: 8081})
     (job,) = config["scrape_configs"]
     assert job["job_name"] == "podMonitor/llm/envoy-proxy/0"
@@ -27,20 +25,19 @@ def test_scrape_config_keeps_the_monitors_relabelings_after_renaming_local_liste
 def test_a_running_stack_becomes_targets_named_like_the_pods(tmp_path):
     config = StackConfig(name="x", run_root=tmp_path, groups=2, sim_ports=[18101, 18102], picker_metrics_port=19090)
     (tmp_path / "x").mkdir()
-    state = {"name": "x", "config": dataclasses.asdict(config), "procs": []}
-    (tmp_path / "x/state.json").write_text(json.dumps(state, default=str))
+    RunState("x", config, []).write(config.run_dir)
     admin = tmp_path / "x/envoy-gateway/runtime/envoy/admin-address.txt"   # where func-e records it
     admin.parent.mkdir(parents=True)
     admin.write_text("127.0.0.1:19555")
-    stack = observe.running_stack("x", tmp_path)
+    stack = local_prometheus.running_stack("x", tmp_path)
     assert stack.config.run_dir == tmp_path / "x"
-    targets = observe.stack_targets(stack)
-    assert targets["vllm-leaders"] == [observe.Target("127.0.0.1:18101", "qwq-dist-v1-0"),
-                                       observe.Target("127.0.0.1:18102", "qwq-dist-v1-1")]
-    assert targets["envoy-proxy"] == [observe.Target("127.0.0.1:19555", "envoy-inference-gateway-0",
+    targets = local_prometheus.stack_targets(stack)
+    assert targets["vllm-leaders"] == [local_prometheus.Target("127.0.0.1:18101", "qwq-dist-v1-0"),
+                                       local_prometheus.Target("127.0.0.1:18102", "qwq-dist-v1-1")]
+    assert targets["envoy-proxy"] == [local_prometheus.Target("127.0.0.1:19555", "envoy-inference-gateway-0",
                                                      "envoy-gateway-system")]
-    assert observe.cluster_listener_ports(stack) == {8080: 18080, 8081: 18081}
-    jobs = {j["job_name"]: j for j in observe.stack_config(stack)["scrape_configs"]}
+    assert local_prometheus.cluster_listener_ports(stack) == {8080: 18080, 8081: 18081}
+    jobs = {j["job_name"]: j for j in local_prometheus.stack_config(stack)["scrape_configs"]}
     assert set(jobs) == {"podMonitor/llm/vllm-leaders/0", "podMonitor/llm/picker/0", "podMonitor/llm/envoy-proxy/0"}
     assert jobs["podMonitor/llm/picker/0"]["static_configs"][0]["targets"] == ["127.0.0.1:19090"]
     assert jobs["podMonitor/llm/picker/0"]["honor_labels"] is True
@@ -50,4 +47,4 @@ def test_a_running_stack_becomes_targets_named_like_the_pods(tmp_path):
 
 def test_no_running_stack_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="make up"):
-        observe.running_stack("absent", tmp_path)
+        local_prometheus.running_stack("absent", tmp_path)

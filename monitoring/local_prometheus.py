@@ -1,6 +1,6 @@
 """A real Prometheus on the local stack, scraping it the way the cluster's monitors say.
 
-    python -m local.observe --name local      # against a stack started by `make up` (make observe)
+    python -m monitoring.local_prometheus --name local   # against a stack started by `make up` (make observe)
 
 The scrape config is derived from the PodMonitors of components/monitoring (rendered through
 overlays/a10-monitoring), so the jobs, paths, relabelings and metric relabelings are written
@@ -21,7 +21,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,11 @@ from pathlib import Path
 
 import yaml
 
-from local.stack import REPO, Stack, StackConfig, kustomize, port_free, stop_group, topology
+from local.stack import Stack, StackConfig
+from local.stack.config import REPO
+from local.stack.processes import RunState, free_ports, port_free, stop_group
+from local.stack.topology import kustomize, topology
+from monitoring.rules import write_rule_file
 
 MONITOR_OVERLAY = "overlays/a10-monitoring"
 DEFAULT_PORT = 9095          # the picker has 9090
@@ -152,7 +155,6 @@ class Prometheus:
         if not port_free(self.host, self.port):
             raise RuntimeError(f"port {self.port} on {self.host} is in use (choose another with --port)")
         self.dir.mkdir(parents=True, exist_ok=True)
-        from monitoring.rules import write_rule_file
         rules = write_rule_file(self.dir)
         self.config = {**self.config, "rule_files": [str(rules)]}
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(self.config, sort_keys=False))
@@ -228,18 +230,6 @@ class Prometheus:
             time.sleep(0.5)
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports nobody listens on now (all bound at once, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @contextmanager
 def observed_stack(name: str, run_root: Path, interval: str = "1s", **config):
     """A local stack on free loopback ports (StackConfig `config`) and a Prometheus scraping it,
@@ -256,19 +246,17 @@ def observed_stack(name: str, run_root: Path, interval: str = "1s", **config):
 
 def running_stack(name: str, run_root: Path = REPO / "runs") -> Stack:
     """The stack started by `make up` (config from its state file, topology from the manifests)."""
-    state = Path(run_root) / name / "state.json"
-    if not state.is_file():
-        raise SystemExit(f"no running stack {name!r} ({state} missing): start one with `make up`")
-    raw = json.loads(state.read_text())["config"]
-    fields = StackConfig.__dataclass_fields__
-    stack = Stack(StackConfig(**{k: v for k, v in raw.items() if k in fields and k != "run_root"},
-                              run_root=Path(run_root)))
+    run_dir = Path(run_root) / name
+    state = RunState.read(run_dir)
+    if state is None or state.config is None:
+        raise SystemExit(f"no running stack {name!r} ({RunState.file(run_dir)} missing): start one with `make up`")
+    stack = Stack(state.config)
     stack.topology = topology(stack.config)
     return stack
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m local.observe", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m monitoring.local_prometheus", description=__doc__.split("\n")[0])
     p.add_argument("--name", default="local", help="the stack's run folder runs/<name>")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="Prometheus UI/API port on 127.0.0.1")
     p.add_argument("--interval", default=DEFAULT_INTERVAL, help="scrape and rule evaluation interval")

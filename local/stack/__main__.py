@@ -1,0 +1,5 @@
+import sys
+
+from local.stack.cli import main
+
+sys.exit(main())

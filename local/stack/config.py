@@ -1,0 +1,81 @@
+"""What a local stack is asked to be (StackConfig) and the error every part of the launcher raises."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_ROOT = REPO / "runs"
+EDGE_SECURITY = "components/edge-security"
+# Client ids of the throw-away keys: `loadtest` has the load generators' rate limit (the demo, the
+# load tests and the end-to-end tests use it), `user` the limit of any other client.
+API_CLIENTS = ("loadtest", "user")
+API_KEYS_FILE = "api-keys.json"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackConfig:
+    name: str = "local"
+    groups: int = 3
+    speedup: float = 20.0
+    seed: int = 0
+    # Request body mode of the EnvoyExtensionPolicy (None: as base/gateway has it). "buffered" adds
+    # components/buffered-body to the render, as a cluster user would.
+    body_mode: str | None = None
+    canary: bool = False
+    # The cluster's edge (components/edge-security) with throw-away API keys; False: no keys, no
+    # rate limits, as overlays/a10-open-gateway alone.
+    edge_security: bool = True
+    host: str = "127.0.0.1"
+    sim_base_port: int = 8101
+    sim_ports: list[int] | None = None  # explicit ports; else sim_base_port, +1, ...
+    # Listener ports; None: the cluster port + dataplane.LISTENER_PORT_OFFSET (18080, 18081).
+    http_port: int | None = None
+    llm_port: int | None = None
+    picker_grpc_port: int = 9002
+    picker_health_port: int = 9003
+    picker_metrics_port: int = 9090
+    profile: str = "default"
+    # The picker's scrape interval and staleness in MODEL seconds (None: the picker's own defaults,
+    # which are meant for real time). The launcher divides them by the speedup, so the picker sees
+    # the simulated engines as often, in model time, as it would see real ones (plan.picker_timing).
+    picker_scrape_interval: float | None = None
+    picker_staleness: float | None = None
+    kv_scale: int = 1  # simulators get the engine model's KV capacity / kv_scale (the demo: DEMO_SCALE)
+    sim_args: list[str] = field(default_factory=list)
+    picker_args: list[str] = field(default_factory=list)
+    run_root: Path = RUN_ROOT
+    startup_timeout: float = 90.0
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.name
+
+    @property
+    def overlay(self) -> str:
+        return "overlays/a10-canary-open-gateway" if self.canary else "overlays/a10-open-gateway"
+
+    @property
+    def components(self) -> list[str]:
+        return ((["components/buffered-body"] if self.body_mode == "buffered" else [])
+                + ([EDGE_SECURITY] if self.edge_security else []))
+
+    @property
+    def api_keys_file(self) -> Path:
+        return self.run_dir / API_KEYS_FILE
+
+    def to_json(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, raw: dict, run_root: Path) -> "StackConfig":
+        """The config a running stack recorded (fields this version does not know are left out),
+        under `run_root` (where its state was found)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known and k != "run_root"}, run_root=Path(run_root))

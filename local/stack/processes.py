@@ -1,0 +1,252 @@
+"""The stack's processes: starting one (each in its own session, output to its log), health
+checks, stopping process groups, CPU accounting, and RunState, the run's record in state.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from local.stack.config import REPO, StackConfig, StackError
+
+HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+STATE_FILE = "state.json"
+
+
+def python_env() -> dict[str, str]:
+    """This environment with the repo and picker/src on PYTHONPATH, unbuffered output."""
+    env = dict(os.environ)
+    paths = [str(REPO), str(REPO / "picker" / "src")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports nobody listens on now (all bound at once, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def is_ours(pid: int, cmd: list[str]) -> bool:
+    """The pid still runs the command we started (pids get reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[:3] == [c.encode() for c in cmd[:3]]
+    except OSError:
+        return True  # no /proc: trust the state file
+
+
+def stop_group(pid: int, timeout: float = 5.0) -> None:
+    stop_groups([pid], timeout)
+
+
+def stop_groups(pids: list[int], timeout: float = 5.0) -> None:
+    """SIGTERM the process groups led by pids, then SIGKILL what is left after `timeout`."""
+    pending = list(pids)
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
+        for pid in list(pending):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pending.remove(pid)
+        deadline = time.monotonic() + wait
+        while pending and time.monotonic() < deadline:
+            pending = [p for p in pending if alive(p)]
+            if pending:
+                time.sleep(0.05)
+        if not pending:
+            return
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    log: str
+    health: str  # "http:<url>" or "grpc:<address>"; several separated by spaces must all pass
+    pid: int | None = None
+    popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Proc":
+        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"))
+
+    def fresh(self) -> "Proc":
+        """The same process, not started."""
+        return Proc(self.name, self.cmd, self.log, self.health)
+
+    def running(self) -> bool:
+        """Started, still alive and still running our command."""
+        return bool(self.pid) and alive(self.pid) and is_ours(self.pid, self.cmd)
+
+    def healthy(self, headers: dict[str, str] | None = None) -> bool:
+        """headers: sent with the http checks (the API key when the listeners need one)."""
+        for check in self.health.split():
+            kind, _, target = check.partition(":")
+            if not (http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)):
+                return False
+        return True
+
+
+def spawn(p: Proc) -> Proc:
+    """Start `p` in its own session (so its whole group can be stopped), output appended to its log."""
+    with open(p.log, "ab") as log:
+        p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=python_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    p.pid = p.popen.pid
+    return p
+
+
+def tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(procs: list[Proc], timeout: float, headers: dict[str, str] | None = None,
+                 logs: Path | None = None) -> None:
+    """Until every process passes its health check; StackError if one exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if p.popen is not None and p.popen.poll() is not None:
+                raise StackError(f"{p.name} exited with {p.popen.returncode} while starting; "
+                                 f"log {p.log}:\n{tail(p.log)}")
+            if p.healthy(headers):
+                pending.remove(p)
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise StackError(f"not healthy after {timeout}s: {names}; logs in {logs or Path(pending[0].log).parent}:"
+                             f"\n{tail(pending[0].log)}")
+        if pending:
+            time.sleep(0.1)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process and its children (nan if it is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return sum(proc.cpu_times()[:2]) + sum(sum(c.cpu_times()[:2]) for c in proc.children(recursive=True))
+    except psutil.Error:
+        return float("nan")
+
+
+def children_cpu_seconds() -> float:
+    """user+system CPU seconds of this process's waited-for children so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class RunState:
+    """What a stack started, in <run_dir>/state.json, so that `down`, `status` and `reset` from another
+    shell find its processes. The only reader and writer of that file in the launcher (loadtest's
+    targets.py reads the `config` part to find a stack's ports and speedup)."""
+
+    name: str
+    config: StackConfig | None
+    procs: list[Proc]
+    # CPU seconds of processes `reset` replaced, by name: a demo's CPU table covers every run
+    retired_cpu_s: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def file(run_dir: Path) -> Path:
+        return Path(run_dir) / STATE_FILE
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "RunState | None":
+        """The state of the stack in run_dir, None if none was recorded (or it was stopped)."""
+        path = cls.file(run_dir)
+        if not path.exists():
+            return None
+        raw = json.loads(path.read_text())
+        config = StackConfig.from_json(raw["config"], Path(run_dir).parent) if raw.get("config") else None
+        return cls(raw.get("name", Path(run_dir).name), config, [Proc.from_json(p) for p in raw["procs"]],
+                   dict(raw.get("retired_cpu_s", {})))
+
+    def write(self, run_dir: Path) -> None:
+        state = {"name": self.name, **({"config": self.config.to_json()} if self.config else {}),
+                 "procs": [p.to_json() for p in self.procs]}
+        if self.retired_cpu_s:
+            state["retired_cpu_s"] = self.retired_cpu_s
+        self.file(run_dir).write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def remove(cls, run_dir: Path) -> None:
+        cls.file(run_dir).unlink(missing_ok=True)
+
+    def retire(self, p: Proc) -> None:
+        """Stop `p` (a process of this run), keeping the CPU it used."""
+        used = process_cpu_seconds(p.pid)
+        self.retired_cpu_s[p.name] = self.retired_cpu_s.get(p.name, 0.0) + (0.0 if used != used else used)
+        stop_group(p.pid)
