@@ -16,7 +16,10 @@ CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/c
 # CRDs that ship in pinned Go modules (the Prometheus Operator's, for components/monitoring).
 EXTRA_CRDS_DIR := .cache/crds-extra
 RUN_DIR     ?= runs/local
-GROUPS      ?= 3
+# ENGINE=vllm: real vLLM's CPU build serves the groups (`make vllm` builds it); 2 groups by
+# default then (each server holds ~2-4 GB)
+ENGINE      ?= sim
+GROUPS      ?= $(if $(filter vllm,$(ENGINE)),2,3)
 SPEEDUP     ?= 20
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
 # `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
@@ -139,9 +142,9 @@ test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, prot
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~2 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
-up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
-	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE) \
-		$(if $(filter off,$(EDGE_SECURITY)),--no-edge-security)
+up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
+		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security)
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
@@ -151,8 +154,8 @@ down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
 DEMO_ARGS ?=
-demo: setup ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it
-	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(DEMO_ARGS)
+demo: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
+	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 # LT_PORTS: listeners `http` and `llm-gw`; the local stack runs them at the cluster ports + 10000

@@ -12,10 +12,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from local import dataplane
+from local import dataplane, vllm_server
 from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engines import DEFAULT_ENGINE_MODEL, EngineModel, get_engine_model
-from local.stack.config import StackConfig
+from local.stack.config import StackConfig, StackError
 from local.stack.processes import Proc
 from local.stack.topology import Topology, listener_ports, picker_tls
 
@@ -96,8 +96,45 @@ def sim_procs(config: StackConfig, topo: Topology) -> list[Proc]:
     return procs
 
 
+# Real vLLM's KV-event ports: the group's port + these (8101 -> 18101 publisher, 28101 replay).
+# The picker finds them through each server's /kv_event_sources.
+VLLM_KV_EVENTS_OFFSET, VLLM_KV_REPLAY_OFFSET = 10000, 20000
+
+
+def vllm_server_of(config: StackConfig, sim) -> vllm_server.VllmServer:
+    """The real vLLM server of one group: the cluster's flags where they apply on a CPU
+    (local/vllm_server), KV events on ports derived from the group's."""
+    return vllm_server.VllmServer(port=sim.port, served_model_names=tuple(sim.served_model_names),
+                                  host=config.host, kv_events_port=sim.port + VLLM_KV_EVENTS_OFFSET,
+                                  kv_replay_port=sim.port + VLLM_KV_REPLAY_OFFSET)
+
+
+def vllm_procs(config: StackConfig, topo: Topology) -> list[Proc]:
+    """One real vLLM server per group (the simulators' ports and served names)."""
+    if not vllm_server.available():
+        raise StackError("real vLLM is not installed: run `make vllm` first")
+    procs = []
+    for sim in topo.sims:
+        server = vllm_server_of(config, sim)
+        procs.append(Proc(f"vllm-{sim.port}", server.launch_command() + list(config.sim_args),
+                          str(config.run_dir / f"vllm-{sim.port}.log"), f"http:http://{sim.address}/health"))
+    return procs
+
+
+def engine_procs(config: StackConfig, topo: Topology) -> list[Proc]:
+    return vllm_procs(config, topo) if config.engine == "vllm" else sim_procs(config, topo)
+
+
 def objects_file(config: StackConfig) -> Path:
     return config.run_dir / OBJECTS_FILE
+
+
+def real_engine_picker_args(config: StackConfig) -> list[str]:
+    """In front of real vLLM the picker reads the model's tokenizer, as in the cluster, and
+    routes on the engines' KV-cache events."""
+    if config.engine != "vllm" or "--tokenizer" in config.picker_args:
+        return []
+    return ["--tokenizer", str(vllm_server.MODEL_DIR)]
 
 
 def picker_proc(config: StackConfig, topo: Topology) -> Proc:
@@ -108,7 +145,8 @@ def picker_proc(config: StackConfig, topo: Topology) -> Proc:
            "--secure-serving" if picker_tls(topo) else "--no-secure-serving",
            "--discovery", "static", "--endpoints", ",".join(s.address for s in topo.sims),
            "--objects", str(objects_file(c)), "--profile", c.profile,
-           "--request-body-mode", topo.body_mode, "--bind", c.host, *picker_timing_args(c), *c.picker_args]
+           "--request-body-mode", topo.body_mode, "--bind", c.host, *picker_timing_args(c),
+           *real_engine_picker_args(c), *c.picker_args]
     return Proc("picker", cmd, str(c.run_dir / "picker.log"), f"grpc:{c.host}:{c.picker_health_port}")
 
 
@@ -126,4 +164,4 @@ def envoy_gateway_proc(config: StackConfig, topo: Topology) -> Proc:
 def plan(config: StackConfig, topo: Topology) -> list[Proc]:
     """Every process of the stack, in start order (all start at once: the picker retries scrapes
     until the simulators answer)."""
-    return [*sim_procs(config, topo), picker_proc(config, topo), envoy_gateway_proc(config, topo)]
+    return [*engine_procs(config, topo), picker_proc(config, topo), envoy_gateway_proc(config, topo)]

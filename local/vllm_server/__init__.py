@@ -33,6 +33,17 @@ KV_TOPIC = "kv"
 KV_CACHE_GIB = 1
 
 
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+    # Several servers share a few cores with the rest of the stack: let the OS place the threads
+    # instead of pinning every engine to core 0.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+}
+
+
 class VllmError(RuntimeError):
     """A vLLM server did not start or is not installed."""
 
@@ -62,8 +73,11 @@ class VllmServer:
     def kv_events_config(self) -> dict | None:
         if self.kv_events_port is None:
             return None
+        # vLLM binds the publisher only for a wildcard host (any other host makes it connect
+        # out, as the cluster's validation notes), so it listens on every interface here too;
+        # the replay socket always binds, to the server's own host.
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_TOPIC,
-                  "endpoint": f"tcp://{self.host}:{self.kv_events_port}"}
+                  "endpoint": f"tcp://*:{self.kv_events_port}"}
         if self.kv_replay_port is not None:
             config["replay_endpoint"] = f"tcp://{self.host}:{self.kv_replay_port}"
         return config
@@ -75,7 +89,10 @@ class VllmServer:
                "--model", str(self.model_dir), "--host", self.host, "--port", str(self.port),
                "--served-model-name", *self.served_model_names,
                "--max-model-len", str(self.max_model_len), "--dtype", "float32",
-               "--enable-prefix-caching", "--disable-uvicorn-access-log"]
+               "--enable-prefix-caching", "--disable-uvicorn-access-log",
+               # as the cluster runs it (overlays/a10); on the CPU build it also skips a
+               # torch.compile warm-up of about a minute at every start
+               "--enforce-eager"]
         events = self.kv_events_config()
         if events is not None:
             cmd += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
@@ -83,19 +100,16 @@ class VllmServer:
             cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
         return cmd + list(self.extra_args)
 
+    def launch_command(self) -> list[str]:
+        """command() under `env` with env()'s changes: for launchers that take an argv only."""
+        unset = [a for k in ("PYTHONPATH", "PYTHONHASHSEED") for a in ("-u", k)]
+        return ["env", *unset, *(f"{k}={v}" for k, v in ENV.items()), *self.command()]
+
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
         env.pop("PYTHONPATH", None)              # the repo's packages are not vLLM's
         env.pop("PYTHONHASHSEED", None)          # block hashes stay equal across restarts
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
-            # Several servers share a few cores with the rest of the stack: let the OS place
-            # the threads instead of pinning every engine to core 0.
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        })
+        env.update(ENV)
         return env
 
 
