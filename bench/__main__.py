@@ -17,9 +17,10 @@ from bench.registry import BENCHMARKS, BY_NAME
 
 
 def main(argv: list[str] | None = None) -> int:
+    width = max(len(b.name) for b in BENCHMARKS) + 1
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="benchmarks:\n" + "\n".join(f"  {b.name:13} {b.about}" for b in BENCHMARKS))
+                                epilog="benchmarks:\n" + "\n".join(f"  {b.name:{width}} {b.about}" for b in BENCHMARKS))
     p.add_argument("names", nargs="*", metavar="NAME",
                    help=f"{' | '.join(BY_NAME)} | report (default: all, then report)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="lab seeds")

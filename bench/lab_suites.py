@@ -145,7 +145,9 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
 
 
 MATRIX_POLICIES = [("least-request", "least request"), ("round-robin", "round robin"),
-                   ("picker-upstream", "upstream-default"), ("picker", "**default**"), ("oracle", "oracle")]
+                   ("picker-upstream", "upstream-default"), ("picker", "**default**"),
+                   ("picker-flow", "default + flow control"), ("oracle", "oracle"),
+                   ("oracle-late", "oracle, may hold")]
 
 
 def _cell(stats: dict) -> str:
@@ -153,7 +155,7 @@ def _cell(stats: dict) -> str:
             f"{num(stats['output_throughput']['mean'], 1)}")
 
 
-def _matrix_targets(scenarios: list[dict]) -> list[str]:
+def _matrix_targets(scenarios: list[dict], who: str = "`default`") -> list[str]:
     """Which of the routing targets the measured matrix meets, scenario by scenario."""
     worse = [f"{s['name']} ({', '.join(k for k, v in s['assessment']['worse_than_baseline_beyond_spread'].items() if v)})"
              for s in scenarios if any(s["assessment"].get("worse_than_baseline_beyond_spread", {}).values())]
@@ -162,21 +164,29 @@ def _matrix_targets(scenarios: list[dict]) -> list[str]:
              if (s["assessment"]["gap_closed_pct"] or 0) < 75]
     upstream = [s["name"] for s in scenarios if s["assessment"].get("default_beats_upstream") is False]
     base = next((s for s in scenarios if s["name"] == "base"), None)
-    out = ["Targets (picker `default` against least request, means over the seeds; \"worse beyond the seed "
+    out = [f"Targets (picker {who} against least request, means over the seeds; \"worse beyond the seed "
            "spread\" = worse by more than the larger of the two policies' standard deviations over seeds):", ""]
     out.append("- never worse than least request beyond the seed spread in mean TTFT, P99 TTFT or output "
                f"throughput: {'met in every scenario' if not worse else 'not met in ' + '; '.join(worse)};")
     out.append(f"- at least 75 % of the oracle's gap closed where the oracle beats least request by 20 % or more "
                f"({len(gap)} scenarios: {', '.join(s['name'] for s in gap) or 'none'}): "
                f"{'met' if not short else 'not met in ' + ', '.join(short)};")
-    if base:
+    if base and base["assessment"].get("change_pct"):
         c = base["assessment"]["change_pct"]
         ok = c["mean_ttft_ms"] <= -40 and c["p99_ttft_ms"] <= -25
         out.append(f"- article workload (base) at or below -40 % mean and -25 % P99 TTFT: "
                    f"{c['mean_ttft_ms']:+.1f} % / {c['p99_ttft_ms']:+.1f} %, {'met' if ok else 'not met'};")
-    out.append("- `default` beats `upstream-default` in mean TTFT: "
+    out.append(f"- {who} beats `upstream-default` in mean TTFT: "
                + ("in every scenario." if not upstream else f"not in {', '.join(upstream)}."))
     return out
+
+
+def _flow_targets(scenarios: list[dict]) -> list[str]:
+    """The same targets for the picker with flow control (when the matrix ran it)."""
+    if not any(s.get("assessment_flow") for s in scenarios):
+        return []
+    return [""] + _matrix_targets([{**s, "assessment": s.get("assessment_flow") or {}} for s in scenarios],
+                                  "`default` + flow control")
 
 
 def _cpu_minutes(m: dict) -> float:
@@ -192,11 +202,17 @@ def matrix_report(d: dict) -> list[str]:
         a, p = s["assessment"], s["policies"]
         c = a.get("change_pct", {})
         gap = a.get("gap_closed_pct")
+        f = s.get("assessment_flow") or {}
+        cf, gap_f = f.get("change_pct", {}), f.get("gap_closed_pct")
+        failed = p.get("picker-flow", {}).get("failed", {}).get("mean")
         rows.append([f"{s['name']}: {s['description']}", s["factor"],
                      *(_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES),
                      f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %" if c else "-",
                      num(-a["oracle_gain_pct"], 1) + " %" if "oracle_gain_pct" in a else "-",
-                     num(gap) + " %" if gap is not None else "-"])
+                     num(gap) + " %" if gap is not None else "-",
+                     f"{cf['mean_ttft_ms']:+.1f} %, {cf['p99_ttft_ms']:+.1f} %, {cf['output_throughput']:+.1f} %" if cf else "-",
+                     num(gap_f) + " %" if gap_f is not None else "-",
+                     num(failed, 1) if failed is not None else "-"])
     return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
             f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
             f"**{d['wall_s'] / 60:.1f} min wall**, target 15 min; 1-minute load average "
@@ -213,8 +229,10 @@ def matrix_report(d: dict) -> list[str]:
             "comes soonest. Gap closed = (least request - default) / (least request - oracle) in mean TTFT.", "",
             "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""] + md_table(
         ["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
-         "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed"], rows) \
-        + [""] + _matrix_targets(m["scenarios"])
+         "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed",
+         "flow control vs least request (mean, P99, tok/s)", "gap closed with flow control",
+         "failed with flow control (of the scenario's prompts)"], rows) \
+        + [""] + _matrix_targets(m["scenarios"]) + _flow_targets(m["scenarios"])
 
 
 def replicas_report(d: dict) -> list[str]:

@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (coldstart, crosscheck, demo, kv_http, kv_suites, lab_suites, phases,
+from bench import (coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
                    robustness, validation_time)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
@@ -70,6 +70,10 @@ BENCHMARKS = [
     Benchmark("replicas", "python -m lab.replicas on 16 groups: 1, 2, 4 picker replicas, shared or independent",
               lambda a: lab_suites.run_replicas(a.seeds),
               titled("Picker replicas: routing quality with 1, 2 and 4 replicas", lab_suites.replicas_report)),
+    Benchmark("flow", "the lab: flow control (late binding) for two clients' fairness and for priorities "
+              "(the first 3 of --seeds)",
+              lambda a: flow.main(a.seeds[:3] if a.seeds else None),
+              titled("Flow control: fairness and priorities (lab)", flow.report)),
     Benchmark("kv-rate", "python -m lab.kv_rate: KV-cache events the simulator's engine publishes "
               "under the demo workload", lambda a: kv_suites.run_kv_rate(a.seeds),
               titled("KV-cache events: the simulator's event rate", kv_suites.kv_rate_report)),

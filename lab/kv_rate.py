@@ -19,11 +19,11 @@ import sys
 from lab.experiment import named_workload, run_policies
 from lab.policies import LeastRequest
 from lab.simulation import LabConfig
+from lab.stats import over_seeds
+from loadtest.workloads import DEMO_SCALE  # the demo's simulators have the KV capacity / this
 from local.sim.engine import BlockRemoved, BlockStored
 from local.sim.engines import A10_QWQ32B
 from local.sim.kv_events import encode_batch
-
-DEMO_KV_SCALE = 6        # the local stack's demo: KV capacity / 6 (local/stack: kv_scale_args)
 
 
 class CountingLeastRequest(LeastRequest):
@@ -57,7 +57,7 @@ RATE_KEYS = ("batches", "events", "blocks_stored", "blocks_removed", "payload_by
 
 
 def measure(workload: str = "demo", seeds: list[int] | None = None, engines: int = 3,
-            kv_scale: int = DEMO_KV_SCALE, concurrency: int = 30) -> dict:
+            kv_scale: int = DEMO_SCALE, concurrency: int = 30) -> dict:
     seeds = seeds or [0]
     model = A10_QWQ32B.with_overrides(num_gpu_blocks=A10_QWQ32B.num_gpu_blocks // kv_scale)
     policies = []
@@ -69,8 +69,9 @@ def measure(workload: str = "demo", seeds: list[int] | None = None, engines: int
         duration = run.summary["duration"]
         for address, c in policy.counts.items():
             per_run.append({k: c[k] / duration for k in RATE_KEYS})
-    mean = {k: sum(r[k] for r in per_run) / len(per_run) for k in RATE_KEYS}
-    peak = {k: max(r[k] for r in per_run) for k in RATE_KEYS}
+    stats = {k: over_seeds(r[k] for r in per_run) for k in RATE_KEYS}   # over seeds and engines
+    mean = {k: stats[k]["mean"] for k in RATE_KEYS}
+    peak = {k: stats[k]["max"] for k in RATE_KEYS}
     return {"workload": workload, "seeds": seeds, "engines": engines, "concurrency": concurrency,
             "engine_model": model.name, "num_gpu_blocks": model.num_gpu_blocks,
             "block_size": model.block_size,

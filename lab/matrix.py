@@ -43,7 +43,8 @@ from lab.policies import make_policy
 from lab.simulation import LabConfig
 from lab.stats import mean, over_seeds
 
-POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "oracle"]
+POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "picker-flow", "oracle",
+            "oracle-late"]
 KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
 REPORTED_SEEDS = [0, 1, 2, 3, 4]
 TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
@@ -223,7 +224,8 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
                     "workload_settings": {k: v for k, v in settings.items() if k != "kind"},
                     "concurrency": s.concurrency, "engines": s.engines,
                     "request_rate": s.load * capacity if s.load else None,
-                    "policies": stats, "assessment": assess(stats)})
+                    "policies": stats, "assessment": assess(stats),
+                    "assessment_flow": assess(stats, picker="picker-flow")})
     return {"seeds": seeds, "policies": policies, "capacity_rps": capacity,
             "wall_s": time.monotonic() - started, "scenarios": out}
 

@@ -72,10 +72,11 @@ class PickerPolicy(Policy):
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
-                 kv_delay: float | None = None):
+                 kv_delay: float | None = None, objectives: tuple = ()):
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
         self.phases = phases
+        self.objectives = list(objectives)   # picker.discovery.objects.Objective
         self.profile_name = profile
         self.name = "picker" if profile == "default" else f"picker:{profile}"
         if phases != "request":
@@ -95,8 +96,8 @@ class PickerPolicy(Policy):
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
-        self.router = Router(self.profile, clock=clock, rng=random.Random(rng.random()),
-                             settings=self.settings)
+        self.router = Router(self.profile, objectives=self.objectives, clock=clock,
+                             rng=random.Random(rng.random()), settings=self.settings)
         self.router.set_endpoints([ep.address for ep in endpoints])
         self.by_address = {ep.address: ep for ep in endpoints}
         self.flow = FlowControl(self.router, self.flow_settings) if self.flow_settings else None
@@ -162,7 +163,7 @@ class PickerPolicy(Policy):
     def pick(self, request: LabRequest):
         self._catch_up()
         body = json.dumps(request.body(self.endpoints[0].model_name)).encode()
-        info = RequestInfo(request.path, {"content-type": "application/json"}, body)
+        info = RequestInfo(request.path, request.headers(), body)
         try:
             if self.flow is not None:
                 decision = self.flow.submit(info, lambda o: self.out.append((request, o)))

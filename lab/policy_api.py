@@ -49,6 +49,17 @@ class LabRequest:
     endpoint: Optional[LabEndpoint] = None
     router_id: Optional[str] = None    # the picker's request id, for on_request_done
     max_tokens_cap: Optional[int] = None  # what the client sends as max_tokens (None: the length)
+    client: str = ""                   # the edge's x-client-id ("" = none)
+    objective: Optional[str] = None    # x-gateway-inference-objective (None = none)
+
+    def headers(self) -> dict:
+        """The request headers the picker sees (what Envoy forwards to it)."""
+        out = {"content-type": "application/json"}
+        if self.client:
+            out["x-client-id"] = self.client
+        if self.objective:
+            out["x-gateway-inference-objective"] = self.objective
+        return out
 
     def body(self, model: str) -> dict:
         """The client's body. With a cap, `max_tokens` is the cap (the model stops earlier, at

@@ -27,8 +27,8 @@ EG_KINDS = ["backends", "backendtrafficpolicies", "clienttrafficpolicies", "envo
             "envoypatchpolicies", "envoyproxies", "httproutefilters", "securitypolicies"]
 
 PINNED: dict[str, list[str]] = {
-    "argo-cd-v3.5.1": [f"{RAW}/argoproj/argo-cd/v3.5.1/manifests/crds/{name}-crd.yaml"
-                       for name in ("application", "applicationset", "appproject")],
+    f"argo-cd-{pins.ARGO_CD}": [f"{RAW}/argoproj/argo-cd/{pins.ARGO_CD}/manifests/crds/{name}-crd.yaml"
+                                for name in ("application", "applicationset", "appproject")],
     f"envoy-gateway-{pins.envoy_gateway()}": [f"{EG}/gatewayapi-crds.yaml"]
     + [f"{EG}/generated/gateway.envoyproxy.io_{kind}.yaml" for kind in EG_KINDS],
     "gateway-api-inference-extension-v1.6.0": [

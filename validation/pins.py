@@ -1,7 +1,8 @@
 """The versions of the upstream components a cluster runs, read from where they are pinned: the
 Argo CD apps that install them (argocd/apps/<app>.yaml, `spec.source.targetRevision`). The
 local data plane, the CRDs validation reads and `make tools` take their versions from here, so
-that they cannot drift from what a cluster deploys (tests/policy/test_pins.py checks the rest)."""
+that they cannot drift from what a cluster deploys (tests/policy/test_pins.py checks the rest).
+Argo CD's own version, which no app installs, is pinned here (ARGO_CD)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def chart_version(app: str) -> str:
 def envoy_gateway() -> str:
     """Envoy Gateway's release tag, e.g. v1.9.0 (its chart version is the release tag)."""
     return chart_version("envoy-gateway")
+
+
+# Argo CD itself is installed by hand (README.md, "Install Argo CD"), not by an app: its version
+# is pinned here, and tests/policy/test_pins.py checks that the README installs this one.
+ARGO_CD = "v3.5.1"
 
 
 def lws() -> str:

@@ -289,6 +289,17 @@ def decisions(repeat: int = 4) -> dict:
     return out
 
 
+def _demo_rate() -> float | None:
+    """Batches per second one simulated engine publishes under the demo workload
+    (`python -m bench kv-rate`, lab/kv_rate.py), if that has run."""
+    from bench.common import load
+    d = load("kv-rate")
+    try:
+        return d["rate"]["per_engine_per_model_s"]["mean"]["batches"]
+    except (TypeError, KeyError):
+        return None
+
+
 def run(seconds: float = 5.0) -> dict:
     started = load_average()
     t0 = time.monotonic()
@@ -296,7 +307,7 @@ def run(seconds: float = 5.0) -> dict:
             "per_batch": in_process(), "memory": memory(), "decisions": decisions(),
             "zmq": [over_zmq(16, RATE, seconds), over_zmq(256, 10, seconds),
                     over_zmq(1024, 4, seconds)],
-            "busy_rate": RATE, "store_blocks": STORE_BLOCKS}
+            "busy_rate": RATE, "store_blocks": STORE_BLOCKS, "demo_rate": _demo_rate()}
     data["wall_s"] = time.monotonic() - t0
     data.update(stamp())
     save("kv-events", data)
@@ -317,11 +328,19 @@ def report(d: dict) -> list[str]:
     lines += ["", "Over ZMQ: the subscriber as the signals process runs it, publishers in another "
               "process on loopback; CPU of the subscribing process (all threads):", "",
               "| endpoints | batches/s per endpoint | applied / published | gaps or drops | cores "
-              "| CPU us per batch | cores at the busy rate (projected) |", "|---|---|---|---|---|---|---|"]
+              "| CPU us per batch | cores at the busy rate (projected) | cores at the demo rate "
+              "(projected) |", "|---|---|---|---|---|---|---|---|"]
+    demo = d.get("demo_rate")
     for z in d["zmq"]:
+        at_demo = (f"{z['cpu_us_per_batch'] * 1e-6 * z['endpoints'] * demo:.2f}" if demo else "n/a")
         lines.append(f"| {z['endpoints']:,} | {z['rate_per_endpoint']} | {z['applied']:,} / "
                      f"{z['published']:,} | {z['gaps_or_dropped']} | {z['cores']:.2f} | "
-                     f"{z['cpu_us_per_batch']:.0f} | {z['cores_at_busy_rate']:.2f} |")
+                     f"{z['cpu_us_per_batch']:.0f} | {z['cores_at_busy_rate']:.2f} | {at_demo} |")
+    lines += ["", f"Busy rate: {d['busy_rate']} batches/s per endpoint of {2 * d['store_blocks']} "
+              "blocks each; demo rate: " + (f"{demo:.1f} batches/s per engine, what the simulator "
+              "publishes under the demo workload (`kv-rate`, model time)" if demo else
+              "not measured (run `python -m bench kv-rate` first)") + ". Projections: measured CPU "
+              "per batch x endpoints x rate."]
     lines += ["", "Memory per endpoint (tracemalloc; the tracker lives in the signals process, the "
               "index in every worker):", "", "| blocks per endpoint | tracker | index (per worker) |",
               "|---|---|---|"]

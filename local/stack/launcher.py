@@ -228,9 +228,14 @@ def describe(stack: Stack) -> str:
 
 # -- a stack started from another shell -------------------------------------------------------
 
-def down(name: str, run_root: Path = RUN_ROOT) -> int:
+def _recorded(name: str, run_root: Path) -> tuple[Path, RunState | None]:
+    """The run folder of stack `name` and what it recorded (None: no such stack runs)."""
     run_dir = Path(run_root) / name
-    state = RunState.read(run_dir)
+    return run_dir, RunState.read(run_dir)
+
+
+def down(name: str, run_root: Path = RUN_ROOT) -> int:
+    run_dir, state = _recorded(name, run_root)
     if state is None:
         print(f"no running stack {name!r} ({RunState.file(run_dir)} not found)")
         return 0
@@ -245,8 +250,7 @@ def down(name: str, run_root: Path = RUN_ROOT) -> int:
 def reset(name: str, run_root: Path = RUN_ROOT, timeout: float = 60.0) -> int:
     """Restart the simulators and the picker of a running stack, so the next run starts cold:
     empty KV and prefix caches, no prefix index, no in-flight counts. Envoy keeps running."""
-    run_dir = Path(run_root) / name
-    state = RunState.read(run_dir)
+    run_dir, state = _recorded(name, run_root)
     if state is None:
         print(f"no running stack {name!r} ({RunState.file(run_dir)} not found)", file=sys.stderr)
         return 1
@@ -270,8 +274,7 @@ def reset(name: str, run_root: Path = RUN_ROOT, timeout: float = 60.0) -> int:
 
 
 def status(name: str, run_root: Path = RUN_ROOT) -> int:
-    run_dir = Path(run_root) / name
-    state = RunState.read(run_dir)
+    run_dir, state = _recorded(name, run_root)
     if state is None:
         print(f"no running stack {name!r}")
         return 1

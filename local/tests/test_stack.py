@@ -247,3 +247,27 @@ def test_the_plan_lists_every_process_and_writes_nothing(tmp_path):
     assert "--secure-serving" in picker  # base/gateway's Backend for the picker has TLS
     assert procs[3].health.split() == ["http:http://127.0.0.1:18080/v1/models", "http:http://127.0.0.1:18081/v1/models"]
     assert not config.run_dir.exists()
+
+
+def test_reset_restarts_the_cold_start_processes_and_keeps_their_cpu(tmp_path):
+    """`reset` from another shell: the simulator (here a plain HTTP server) is stopped and started
+    again with the same command; Envoy Gateway's entry (here a sleeper) is left alone."""
+    from local.stack.launcher import reset
+    from local.stack.processes import Proc, RunState, free_ports, spawn, stop_groups
+
+    (port,) = free_ports(1)
+    run = tmp_path / "x"
+    run.mkdir()
+    server = Proc("sim-1", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                  str(run / "sim.log"), f"http:http://127.0.0.1:{port}/")
+    other = Proc("envoy-gateway", [sys.executable, "-c", "import time; time.sleep(60)"], str(run / "eg.log"), "http:")
+    spawn(server), spawn(other)
+    try:
+        RunState("x", None, [server, other]).write(run)
+        assert reset("x", run_root=tmp_path, timeout=30) == 0
+        after = RunState.read(run)
+        assert after.procs[0].pid != server.pid and after.procs[0].healthy() and after.procs[1].pid == other.pid
+        assert server.popen.wait(timeout=10) is not None  # the old one was stopped
+        assert set(after.retired_cpu_s) == {"sim-1"}
+    finally:
+        stop_groups([p.pid for p in RunState.read(run).procs] + [server.pid, other.pid])

@@ -93,12 +93,13 @@ def test_removed_request_leaves_at_once():
 
 # ---- the controller on a real Router ----------------------------------------------------------
 
-def flow_router(waiting=1, kv=0.5, running=0, **limits):
+def flow_router(waiting=1, kv=0.5, running=0, dispatch_at_bound=False, **limits):
     clock = FakeClock()
     metrics = PickerMetrics()
     router = make_router(profile="default", n=2, clock=clock, objectives=OBJECTIVES,
                          metrics=metrics, waiting=waiting, kv=kv, running=running)
-    flow = FlowControl(router, FlowSettings(QueueLimits(**limits), RoomRule()))
+    flow = FlowControl(router, FlowSettings(QueueLimits(**limits), RoomRule(),
+                                            dispatch_at_bound=dispatch_at_bound))
     return router, flow, clock, metrics
 
 
@@ -273,3 +274,21 @@ def test_command_line_flags_build_the_settings_and_refuse_bad_bounds():
     assert s.limits.max_wait == 12.0 and s.limits.wait_bound(-1) == 2.0
     with pytest.raises(SystemExit):
         parse_args(base + ["--flow-control", "--flow-max-wait", "0"])
+
+
+def test_dispatch_at_bound_sends_normal_requests_early_and_still_refuses_sheddable():
+    clock = FakeClock()
+    metrics = PickerMetrics()
+    router = make_router(profile="default", n=2, clock=clock, objectives=OBJECTIVES,
+                         metrics=metrics, waiting=3, kv=0.5)
+    flow = FlowControl(router, FlowSettings(QueueLimits(max_wait=10.0, max_wait_sheddable=2.0),
+                                            RoomRule(), dispatch_at_bound=True))
+    outcomes = {}
+    flow.submit(info(), lambda o: outcomes.setdefault("normal", o))
+    flow.submit(info(objective="batch"), lambda o: outcomes.setdefault("batch", o))
+    clock.t += 10.0
+    scrape_all(router, clock, waiting=3)  # still no room anywhere
+    flow.pump()
+    assert outcomes["batch"].status == 429
+    assert outcomes["normal"].endpoint in router.endpoints  # a decision, not an error
+    assert sample(metrics, "picker_flow_evictions_total", reason="bound_dispatch", priority="0") == 1

@@ -139,8 +139,7 @@ async def test_endpoint_without_events_and_a_missing_tokenizer(tok_dir, tmp_path
         assert not index.in_sync(b)
         page = await asyncio.to_thread(metrics_page, metrics_port)
         assert f'picker_kv_endpoint_in_sync{{endpoint="{b}"}} 0.0' in page
-        assert re.search(r'picker_kv_endpoints_fallback\{reason="(syncing|replay_failed)"\} 1.0',
-                         page)
+        assert re.search(r'picker_kv_endpoints_fallback\{reason="(syncing|no_events)"\} 1.0', page)
     finally:
         app.request_stop()
         await maintain

@@ -8,8 +8,8 @@ import pytest
 
 from kvsamples import capture, cleared, map_payload, messages, payload, removed, stored
 from picker.scheduling.kvindex import PreciseIndex
-from picker.signals.kvstate import (FLOODING, JOINED_LATE, MALFORMED, REPLAY_FAILED, SILENT,
-                                    SYNCING, KVTracker, chain_hashes)
+from picker.signals.kvstate import (FLOODING, JOINED_LATE, MALFORMED, NO_EVENTS, REPLAY_FAILED,
+                                    SILENT, SYNCING, KVTracker, chain_hashes)
 
 A = "10.0.0.1:8000"
 
@@ -133,20 +133,42 @@ def test_subscribing_late_asks_for_the_whole_history():
     assert set(tracker.endpoints[A].blocks) == set(expected_blocks(lines))
 
 
-def test_history_lost_falls_back_until_the_cache_is_cleared(caplog):
+def test_joining_late_follows_from_the_first_batch_available():
+    """The replay buffer no longer starts at 0: what the engine held before is unknown (as to a
+    freshly started picker), everything from the replay on is exact."""
     lines = messages("extras")
     tracker, index = KVTracker(), PreciseIndex()
     tracker.add(A, 0.0)
     tracker.due_replays(0.0)
+    tracker.on_replay(A, 0, [(m["sequence"], payload(m)) for m in lines[2:5]], True, 0.1)
+    index.apply(tracker.take_deltas())
+    ep = tracker.endpoints[A]
+    assert ep.in_sync and index.in_sync(A) and ep.expected == 5 and ep.stats.late_joins == 1
+    decode_tokens = [t for m in lines[2:5] for t in m["decoded"][1][0]["token_ids"]]
+    assert index.match(chain_hashes(decode_tokens, 128)) == {A: 3}   # the chained decode blocks
+    prompt = lines[0]["decoded"][1][0]["token_ids"]
+    assert index.match(chain_hashes(prompt, 128)) == {}               # stored before: unknown
+
+
+def test_gap_the_replay_cannot_fill_falls_back_until_the_cache_is_cleared(caplog):
+    lines = messages("extras")
+    tracker, index = KVTracker(), PreciseIndex()
+    tracker.add(A, 0.0, replay=False)
+    tracker.on_message(A, 0, payload(lines[0]), 0.0)
+    tracker.on_message(A, 3, payload(lines[3]), 0.1)      # 1 and 2 lost
+    assert tracker.due_replays(0.1) == [(A, 1)]
     with caplog.at_level(logging.WARNING, "picker.kvevents"):
-        tracker.on_replay(A, 0, [(m["sequence"], payload(m)) for m in lines[2:5]], True, 0.1)
+        tracker.on_replay(A, 1, [(m["sequence"], payload(m)) for m in lines[2:4]], True, 0.2)
         ep = tracker.endpoints[A]
         assert ep.reason == JOINED_LATE and not ep.in_sync
-        tracker.on_message(A, 5, payload(lines[5]), 0.2)  # AllBlocksCleared: known empty
+        index.apply(tracker.take_deltas())
+        assert not index.in_sync(A) and index.size(A) == 0
+        tracker.on_message(A, 4, payload(lines[4]), 0.3)  # still out: dropped
+        assert not ep.in_sync and ep.stats.dropped == 1
+        tracker.on_message(A, 5, payload(lines[5]), 0.4)  # AllBlocksCleared: known empty
     index.apply(tracker.take_deltas())
     assert ep.in_sync and index.in_sync(A) and not ep.blocks
-    assert sum("history_lost" in r.getMessage() + str(getattr(r, "reason", ""))
-               for r in caplog.records) == 1
+    assert len([r for r in caplog.records if getattr(r, "reason", "") == JOINED_LATE]) == 1
 
 
 def test_restart_starts_empty_and_resyncs():
@@ -227,19 +249,25 @@ def test_flooding_publisher_falls_back_then_resyncs_by_replay():
     assert ep.in_sync and ep.expected == seq + 1
 
 
-def test_replay_socket_silent_fails_then_retries():
+def test_no_replay_answer_follows_from_the_next_batch_and_a_failed_gap_replay_retries():
     tracker = KVTracker(replay_timeout=2.0, retry_after=5.0)
     tracker.add(A, 0.0)
     assert tracker.due_replays(0.0) == [(A, 0)]
     assert tracker.due_replays(1.0) == []
-    tracker.due_replays(2.5)                            # timed out
+    tracker.due_replays(2.5)                            # no answer: follow from the next batch
     ep = tracker.endpoints[A]
-    assert ep.reason == REPLAY_FAILED
-    tracker.on_message(A, 3, map_payload([cleared()]), 3.0)  # too early to retry: stays out
-    assert ep.reason == "" or ep.reason == REPLAY_FAILED
-    ep.reason, ep.retry_at, ep.expected = REPLAY_FAILED, 8.0, 4
-    tracker.on_message(A, 4, map_payload([stored([1], None, [1] * 16, 16)]), 9.0)
-    assert ep.reason == SYNCING and tracker.due_replays(9.0) == [(A, 4)]
+    assert not ep.in_sync and ep.reason == NO_EVENTS    # nothing known yet
+    tracker.on_message(A, 7, map_payload([stored([1], None, [1] * 16, 16)]), 3.0)
+    assert ep.in_sync and ep.expected == 8 and list(ep.blocks) == [1]
+    assert ep.stats.late_joins == 1
+    tracker.on_message(A, 9, map_payload([stored([2], 1, [1] * 16, 16)]), 3.1)  # 8 lost
+    assert tracker.due_replays(3.1) == [(A, 8)]
+    tracker.due_replays(5.5)                            # this replay times out too: out
+    assert ep.reason == REPLAY_FAILED and not ep.blocks
+    tracker.on_message(A, 10, map_payload([stored([3], None, [1] * 16, 16)]), 6.0)
+    assert ep.reason == REPLAY_FAILED                   # before the back-off: stays out
+    tracker.on_message(A, 11, map_payload([stored([4], None, [1] * 16, 16)]), 11.0)
+    assert ep.reason == SYNCING and tracker.due_replays(11.0) == [(A, 11)]
 
 
 def test_silent_publisher_falls_back_while_the_engine_computes():

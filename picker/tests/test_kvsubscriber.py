@@ -11,8 +11,7 @@ from kvpublisher import StandInPublisher, until
 from kvsamples import map_payload, messages, payload, stored
 from picker.kvsubscriber import KVSubscriber, resolve_source
 from picker.scheduling.kvindex import PreciseIndex
-from picker.signals.kvstate import (FLOODING, JOINED_LATE, MALFORMED, REPLAY_FAILED, SILENT,
-                                    STAT_FIELDS, KVTracker)
+from picker.signals.kvstate import FLOODING, MALFORMED, REPLAY_FAILED, SILENT, STAT_FIELDS, KVTracker
 from test_kvstate import expected_blocks
 
 A = "127.0.0.1:8101"
@@ -98,21 +97,25 @@ def test_gap_is_replayed_over_the_wire(pub):
         sub.stop()
 
 
-def test_no_replay_socket_falls_back(pub):
+def test_no_replay_socket_follows_from_the_first_batch(pub):
     tracker = KVTracker(replay_timeout=0.3)
     sub = start(tracker)
+    lines = messages("blocks64")
     try:
+        pub.publish(payload(lines[0]))                  # before the picker subscribed: lost
         sub.subscribe(A, pub.url, None)
         w = Worker(sub)
-        assert until(lambda: w.reason() == REPLAY_FAILED)
-        assert not w.index.in_sync(A)
-        pub.publish(payload(messages("default")[0]))   # seq 0: a fresh engine, in sync again
-        assert until(lambda: w.poll().index.in_sync(A) and w.index.size(A) == 10)
+        assert until(lambda: w.reason() is not None)
+        for m in lines[1:5]:
+            pub.publish(payload(m))
+        assert until(lambda: w.poll().index.in_sync(A) and w.index.size(A) == 48)
+        assert until(lambda: w.stat("late_joins") == 1)
+        assert len(tracker.endpoints[A].blocks) == 48   # long_0..long_3; prompt300 unknown
     finally:
         sub.stop()
 
 
-def test_replay_that_lost_the_start_falls_back(pub):
+def test_replay_that_lost_the_start_follows_from_it(pub):
     lines = messages("extras")
     for m in lines[:3]:
         pub.publish(payload(m))
@@ -121,10 +124,13 @@ def test_replay_that_lost_the_start_falls_back(pub):
     try:
         sub.subscribe(A, pub.url, pub.replay_url)
         w = Worker(sub)
-        assert until(lambda: w.reason() == JOINED_LATE)
-        for m in lines[3:]:               # ... then AllBlocksCleared (seq 5): known empty
+        # seq 1 extends prompt300 (seq 0, gone): its parent is unknown, not matchable; seq 2
+        # stores one block of its own
+        assert until(lambda: w.poll().index.in_sync(A) and w.index.size(A) == 1)
+        assert until(lambda: w.stat("late_joins") == 1)
+        for m in lines[3:]:               # ... the decode blocks, then AllBlocksCleared
             pub.publish(payload(m))
-        assert until(lambda: w.poll().index.in_sync(A))
+        assert until(lambda: w.poll().index.in_sync(A) and w.stat("batches") == 5)
         assert w.index.size(A) == 0
     finally:
         sub.stop()
@@ -223,3 +229,22 @@ def test_resolve_source_from_kv_event_sources():
         ("tcp://10.9.9.9:5557", None)
     for bad in (None, {}, [], {"0": "x"}, {"0": {"endpoint": "ipc:///x"}}):
         assert resolve_source("h:1", bad) is None
+
+
+def test_a_failing_subscriber_leaves_nothing_in_sync(pub, monkeypatch):
+    sub = start()
+    try:
+        sub.subscribe(A, pub.url, pub.replay_url)
+        w = Worker(sub)
+        assert until(lambda: w.poll().index.in_sync(A))
+        pub.publish(map_payload([stored([1], None, [1] * 16, 16)]))
+        assert until(lambda: w.poll().index.size(A) == 1)
+
+        def boom(*a, **kw):
+            raise RuntimeError("a bug")
+        monkeypatch.setattr(sub.tracker, "on_message", boom)
+        pub.publish(map_payload([stored([2], 1, [1] * 16, 16)]))
+        assert until(lambda: w.reason() == "subscriber_stopped")
+        assert not w.index.in_sync(A) and w.index.size(A) == 0
+    finally:
+        sub.stop()

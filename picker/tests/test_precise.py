@@ -56,9 +56,9 @@ def test_missing_or_broken_tokenizer_gives_none_and_one_log_line(tmp_path, caplo
         (tmp_path / "bad").mkdir()
         (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
         assert load_tokenizer(tmp_path / "bad") is None
-    assert len(caplog.records) == 2
+        assert load_tokenizer(None) is None
+    assert len(caplog.records) == 3
     assert all("approximate" in r.getMessage() for r in caplog.records)
-    assert load_tokenizer(None) is None
 
 
 def build(tok=None, clock=None, endpoints=(A, B)) -> Router:
@@ -241,3 +241,18 @@ def test_tokenizing_stops_where_no_engine_holds_the_prompt(tok):
     assert abs(prep.prompt_tokens - whole) < abs(approx - whole)
     d = decide(r, long_body)
     assert d.endpoint == A and d.cached_tokens == prep.cached[A]
+
+
+def test_context_mixes_precise_and_approximate_per_endpoint():
+    from picker.scheduling.context import SchedulingContext
+    from picker.scheduling.scorers import precise_prefix_scorer
+    from picker.signals.state import EndpointState
+    ctx = SchedulingContext("qwq", 1000, None, 0, 0.0, block_size_tokens=64)
+    ctx.hashes = [1] * 10
+    ctx.prefix_match = {"a": 5, "b": 8, "c": 2}       # approximate: blocks of 64 tokens
+    ctx.precise = {"a": 160}                          # precise: tokens (a holds 160)
+    ctx.sync = {"a": "", "b": "", "c": "syncing"}     # a and b in sync, c falls back
+    assert [ctx.cached_tokens(x) for x in "abc"] == [160, 0, 128]
+    assert ctx.owner_tokens() == {"a": 160, "c": 128}
+    eps = [EndpointState(x) for x in "abc"]
+    assert precise_prefix_scorer()(ctx, eps) == [0.16, 0.0, 0.2]

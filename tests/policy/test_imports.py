@@ -10,8 +10,6 @@ from tests.policy.conftest import ROOT
 
 SKIP_DIRS = {".venv", ".tools", ".cache", ".git", "results", "node_modules"}
 PACKAGE_ROOTS = {("picker", "src")}   # picker/src/picker/x.py is module picker.x
-# Folder circles not yet broken (each names its modules below when it fails).
-ALLOWED_FOLDER_CIRCLES = [{"local", "monitoring"}]   # local/observe.py <-> monitoring/picture.py
 
 
 def is_test(rel: Path) -> bool:
@@ -125,8 +123,7 @@ def test_no_import_circle_among_modules():
 
 def test_no_import_circle_among_top_level_folders():
     graph = import_graph(ROOT)
-    unexpected = [c for c in circles(folder_graph(graph)) if c not in ALLOWED_FOLDER_CIRCLES]
-    assert [edges_within(graph, c) for c in unexpected] == []
+    assert [edges_within(graph, c) for c in circles(folder_graph(graph))] == []  # the edges to cut
 
 
 def test_a_planted_circle_is_found(tmp_path):

@@ -32,7 +32,7 @@ def test_the_local_data_plane_and_make_tools_run_the_argo_cd_apps_envoy_gateway(
 
 
 def test_the_crds_validation_reads_are_the_pinned_releases():
-    for project, tag in (("envoy-gateway", pins.envoy_gateway()), ("lws", pins.lws())):
+    for project, tag in (("envoy-gateway", pins.envoy_gateway()), ("lws", pins.lws()), ("argo-cd", pins.ARGO_CD)):
         (folder,) = [f for f in crds.PINNED if f.startswith(f"{project}-")]
         assert folder == f"{project}-{tag}"
         assert all(f"/{tag}/" in url for url in crds.PINNED[folder]), folder
@@ -47,3 +47,9 @@ def test_the_built_envoy_gateway_is_the_pinned_one_and_runs_the_pinned_envoy():
         f"{binary} is not Envoy Gateway {pins.envoy_gateway()}: rebuild it with `make tools`"
     version = subprocess.run([str(binary), "version"], capture_output=True, text=True, check=True).stdout
     assert re.search(rf"ENVOY_PROXY_VERSION: \S*v{re.escape(dataplane.ENVOY_VERSION)}$", version, re.M), version
+
+
+def test_the_readme_installs_the_pinned_argo_cd():
+    readme = (ROOT / "README.md").read_text()
+    installed = set(re.findall(r"argoproj/argo-cd/(v[\d.]+)/manifests/install", readme))
+    assert installed == {pins.ARGO_CD}

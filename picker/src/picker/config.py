@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flow-max-wait-sheddable", type=float,
                    default=defaults.FLOW_MAX_WAIT_SHEDDABLE,
                    help="seconds a sheddable request (priority < 0) may be held; then 429")
+    p.add_argument("--flow-at-bound", choices=["reject", "dispatch"], default=defaults.FLOW_AT_BOUND,
+                   help="a request of priority >= 0 at --flow-max-wait: refused (503) or sent to "
+                        "the best endpoint as without flow control (sheddable ones: always 429)")
     p.add_argument("--flow-strict-turns", type=int, default=defaults.FLOW_STRICT_TURNS,
                    help="higher-priority dispatches in a row before a waiting lower-priority "
                         "request goes (the starvation bound)")
@@ -135,7 +138,8 @@ def flow_settings(args: argparse.Namespace) -> FlowSettings | None:
                     max_wait_sheddable=args.flow_max_wait_sheddable,
                     strict_turns=args.flow_strict_turns),
         RoomRule(max_engine_waiting=args.flow_max_engine_waiting,
-                 output_reserve_tokens=args.flow_output_reserve))
+                 output_reserve_tokens=args.flow_output_reserve),
+        dispatch_at_bound=args.flow_at_bound == "dispatch")
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

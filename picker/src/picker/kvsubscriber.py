@@ -26,6 +26,7 @@ from picker.signals.kvevents import KVEventsError, decode_seq, replay_request, s
 from picker.signals.kvstate import MALFORMED, KVTracker
 
 log = logging.getLogger("picker.kvevents")
+STOPPED = "subscriber_stopped"  # fallback reason: the subscriber thread failed
 POLL_MS = 20
 MAX_PER_READ = 256          # messages read from one socket before the others get a turn
 MAX_REPLAY_MESSAGES = 20000  # vLLM buffers 10,000 batches by default
@@ -145,7 +146,12 @@ class KVSubscriber:
                 self._replays_due(poller, time.monotonic())
                 self._publish()
         except Exception:  # never silently: the replica then routes approximately
-            log.exception("KV-events subscriber stopped")
+            log.exception("KV-events subscriber stopped: every endpoint falls back")
+            now = time.monotonic()
+            for ep in list(self.tracker.endpoints.values()):
+                self.tracker._out(ep, STOPPED, "the subscriber stopped", now)
+            self._next_status = 0.0
+            self._publish()
         finally:
             for sub in self.subs.values():
                 self._close(sub, poller)

@@ -251,6 +251,8 @@ def load_tokenizer(directory: str | Path | None) -> ModelTokenizer | None:
     """The tokenizer in `directory`, or None (one log line) when it is missing or unusable:
     precise routing is then off and every endpoint uses the approximate index."""
     if not directory:
+        log.warning("no tokenizer given (--tokenizer): precise prefix routing is off, the "
+                    "approximate prefix index is used")
         return None
     try:
         tok = ModelTokenizer(directory)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
+from picker import defaults
 from picker.core import Decision, RequestInfo, Router
 from picker.errors import PickerError
 from picker.flowcontrol.queue import FlowQueue, Held, QueueLimits
@@ -37,6 +38,10 @@ class Hold(Exception):
 class FlowSettings:
     limits: QueueLimits = field(default_factory=QueueLimits)
     room: RoomRule = field(default_factory=RoomRule)
+    # At the age bound a request of priority >= 0 is refused (503 queue_timeout), or with
+    # dispatch_at_bound sent to the best endpoint as without flow control (it then waits in an
+    # engine's queue); sheddable requests are always refused (429).
+    dispatch_at_bound: bool = defaults.FLOW_AT_BOUND == "dispatch"
 
 
 def _refusal(priority: int, message: str, code: str) -> PickerError:
@@ -103,6 +108,8 @@ class FlowControl:
         request has room. Returns the number dispatched."""
         now = self.router.clock()
         for h in self.queue.expired(now):
+            if self.settings.dispatch_at_bound and h.priority >= 0 and self._dispatch_ungated(h, now):
+                continue
             bound = self.queue.limits.wait_bound(h.priority)
             self._leave(h, "expired", _refusal(
                 h.priority, f"waited {now - h.arrived:.1f}s in the endpoint picker's queue (bound "
@@ -127,6 +134,21 @@ class FlowControl:
             h.notify(decision)
         self.publish()
         return sent
+
+    def _dispatch_ungated(self, h: Held, now: float) -> bool:
+        """Early binding for a request at its age bound: decided without the room test."""
+        gate, self.router.gate = self.router.gate, None
+        try:
+            decision = self.router.decide(h.payload)
+        except PickerError:
+            return False
+        finally:
+            self.router.gate = gate
+        self._count("bound_dispatch", h.priority)
+        if self.metrics is not None:
+            self.metrics.flow_wait.observe(now - h.arrived)
+        h.notify(decision)
+        return True
 
     def publish(self) -> None:
         """The queue length per priority into the metrics (only the bands that changed)."""

@@ -24,6 +24,8 @@ _COUNTERS = {  # stat field -> (metric name, help)
                 "KV-event messages dropped (flooding, out of sync, backlog full)"),
     "overflow": ("picker_kv_overflow_blocks",
                  "Blocks dropped because more were tracked than the endpoint's KV capacity"),
+    "late_joins": ("picker_kv_late_joins", "Syncs that started after the engine's start (its "
+                   "replay buffer no longer held it, or no replay socket)"),
 }
 _STATES = ("loaded", "missing", "mismatch")
 

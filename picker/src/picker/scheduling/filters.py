@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from picker import defaults
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.saturation import SaturationThresholds, endpoint_saturation
 from picker.signals.state import EndpointState
@@ -14,7 +15,8 @@ def _keep_nonempty(kept: list[EndpointState], eps: list[EndpointState]) -> list[
     return kept or eps
 
 
-def saturation_filter(queue_depth: float = 5.0, kv_cache_util: float = 0.8) -> Filter:
+def saturation_filter(queue_depth: float = defaults.SATURATION_QUEUE_DEPTH,
+                      kv_cache_util: float = defaults.SATURATION_KV_CACHE_UTIL) -> Filter:
     """Drop stale endpoints and those at or over the queue or KV threshold (upstream detector)."""
     t = SaturationThresholds(queue_depth, kv_cache_util)
 

@@ -11,12 +11,15 @@ endpoint, engine hash -> own hash to apply removals. A request's prompt, tokeniz
 picker and cut into the endpoint's block size, gives the same chain: its longest prefix held by
 an endpoint is what that endpoint has cached.
 
-Sync. The state is exact only when every batch since the engine started was applied in order.
-An endpoint is in sync after a replay from sequence 0 (the engine's replay buffer still holds
-its whole history), after a batch with sequence 0 (it started while subscribed) or after an
-AllBlocksCleared (the cache is known to be empty). A gap asks for a replay from the first
-missing sequence; until it is answered in full the endpoint is out of sync and routing falls
-back to the approximate index for it. A sequence going back means the engine restarted: its
+Sync. Subscribing asks the replay socket for the engine's whole history (from sequence 0).
+If its buffer no longer starts at 0, or there is no replay socket, the endpoint is followed
+from the first batch available: what the engine cached before is unknown, as it is to the
+approximate index of a picker that just started, and everything from there on is exact (the
+endpoint counts as in sync; `late_joins` counts these). Later, every batch must be applied in
+order: a gap asks for a replay from the first missing sequence, and until it is answered in
+full the endpoint is out of sync and routing falls back to the approximate index for it (which
+then knows more than a state with holes); if the replay cannot fill it, it stays so until the
+engine clears its cache or restarts. A sequence going back means the engine restarted: its
 blocks are dropped and the sync starts again from 0.
 
 Bounds: the blocks tracked per endpoint are capped at its KV capacity (num_gpu_blocks, else
@@ -98,15 +101,16 @@ class KVStats:
     replays: int = 0
     dropped: int = 0           # messages dropped: flooding, out of sync, backlog full
     overflow: int = 0          # blocks evicted by the cap (more stored than the engine holds)
+    late_joins: int = 0        # syncs that started after the engine's start (history unknown)
     lag: float = 0.0           # receive time - the batch's own timestamp, last batch (s)
 
     def as_tuple(self) -> tuple:
         return (self.batches, self.events, self.unknown, self.malformed, self.gaps, self.replays,
-                self.dropped, self.overflow, self.lag)
+                self.dropped, self.overflow, self.lag, self.late_joins)
 
 
 STAT_FIELDS = ("batches", "events", "unknown", "malformed", "gaps", "replays", "dropped",
-               "overflow", "lag")
+               "overflow", "lag", "late_joins")
 
 
 @dataclass(slots=True)
@@ -244,6 +248,12 @@ class KVTracker:
             self._restart(ep)             # the sequence went back: a new engine
         if ep.reason == SYNCING:
             self._hold(ep, seq, payload, now)
+        elif ep.reason == NO_EVENTS and ep.expected is None and ep.retry_at is None:
+            ep.reason, ep.expected = "", seq  # no replay answered: follow from the first batch
+            if seq > 0:
+                self._joined_late(ep, seq)
+            self._full(ep)
+            self._apply_item(ep, seq, payload, now, wall_now)
         elif ep.reason == "":
             if seq == ep.expected:
                 self._apply_item(ep, seq, payload, now, wall_now)
@@ -287,18 +297,25 @@ class KVTracker:
         if ep is None or ep.reason != SYNCING or ep.replay_started is None:
             return
         ep.replay_started = None
+        initial = ep.expected is None  # the first sync since subscribing (or a restart)
+        messages = sorted(messages, key=lambda m: m[0])
         if not complete:
-            if ep.expected is None and any(seq == 0 for seq, _ in ep.held):
-                # the engine started since we subscribed: its whole history is held
-                complete, messages, start = True, [], 0
-            else:
+            if not initial:
                 self._out(ep, REPLAY_FAILED, "no full answer from the replay socket", now,
                           retry=True)
                 return
-        if ep.expected is None:
-            ep.expected = start
-        messages = sorted(messages, key=lambda m: m[0])
-        if messages and messages[0][0] > ep.expected:
+            # No replay socket, or no answer: follow from the first batch received.
+            messages, held = [], sorted(ep.held, key=lambda m: m[0])
+            if not held:  # nothing yet: out of sync until a batch arrives, then from there
+                ep.held = []
+                ep.reason = NO_EVENTS
+                return
+            start = held[0][0]
+        if initial:
+            ep.expected = messages[0][0] if messages else start
+            if ep.expected > 0:
+                self._joined_late(ep, ep.expected)
+        elif messages and messages[0][0] > ep.expected:
             self._out(ep, JOINED_LATE, f"the replay starts at {messages[0][0]}, "
                                        f"{ep.expected} is needed", now)
             return
@@ -401,6 +418,16 @@ class KVTracker:
         ep.replay_from = ep.replay_started = None
         ep.retry_at = now + self.retry_after if retry else None
         self._drop_all(ep)
+
+    def _joined_late(self, ep: EndpointKV, seq: int | None) -> None:
+        """The engine's history before `seq` is gone (or was never asked for): follow from
+        there. What it cached before is unknown here, as it is to the approximate index of a
+        picker that just started; everything stored from now on is exact."""
+        ep.stats.late_joins += 1
+        if "late" not in ep.logged:
+            ep.logged.add("late")
+            log.info("KV events: following an engine from the middle of its history",
+                     extra={"endpoint": ep.address, "sequence": seq})
 
     def _note(self, ep: EndpointKV, key: str, why: str) -> None:
         """One log line per endpoint and kind of trouble (the counters count every one)."""

@@ -1,0 +1,152 @@
+"""Flow control (late binding) in the lab: fairness between two clients and priorities, into a
+saturated pool, the picker without and with its flow control (`picker`, `picker-flow`).
+
+    python -m bench flow [--seeds 0 1 2]
+
+Open loop, 3 A10 groups, the article's prompts (1,000-token shared prefix, ~3,400 in,
+~1,800 out). The pool's capacity is least request's request throughput on the closed-loop base
+(concurrency 30), measured first for each seed.
+
+- fairness: a light client at 0.1 x capacity and a heavy one at 1.0 x (10x its rate), same
+  priority: total 1.1x capacity. The light client's mean TTFT with the heavy one, against what
+  it gets alone (the same requests at the same times, nothing else); each client's share of the
+  completed requests and output tokens. Target: within 1.5x of alone.
+- priorities: `interactive` (priority 10) and `standard` (0) at 0.75 x capacity each (1.5x in
+  all). P99 TTFT per class. Target: interactive at most half of standard's.
+Failed requests (the queue's age bound, 30 s) are counted; TTFT is over completed requests.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from bench.common import load_average, save, stamp
+from lab.stats import mean
+
+LIGHT, HEAVY = 0.1, 1.0                 # fractions of capacity
+PRIORITY_LOAD = 0.75                    # each class, fraction of capacity
+DURATION_REQUESTS = 150                 # heavy requests per fairness run
+
+
+def _arrivals(rate: float, n: int, gen) -> list[float]:
+    return np.cumsum(gen.exponential(1.0 / rate, size=n)).tolist()
+
+
+def _capacity(seed: int) -> float:
+    from lab.experiment import named_workload, run_policies
+    from lab.simulation import LabConfig
+    runs = run_policies(named_workload("article", num_prompts=150), ["least-request"], [seed],
+                        LabConfig(concurrency=30))
+    return runs["least-request"][0].summary["request_throughput"]
+
+
+def _requests(seed: int, streams: list[tuple[str, str | None, float, int]]):
+    """Requests of several open-loop streams (client, objective, rate, count), merged by time."""
+    from lab.simulation import prepare_requests
+    from loadtest.workloads import build_workload
+    from local.sim.engines import A10_QWQ32B
+    total = sum(n for *_, n in streams)
+    reqs = prepare_requests(build_workload("article", seed=seed, num_prompts=total), A10_QWQ32B.block_size)
+    gen = np.random.default_rng(seed)
+    i = 0
+    for client, objective, rate, n in streams:
+        for t in _arrivals(rate, n, gen):
+            r = reqs[i]
+            r.arrival, r.client, r.objective, r.group = t, client, objective, client
+            i += 1
+    reqs.sort(key=lambda r: r.arrival)
+    return reqs
+
+
+def _policies():
+    from lab.picker_policy import PickerPolicy
+    from picker.discovery.objects import Objective
+    objectives = (Objective("interactive", 10), Objective("standard", 0))
+    return {"picker": lambda: PickerPolicy("default", objectives=objectives),
+            "picker-flow": lambda: PickerPolicy("default", flow=True, objectives=objectives)}
+
+
+def _by_group(run) -> dict:
+    out = {}
+    for g in sorted({s.group for s in run.samples}):
+        ok = [s for s in run.samples if s.group == g and s.success]
+        ttfts = [s.ttft * 1000 for s in ok]
+        out[g] = {"completed": len(ok),
+                  "failed": sum(1 for s in run.samples if s.group == g and not s.success),
+                  "output_tokens": sum(s.output_tokens for s in ok),
+                  "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+                  "p99_ttft_ms": float(np.percentile(ttfts, 99)) if ttfts else None}
+    return out
+
+
+def run(seeds: list[int]) -> dict:
+    from lab.simulation import LabConfig, run_lab
+    out = {"fairness": {}, "priorities": {}, "capacity_rps": {}}
+    for seed in seeds:
+        cap = _capacity(seed)
+        out["capacity_rps"][seed] = cap
+        n_heavy = DURATION_REQUESTS
+        n_light = max(10, round(n_heavy * LIGHT / HEAVY))
+        config = LabConfig(concurrency=None, seed=seed)
+        for name, make in _policies().items():
+            both = _requests(seed, [("heavy", None, HEAVY * cap, n_heavy), ("light", None, LIGHT * cap, n_light)])
+            alone = [r for r in both if r.client == "light"]   # same requests, same times
+            mixed = _by_group(run_lab(both, make(), config))
+            solo = _by_group(run_lab(alone, make(), config))["light"]
+            out["fairness"].setdefault(name, []).append({"seed": seed, "mixed": mixed, "alone": solo})
+            n = round(DURATION_REQUESTS * PRIORITY_LOAD)
+            prio = _requests(seed, [("interactive", "interactive", PRIORITY_LOAD * cap, n),
+                                    ("standard", "standard", PRIORITY_LOAD * cap, n)])
+            out["priorities"].setdefault(name, []).append({"seed": seed, **_by_group(run_lab(prio, make(), config))})
+            print(f"seed {seed} {name:12} light alone {solo['mean_ttft_ms'] or 0:8,.0f} ms, with heavy "
+                  f"{mixed['light']['mean_ttft_ms'] or 0:8,.0f} ms", flush=True)
+    return out
+
+
+def main(seeds: list[int] | None = None) -> dict:
+    seeds = seeds or [0, 1, 2]
+    started, load_start = time.monotonic(), load_average()
+    data = {"command": "python -m bench flow", "seeds": seeds, "load_average_start": load_start,
+            "lab": run(seeds), "wall_s": time.monotonic() - started, **stamp()}
+    save("flow", data)
+    return data
+
+
+def _mean(rows, *path) -> float:
+    values = []
+    for r in rows:
+        v = r
+        for key in path:
+            v = v[key]
+        if v is not None:
+            values.append(v)
+    return mean(values) if values else float("nan")
+
+
+def report(d: dict) -> list[str]:
+    lab = d["lab"]
+    lines = [f"Command: `{d['command']}` (lab, seeds {' '.join(map(str, d['seeds']))}, 3 A10 groups, open "
+             f"loop, the article's prompts; capacity = least request's closed-loop request throughput). "
+             "Means over seeds; TTFT over completed requests; failed = the queue's age bound (30 s).", "",
+             "**Fairness**: a light client (0.1x capacity) and a heavy one (1.0x), same priority. Target: the "
+             "light client's mean TTFT within 1.5x of what it gets alone.", "",
+             "| policy | light alone: mean TTFT ms | light with heavy | ratio | heavy mean TTFT | "
+             "share of completed requests light / heavy | failed light / heavy |", "|---|---|---|---|---|---|---|"]
+    for name, rows in lab["fairness"].items():
+        alone, mixed = _mean(rows, "alone", "mean_ttft_ms"), _mean(rows, "mixed", "light", "mean_ttft_ms")
+        cl, ch = _mean(rows, "mixed", "light", "completed"), _mean(rows, "mixed", "heavy", "completed")
+        lines.append(f"| {name} | {alone:,.0f} | {mixed:,.0f} | {mixed / alone:.2f}x | "
+                     f"{_mean(rows, 'mixed', 'heavy', 'mean_ttft_ms'):,.0f} | {cl / (cl + ch):.0%} / {ch / (cl + ch):.0%} | "
+                     f"{_mean(rows, 'mixed', 'light', 'failed'):.1f} / {_mean(rows, 'mixed', 'heavy', 'failed'):.1f} |")
+    lines += ["", "**Priorities**: `interactive` (10) and `standard` (0), 0.75x capacity each. Target: interactive "
+              "P99 TTFT at most half of standard's.", "",
+              "| policy | interactive P99 TTFT ms | standard P99 TTFT ms | ratio | interactive mean | standard mean | "
+              "failed interactive / standard |", "|---|---|---|---|---|---|---|"]
+    for name, rows in lab["priorities"].items():
+        hi, lo = _mean(rows, "interactive", "p99_ttft_ms"), _mean(rows, "standard", "p99_ttft_ms")
+        lines.append(f"| {name} | {hi:,.0f} | {lo:,.0f} | {hi / lo:.2f} | {_mean(rows, 'interactive', 'mean_ttft_ms'):,.0f} | "
+                     f"{_mean(rows, 'standard', 'mean_ttft_ms'):,.0f} | {_mean(rows, 'interactive', 'failed'):.1f} / "
+                     f"{_mean(rows, 'standard', 'failed'):.1f} |")
+    return lines
