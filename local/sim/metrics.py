@@ -90,15 +90,19 @@ def render_gauges(model_name: str, running: int, waiting: int, kv_usage: float,
 class EngineCollector:
     """prometheus_client collector reading one engine's state at collect time."""
 
-    def __init__(self, engine: Engine, model_name: str, gauges_only: bool = False):
+    def __init__(self, engine: Engine, model_name: str, gauges_only: bool = False,
+                 lora: tuple[int, float] | None = None):
         self.engine = engine
         self.labels = (model_name, "0")
         self.gauges_only = gauges_only
+        self.lora = lora
 
     def collect(self):
         e, lv = self.engine, self.labels
         yield from gauge_families(lv[0], len(e.running), len(e.waiting), e.kv_cache_usage(),
                                   cache_config_labels(e))
+        if self.lora is not None:
+            yield lora_family(*self.lora)
         if self.gauges_only:
             return
         yield _counter("vllm:prefix_cache_queries",
@@ -127,7 +131,19 @@ class EngineCollector:
                          "Histogram of e2e request latency in seconds.", lv, e.e2e)
 
 
-def render_metrics(engine: Engine, model_name: str, gauges_only: bool = False) -> str:
+def lora_family(max_loras: int, timestamp: float) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info` (only with --enable-lora): no model_name or engine label,
+    the adapters running and waiting comma-joined, the value the Unix time of the update. The
+    simulator serves no adapters, so both lists are empty."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(max_loras), "", ""], timestamp)
+    return info
+
+
+def render_metrics(engine: Engine, model_name: str, gauges_only: bool = False,
+                   lora: tuple[int, float] | None = None) -> str:
+    """`lora`: (max_loras, Unix time) to render vllm:lora_requests_info, as vLLM with LoRA on."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name, gauges_only))
+    registry.register(EngineCollector(engine, model_name, gauges_only, lora))
     return generate_latest(registry).decode()

@@ -71,12 +71,14 @@ async def _json_http_errors(request: web.Request, handler):
 class SimServer:
     def __init__(self, engine_model: EngineModel, served_model_names: list[str], speedup: float = 1.0,
                  seed: int = 0, faults: Optional[Faults] = None,
-                 kv_events: Optional[KVEventsConfig] = None, tokenizer=None):
+                 kv_events: Optional[KVEventsConfig] = None, tokenizer=None,
+                 max_loras: Optional[int] = None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         if not served_model_names:
             raise ValueError("need at least one served model name")
         self.engine_model = engine_model
+        self.max_loras = max_loras     # vLLM's --enable-lora --max-loras: /metrics gets lora info
         self.names = list(dict.fromkeys(served_model_names))
         self.speedup = speedup
         self.seed = seed
@@ -206,7 +208,8 @@ class SimServer:
             await asyncio.sleep(self.faults.metrics_delay)
         if self.faults.metrics_fail:
             return web.Response(status=500, text="simulated /metrics failure\n")
-        text = render_metrics(self.engine, self.names[0])
+        lora = (self.max_loras, time.time()) if self.max_loras else None
+        text = render_metrics(self.engine, self.names[0], lora=lora)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     # ----- completions ----------------------------------------------------------------------

@@ -59,13 +59,13 @@ class Live:
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory) -> str:
-    """The simulator with the live server's context length, fast (speedup 1000)."""
+    """The simulator with the live server's context length, fast (speedup 1000), LoRA info on."""
     port = free_port()
     log = tmp_path_factory.mktemp("sim") / "sim.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "local.sim", "--port", str(port),
                                  "--served-model-name", "qwq", "--speedup", "1000",
-                                 "--max-model-len", str(MAX_MODEL_LEN)],
+                                 "--max-model-len", str(MAX_MODEL_LEN), "--max-loras", "2"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, 30)

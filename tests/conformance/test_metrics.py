@@ -71,9 +71,13 @@ def test_picker_parses_recorded_vllm_pages():
 
 
 def test_simulator_families_are_vllm_families_with_the_same_labels(sim):
+    """The session's simulator runs with --max-loras 2, as the LoRA recording's vLLM did."""
     fetch(sim, "/v1/completions", {"model": "qwq", "prompt": words(20), "max_tokens": 2})
     real = label_sets(sample_text("metrics-vllm-0.32.0.txt"))
+    real.update(label_sets(sample_text("metrics-vllm-0.32.0-lora.txt")))
     simulated = label_sets(fetch(sim))
+    assert simulated[LORA_INFO] == LORA_LABELS
+    assert parse_vllm_metrics(fetch(sim)).lora_max == 2
     assert set(simulated) - set(real) == set(), "the simulator emits families vLLM 0.32 has not"
     check_picker_families(fetch(sim))
     for family in simulated:
