@@ -71,9 +71,29 @@ $(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
 		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
 
-.PHONY: apiserver-tools test-apiserver
+# kube-controller-manager (its HPA controller) from the same wrapper module as kube-apiserver.
+KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
+$(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
+	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
+		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_CONTROLLER_MANAGER) k8s.io/kubernetes/cmd/kube-controller-manager
+
+# KEDA's operator and metrics API server, v2.20.2 (the newest release Go 1.26 builds), by the wrapper
+# module in tools/keda (it copies KEDA's `replace` directives). Cold: ~5 min each on 2 cores.
+KEDA_VERSION  := v2.20.2
+KEDA_OPERATOR := $(TOOLS)/keda-operator
+KEDA_ADAPTER  := $(TOOLS)/keda-adapter
+$(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
+	mkdir -p $(TOOLS) && cd tools/keda && \
+		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_OPERATOR) github.com/kedacore/keda/v2/cmd/operator && \
+		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
+
+.PHONY: apiserver-tools test-apiserver autoscaling-tools
 apiserver-tools: $(KUBE_APISERVER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
+
+# The controllers of components/autoscaling's chain (KEDA -> HPA -> LeaderWorkerSet) beside the test
+# API server, for running it by hand; no test runs them yet, so `make test` does not build them.
+autoscaling-tools: apiserver-tools $(KUBE_CONTROLLER_MANAGER) $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server

@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
+from bench import (autoscale, coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
                    robustness, validation_time)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
@@ -45,6 +45,9 @@ BENCHMARKS = [
     Benchmark("matrix", "python -m lab matrix: every scenario x policy x seed (--matrix-args for more options)",
               lambda a: lab_suites.run_matrix(a.seeds, a.matrix_args.split()),
               titled("Routing lab: scenario matrix", lab_suites.matrix_report), results=("lab-matrix",)),
+    Benchmark("autoscale", "python -m lab plan on the day trace: fixed pools of 2..6 groups vs the shipped "
+              "autoscaler settings, --seeds", lambda a: autoscale.run_autoscale(a.seeds),
+              titled("Autoscaling: fixed pools vs the shipped scaler over a day", autoscale.report)),
     Benchmark("crosscheck", "python -m local.stack demo and the same workload in the lab, side by side",
               lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
               titled("Scaled HTTP comparison and the lab cross-check", crosscheck.section_lines)),

@@ -5,6 +5,8 @@
     python -m lab calibrate [--seeds 0 1 2 3 4]    # least request vs the article's 8080 figures
     python -m lab plot results/lab                 # TTFT CDF per policy, KV usage over time
     python -m lab matrix --out results/lab-matrix  # every scenario x policy x seed (lab/matrix.py)
+    python -m lab daytrace --out day.jsonl         # the day-shaped trace (lab/daytrace.py)
+    python -m lab plan --trace day.jsonl --slo 20  # groups for a trace, fixed vs autoscaled (lab/plan.py)
 
 `run` writes one JSON per (policy, seed) in vLLM's benchmark result format (plus lab fields),
 `<name>.series.json` with per-endpoint KV usage / running / waiting over virtual time, and
@@ -23,6 +25,7 @@ from loadtest.metrics import HEADLINE_KEYS, percent_change
 from loadtest.workloads import WORKLOADS, workload_settings
 from local.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, get_engine_model
 from lab.article import ARTICLE
+from lab.daytrace import DAY_HOURS, DAY_PEAK_RATE
 from lab.experiment import named_workload, run_policies, summaries
 from lab.policies import file_name, make_policy
 from lab.simulation import LabConfig
@@ -147,10 +150,37 @@ def main(argv=None) -> int:
     mat_p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the CPUs)")
     mat_p.add_argument("--resume", action="store_true",
                        help="reuse the runs an interrupted matrix saved in OUT/runs")
+    from lab import plan
+    plan_p = sub.add_parser("plan", help="how many groups for a trace: fixed pools and the shipped "
+                                         "autoscaler against a TTFT objective (lab/plan.py)")
+    plan_p.add_argument("--trace", required=True, type=Path, help="JSONL trace with arrival times")
+    plan_p.add_argument("--slo", required=True, type=float, help="TTFT objective in seconds")
+    plan_p.add_argument("--attainment", type=float, default=95.0,
+                        help="percent of requests that must meet it (default 95)")
+    plan_p.add_argument("--pools", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    plan_p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    plan_p.add_argument("--startup", type=float, default=plan.STARTUP_S,
+                        help="seconds from a raised group count to a serving group (default %(default)s)")
+    plan_p.add_argument("--no-scaler", action="store_true", help="fixed pools only")
+    plan_p.add_argument("--jobs", type=int, default=1, help="worker processes")
+    plan_p.add_argument("--json", type=Path, help="write every figure here")
+    day_p = sub.add_parser("daytrace", help="write the day-shaped trace (lab/daytrace.py)")
+    day_p.add_argument("--out", required=True, type=Path)
+    day_p.add_argument("--peak-rate", type=float, default=DAY_PEAK_RATE, help="requests/s at the peak")
+    day_p.add_argument("--hours", type=float, default=DAY_HOURS, help="the day compressed to this many hours")
+    day_p.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     if args.cmd == "matrix":
         return matrix.main(args)
+    if args.cmd == "plan":
+        return plan.main(args)
+    if args.cmd == "daytrace":
+        from lab.daytrace import day_trace, write_trace
+        records = day_trace(args.peak_rate, args.hours, args.seed)
+        write_trace(args.out, records)
+        print(f"{args.out}: {len(records)} requests over {args.hours:g} h")
+        return 0
 
     if args.cmd == "plot":
         from lab.plots import plot_folder

@@ -5,8 +5,8 @@ either. base/crds/kustomization.yaml lists a subset of these URLs (tests/policy 
 
 `python -m validation.crds --go-modules --dest DIR` fetches the second source: CRDs that no
 kustomization here installs (the Prometheus Operator's, for components/monitoring: the operator
-comes with the cluster's monitoring stack) but that ship inside a pinned Go module, which the Go
-module proxy serves. They land in `DIR/<folder>/` the same way.
+comes with the cluster's monitoring stack; KEDA's ScaledObject, for components/autoscaling) but
+that ship inside a pinned Go module, which the Go module proxy serves. They land in `DIR/<folder>/` the same way.
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ GO_MODULE_CRDS: dict[str, tuple[str, str, list[str]]] = {
     "prometheus-operator-v0.85.0": ("github.com/prometheus-operator/prometheus-operator", "v0.85.0",
                                     [PROM_OPERATOR_CRDS.format(kind) for kind in
                                      ("podmonitors", "servicemonitors", "prometheusrules")]),
+    # KEDA's ScaledObject, for components/autoscaling (KEDA itself is installed with the cluster).
+    "keda-v2.20.2": ("github.com/kedacore/keda/v2", "v2.20.2",
+                     ["config/crd/bases/keda.sh_scaledobjects.yaml"]),
 }
 
 

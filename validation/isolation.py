@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
+from validation.autoscaling import max_groups, scaled_lws
 from validation.manifests import (PodTemplate, argv, flag_values, name_of, ns_of, of_kind,
                                   picker_container, pod_templates)
 from validation.problems import describe
@@ -167,12 +168,12 @@ def _named_ports(t: PodTemplate) -> dict[str, int]:
 
 
 def lws_pods(objs):
-    """One Pod per LeaderWorkerSet group and role, labelled as LWS labels them."""
+    """One Pod per LeaderWorkerSet group and role, labelled as LWS labels them; for an autoscaled
+    LeaderWorkerSet, every group up to its autoscaler's maximum."""
     for t in pod_templates(objs):
         if t.owner.get("kind") != "LeaderWorkerSet":
             continue
-        replicas = (t.owner.get("spec") or {}).get("replicas", 1)
-        for g in range(int(replicas)):
+        for g in range(max_groups(objs, t.owner)):
             labels = {**t.labels, LWS_NAME: name_of(t.owner), LWS_GROUP: str(g),
                       LWS_WORKER: "0" if t.role == "leader" else "1"}
             yield Pod(t, labels, g)
@@ -186,6 +187,14 @@ def kv_event_ports(t: PodTemplate) -> set[int]:
 
 def _group_labels(pod: Pod) -> dict:
     return {LWS_NAME: pod.labels[LWS_NAME], LWS_GROUP: pod.labels[LWS_GROUP]}
+
+
+def ray_peers(objs, pod: Pod) -> tuple[dict, str]:
+    """Who may reach a model pod's Ray/NCCL ports, and how to say it: the pods of its group, or,
+    when an autoscaler adds groups no policy can list, the pods of its LeaderWorkerSet."""
+    if (ns_of(pod.template.owner), pod.labels[LWS_NAME]) in scaled_lws(objs):
+        return {LWS_NAME: pod.labels[LWS_NAME]}, f"pods of LeaderWorkerSet {pod.labels[LWS_NAME]}"
+    return _group_labels(pod), f"pods of {pod.labels[LWS_NAME]} group {pod.group}"
 
 
 def _picker_labels(objs) -> dict:
@@ -216,7 +225,8 @@ def vllm_api_isolated(objs):
             continue
         for r in rules:
             if r.admits(VLLM_PORT):
-                same_group = r.peers is not None and all(is_pod_of(p, _group_labels(pod)) for p in r.peers)
+                peers, _ = ray_peers(objs, pod)
+                same_group = r.peers is not None and all(is_pod_of(p, peers) for p in r.peers)
                 if not same_group:
                     problems += _peer_problems(r, f"port {VLLM_PORT} of {pod.where}", allowed, text)
         if not _reaches(rules, VLLM_PORT, is_envoy):
@@ -227,12 +237,12 @@ def vllm_api_isolated(objs):
 
 
 def ray_ports_isolated(objs):
-    """Every port other than the leader's 8000 only from pods of the same group, which can all
-    reach each other (Ray, NCCL and Gloo use random ports)."""
+    """Every port other than the leader's 8000 only from pods of the same group (of the same
+    LeaderWorkerSet when it is autoscaled), which can all reach each other (Ray, NCCL and Gloo
+    use random ports)."""
     problems = []
     for pod in lws_pods(objs):
-        group = _group_labels(pod)
-        text = f"pods of {pod.labels[LWS_NAME]} group {pod.group}"
+        group, text = ray_peers(objs, pod)
         rules = ingress_rules(objs, ns_of(pod.template.owner), pod.labels, _named_ports(pod.template))
         if rules is None:
             problems.append(f"{pod.where}: no NetworkPolicy selects these pods, so any pod can reach "
@@ -249,8 +259,10 @@ def ray_ports_isolated(objs):
                                            [lambda p, g=group: is_pod_of(p, g)], text)
         if not any(r.ports is None and r.peers and any(is_pod_of(p, group) for p in r.peers)
                    for r in rules):
-            problems.append(f"{pod.where}: pods of the same group cannot reach every port of these "
-                            f"pods, so Ray and NCCL cannot connect (add a policy for group {pod.group})")
+            remedy = (f"add a policy for group {pod.group}" if LWS_GROUP in group
+                      else f"add a policy admitting the pods of {pod.labels[LWS_NAME]}")
+            problems.append(f"{pod.where}: {text} cannot reach every port of these pods, so Ray "
+                            f"and NCCL cannot connect ({remedy})")
     return problems
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import re
 
-from validation.isolation import (ANY_PORT, KV_EVENT_PORT_NAMES, LWS_GROUP, LWS_NAME, Pod,
+from validation.isolation import (ANY_PORT, KV_EVENT_PORT_NAMES, Pod,
                                   _named_ports, _picker_labels, ingress_rules, is_pod_of, lws_pods,
-                                  selects)
+                                  ray_peers, selects)
 from validation.manifests import (argv, has_flag, flag_values, of_kind, ns_of, picker_container,
                                   pod_templates, vllm_container)
 from validation.problems import describe
@@ -172,9 +172,10 @@ def kv_events_config_matches_ports(objs):
 
 # ---------------------------------------------------------------- isolation
 
-def _same_group_only(rule, pod: Pod) -> bool:
-    group = {LWS_NAME: pod.labels[LWS_NAME], LWS_GROUP: pod.labels[LWS_GROUP]}
-    return rule.peers is not None and all(is_pod_of(p, group) for p in rule.peers)
+def _same_group_only(objs, rule, pod: Pod) -> bool:
+    """The rule admits only the pod's Ray peers: its group, or its LeaderWorkerSet when autoscaled."""
+    peers, _ = ray_peers(objs, pod)
+    return rule.peers is not None and all(is_pod_of(p, peers) for p in rule.peers)
 
 
 def _leader_ingress_problems(objs, picker: dict) -> tuple[list[str], dict[str, int]]:
@@ -194,7 +195,7 @@ def _leader_ingress_problems(objs, picker: dict) -> tuple[list[str], dict[str, i
             continue
         for port in ports:
             for r in rules:
-                if not r.admits(port) or _same_group_only(r, pod):
+                if not r.admits(port) or _same_group_only(objs, r, pod):
                     continue
                 if r.peers is None:
                     problems.append(f"{r.where}: admits every source to KV-cache event port "

@@ -48,10 +48,14 @@ class Cluster:
         from kubernetes import client
         self.core, self.namespace, self.labels = client.CoreV1Api(admin), namespace, labels
 
-    def create_pod(self, name, labels=None):
+    def create_pod(self, name, labels=None, node=None):
+        """A pod; with `node`, bound to that node, so deleting it is graceful (the API server
+        sets deletionTimestamp and waits for the kubelet, as for a real leader)."""
+        spec = {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]}
+        if node:
+            spec["nodeName"] = node
         self.core.create_namespaced_pod(self.namespace, {
-            "metadata": {"name": name, "labels": labels or self.labels},
-            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]}})
+            "metadata": {"name": name, "labels": labels or self.labels}, "spec": spec})
 
     def set_ready(self, name, ip, ready=True):
         status = {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
@@ -61,8 +65,8 @@ class Cluster:
     def relabel(self, name, labels):
         self.core.patch_namespaced_pod(name, self.namespace, {"metadata": {"labels": labels}})
 
-    def delete(self, name):
-        self.core.delete_namespaced_pod(name, self.namespace)
+    def delete(self, name, grace_period_seconds=None):
+        self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace_period_seconds)
 
 
 @pytest.fixture
@@ -110,6 +114,29 @@ def test_endpoints_follow_pod_readiness_labels_and_deletion(discovery):
     for change, expected in steps:
         change()
         wait_until(lambda: endpoints(published) == expected, BOUND, f"endpoints {expected}")
+
+
+def test_a_terminating_leader_gets_no_new_request(discovery):
+    """Scale-down: the leader of a removed group is terminating (deletionTimestamp set, its
+    preStop draining for up to the grace period) while it still serves what it has: the picker
+    drops it at once and sends it nothing new; the other leader keeps serving."""
+    state, published, _, cluster = discovery
+    for name, ip in (("leader-a", "10.1.0.1"), ("leader-b", "10.1.0.2")):
+        cluster.create_pod(name, node="gpu-node-0")
+        cluster.set_ready(name, ip)
+    wait_until(lambda: endpoints(published) == ["10.1.0.1:8000", "10.1.0.2:8000"], BOUND, "both ready")
+    cluster.delete("leader-b", grace_period_seconds=3660)
+    wait_until(lambda: endpoints(published) == ["10.1.0.1:8000"], BOUND, "terminating leader dropped")
+    pod = state.pods["leader-b"]                  # still there, ready, draining: only terminating
+    assert pod["metadata"]["deletionTimestamp"] and pod["metadata"]["deletionGracePeriodSeconds"] == 3660
+    assert any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"])
+    cluster.set_ready("leader-b", "10.1.0.2")     # a status update while draining changes nothing
+    cluster.create_pod("leader-c", node="gpu-node-1")
+    cluster.set_ready("leader-c", "10.1.0.3")
+    wait_until(lambda: endpoints(published) == ["10.1.0.1:8000", "10.1.0.3:8000"], BOUND, "new leader in")
+    cluster.delete("leader-b", grace_period_seconds=0)   # the kubelet confirms: the pod is gone
+    wait_until(lambda: "leader-b" not in state.pods, BOUND, "pod removed")
+    assert endpoints(published) == ["10.1.0.1:8000", "10.1.0.3:8000"]
 
 
 def test_objectives_and_rewrite_follow_the_api(discovery, admin):
