@@ -104,6 +104,10 @@ VLLM_KV_EVENTS_OFFSET, VLLM_KV_REPLAY_OFFSET = 10000, 20000
 def vllm_server_of(config: StackConfig, sim) -> vllm_server.VllmServer:
     """The real vLLM server of one group: the cluster's flags where they apply on a CPU
     (local/vllm_server), KV events on ports derived from the group's."""
+    if sim.port + VLLM_KV_REPLAY_OFFSET > 65535:
+        raise StackError(f"group port {sim.port}: real vLLM groups need ports below "
+                         f"{65536 - VLLM_KV_REPLAY_OFFSET} (their KV-event ports are "
+                         f"+{VLLM_KV_EVENTS_OFFSET} and +{VLLM_KV_REPLAY_OFFSET})")
     return vllm_server.VllmServer(port=sim.port, served_model_names=tuple(sim.served_model_names),
                                   host=config.host, kv_events_port=sim.port + VLLM_KV_EVENTS_OFFSET,
                                   kv_replay_port=sim.port + VLLM_KV_REPLAY_OFFSET)

@@ -41,3 +41,10 @@ def test_without_make_vllm_the_plan_says_what_to_run(monkeypatch, tmp_path):
 def test_an_unknown_engine_is_refused():
     with pytest.raises(StackError, match="engine 'tgi'"):
         StackConfig(engine="tgi")
+
+
+def test_group_ports_leave_room_for_the_kv_event_ports(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm_server, "available", lambda: True)
+    with pytest.raises(StackError, match="below 45536"):
+        vllm_procs(StackConfig(engine="vllm", run_root=tmp_path),
+                   SimpleNamespace(sims=[SimGroup("qwq-dist-v1", 50000, ["qwq"])]))

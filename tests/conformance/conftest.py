@@ -57,15 +57,13 @@ class Live:
     kv_replay_port: int | None
 
 
-@pytest.fixture(scope="session")
-def sim(tmp_path_factory) -> str:
-    """The simulator with the live server's context length, fast (speedup 1000), LoRA info on."""
+def _start_sim(tmp_path_factory, *extra: str):
     port = free_port()
     log = tmp_path_factory.mktemp("sim") / "sim.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "local.sim", "--port", str(port),
                                  "--served-model-name", "qwq", "--speedup", "1000",
-                                 "--max-model-len", str(MAX_MODEL_LEN), "--max-loras", "2"],
+                                 "--max-model-len", str(MAX_MODEL_LEN), *extra],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, 30)
@@ -73,6 +71,21 @@ def sim(tmp_path_factory) -> str:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory) -> str:
+    """The simulator with the live server's context length, fast (speedup 1000), LoRA info on,
+    counting words as tokens (its default, what the load tests assume)."""
+    yield from _start_sim(tmp_path_factory, "--max-loras", "2")
+
+
+@pytest.fixture(scope="session")
+def sim_with_model_tokenizer(tmp_path_factory) -> str:
+    """The simulator reading the tiny model's tokenizer, as real vLLM does (--tokenizer)."""
+    if not vllm_server.available():
+        pytest.skip("the tiny model is built by make vllm")
+    yield from _start_sim(tmp_path_factory, "--tokenizer", str(vllm_server.MODEL_DIR))
 
 
 @pytest.fixture(scope="session")

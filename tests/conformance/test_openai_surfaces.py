@@ -5,6 +5,8 @@ tokenizer and other prompts) everything but the counts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conformance.conftest import MAX_MODEL_LEN
@@ -42,3 +44,11 @@ def test_the_comparison_sees_a_difference(sim, recorded):
     assert shape(ex, changed, False) != shape(ex, recorded[ex.name], False)
     err = EXCHANGES["bad_zero_max_tokens"]
     assert shape(err, send(sim, err), False) != shape(err, recorded["bad_negative_max_tokens"], False)
+
+
+@pytest.mark.parametrize("name", ["tokenize_prompt", "tokenize_messages"])
+def test_simulator_with_the_model_tokenizer_gives_vllms_token_ids(name, sim_with_model_tokenizer,
+                                                                   live_vllm):
+    ex = EXCHANGES[name]
+    got = json.loads(send(sim_with_model_tokenizer, ex).body)["tokens"]
+    assert got == json.loads(send(live_vllm.address, ex).body)["tokens"]
