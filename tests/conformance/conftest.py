@@ -1,7 +1,8 @@
 """Servers for the conformance suite: the simulator, real vLLM (live, when `make vllm` has run)
 and the recorded answers of vLLM 0.32 (the shared samples, when present).
 
-Live vLLM: one server for the whole session (it takes about a minute to start on the CPU build),
+Live vLLM: one server for this package's tests (it takes about a minute to start on the CPU
+build; package scope stops it before tests/e2e starts its own),
 with the cluster's flags as far as they apply (local.vllm_server), on loopback, stopped at the
 end. CONFORMANCE_VLLM=host:port uses a server that is already running instead (its KV-event
 ports must then be given as CONFORMANCE_VLLM_KV=pub_port,replay_port to test events).
@@ -73,14 +74,14 @@ def _start_sim(tmp_path_factory, *extra: str):
         proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sim(tmp_path_factory) -> str:
     """The simulator with the live server's context length, fast (speedup 1000), LoRA info on,
     counting words as tokens (its default, what the load tests assume)."""
     yield from _start_sim(tmp_path_factory, "--max-loras", "2")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sim_with_model_tokenizer(tmp_path_factory) -> str:
     """The simulator reading the tiny model's tokenizer, as real vLLM does (--tokenizer)."""
     if not vllm_server.available():
@@ -88,7 +89,7 @@ def sim_with_model_tokenizer(tmp_path_factory) -> str:
     yield from _start_sim(tmp_path_factory, "--tokenizer", str(vllm_server.MODEL_DIR))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_vllm(tmp_path_factory) -> Live:
     given = os.environ.get("CONFORMANCE_VLLM")
     if given:
@@ -109,7 +110,7 @@ def live_vllm(tmp_path_factory) -> Live:
         vllm_server.stop(proc)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def recorded() -> dict[str, Answer]:
     """The recorded answers of vLLM 0.32 by exchange name."""
     path = SAMPLES / "responses-vllm-0.32.0.jsonl"
