@@ -27,6 +27,9 @@ SPEEDUP     ?= 20
 KV_SCALE    ?= $(if $(filter demo,$(WORKLOAD)),$(shell sed -n 's/^DEMO_SCALE = //p' loadtest/workloads.py),1)
 # on: the cluster's edge (API keys, rate limits) with throw-away keys; off: open listeners
 EDGE_SECURITY ?= on
+# Precise prefix routing on the local stack (the simulators' KV-cache events); PRECISE=off: the
+# picker's approximate index only.
+PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
@@ -164,7 +167,8 @@ test-apiserver: setup ## server-side dry-run of every target + the picker's disc
 
 up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
-		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security)
+		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
+		$(if $(filter off,$(PRECISE)),--no-precise-prefix)
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
@@ -175,7 +179,8 @@ down: ## stop the local stack started by `make up`
 
 DEMO_ARGS ?=
 demo: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
-	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) $(DEMO_ARGS)
+	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) \
+		$(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 # LT_PORTS: listeners `http` and `llm-gw`; the local stack runs them at the cluster ports + 10000

@@ -82,6 +82,16 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
             s.add_argument("--startup-timeout", type=float, default=d.startup_timeout)
+            s.add_argument("--precise-prefix", action=argparse.BooleanOptionalAction,
+                           default=d.precise_prefix,
+                           help="the simulators publish KV-cache events and the picker routes on "
+                                "them (default); --no-precise-prefix: its approximate index only")
+            s.add_argument("--kv-events-base-port", type=int, default=d.kv_events_base_port,
+                           help="group i's KV-event publisher port is this + 2i, its replay "
+                                "socket the next")
+            s.add_argument("--tokenizer", type=Path,
+                           help="the model's tokenizer directory (default: the tiny model's, "
+                                "built on start)")
             s.add_argument("--kv-scale", type=int, default=d.kv_scale,
                            help="simulators get the engine model's KV capacity / this (default: 1 for up, "
                                 f"{DEMO_SCALE} for demo, whose workload is the article's / {DEMO_SCALE})")
@@ -114,7 +124,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         picker_args=[a for x in args.picker_arg for a in x.split()],
         startup_timeout=max(args.startup_timeout, VLLM_STARTUP_TIMEOUT) if real else args.startup_timeout,
         picker_scrape_interval=args.picker_scrape_interval, picker_staleness=args.picker_staleness,
-        kv_scale=1 if real else args.kv_scale, run_root=args.run_root)
+        kv_scale=1 if real else args.kv_scale, run_root=args.run_root, precise_prefix=args.precise_prefix,
+        tokenizer=args.tokenizer, kv_events_base_port=args.kv_events_base_port)
 
 
 def _interrupt(signum, frame):

@@ -54,6 +54,14 @@ class StackConfig:
     picker_scrape_interval: float | None = None
     picker_staleness: float | None = None
     kv_scale: int = 1  # simulators get the engine model's KV capacity / kv_scale (the demo: DEMO_SCALE)
+    # Precise prefix routing: the simulators publish KV-cache events (ZMQ on the stack's host; group
+    # i's publisher on kv_events_base_port + 2i, its replay socket on the next port) and the picker
+    # follows them; False: no events, the picker's approximate index (--no-precise-prefix).
+    precise_prefix: bool = True
+    kv_events_base_port: int = 18101
+    # The model's tokenizer, read by the simulators and the picker (None: the tiny model's, built
+    # into local.tinymodel.DEFAULT_DIR on start).
+    tokenizer: Path | None = None
     sim_args: list[str] = field(default_factory=list)
     picker_args: list[str] = field(default_factory=list)
     run_root: Path = RUN_ROOT

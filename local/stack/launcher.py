@@ -16,10 +16,11 @@ import yaml
 from local import dataplane
 from local.stack.api_keys import api_keys_secret, bearer, new_api_keys, read_api_keys
 from local.stack.config import API_KEYS_FILE, RUN_ROOT, StackConfig, StackError
-from local.stack.plan import objects_file, picker_timing, plan
+from local.stack.plan import kv_event_ports, objects_file, picker_timing, plan, tokenizer_dir
 from local.stack.processes import (Proc, RunState, alive, port_free, process_cpu_seconds, spawn, stop_group,
                                    stop_groups, wait_healthy)
 from local.stack.topology import Topology, listener_ports, picker_tls, topology
+from local.tinymodel.tokenizer import ensure_tokenizer
 
 COLD_START = ("sim-", "picker")  # the processes that hold state between runs (caches, prefix index)
 
@@ -98,11 +99,13 @@ class Stack:
         self.topology = topology(c)
         ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(),
                                                        c.picker_grpc_port, c.picker_health_port,
-                                                       c.picker_metrics_port]
+                                                       c.picker_metrics_port,
+                                                       *kv_event_ports(c, self.topology)]
         busy = [p for p in ports if not port_free(c.host, p)]
         if busy:
             raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
         try:
+            ensure_tokenizer(tokenizer_dir(c))          # the tiny model's: built once, offline
             procs = plan(c, self.topology)
             self._write_inputs()
             for p in procs:

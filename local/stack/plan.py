@@ -8,6 +8,7 @@ A new kind of process, or a new option of one, is a change here: its function, a
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,35 +83,60 @@ def kv_scale_args(config: StackConfig) -> list[str]:
     return ["--num-gpu-blocks", str(sim_engine_model(config).num_gpu_blocks)]
 
 
+def tokenizer_dir(config: StackConfig) -> Path:
+    """The tokenizer directory the simulators and the picker read."""
+    from local.tinymodel import DEFAULT_DIR
+    return Path(config.tokenizer) if config.tokenizer else DEFAULT_DIR
+
+
+def kv_event_ports_of(config: StackConfig, index: int) -> tuple[int, int]:
+    """(publisher, replay) ports of simulated group `index`."""
+    first = config.kv_events_base_port + 2 * index
+    return first, first + 1
+
+
+def kv_events_args(config: StackConfig, index: int, port: int) -> list[str]:
+    """A simulator's --kv-events-config: vLLM's JSON, the sockets on the stack's host, the topic
+    naming the simulator as vLLM's names the pod in the cluster."""
+    if not config.precise_prefix:
+        return []
+    pub, replay = kv_event_ports_of(config, index)
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+           "endpoint": f"tcp://{config.host}:{pub}", "replay_endpoint": f"tcp://{config.host}:{replay}",
+           "topic": f"kv@sim-{port}"}
+    return ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
+
+
+def kv_event_ports(config: StackConfig, topo: Topology) -> list[int]:
+    """The ports the simulators' KV-event sockets bind (none without precise routing)."""
+    if not config.precise_prefix:
+        return []
+    return [p for i in range(len(topo.sims)) for p in kv_event_ports_of(config, i)]
+
+
 def sim_procs(config: StackConfig, topo: Topology) -> list[Proc]:
-    """One simulator per simulated group, seeds counting up from the config's."""
+    """One simulator per simulated group, seeds counting up from the config's; all tokenize with
+    the model's tokenizer and, with precise routing, publish their KV-cache events."""
     procs = []
     for i, sim in enumerate(topo.sims):
         cmd = [sys.executable, "-m", "local.sim", "--host", config.host, "--port", str(sim.port)]
         for n in sim.served_model_names:
             cmd += ["--served-model-name", n]
         cmd += ["--speedup", str(config.speedup), "--seed", str(config.seed + i), *kv_scale_args(config),
+                "--tokenizer", str(tokenizer_dir(config)), *kv_events_args(config, i, sim.port),
                 *config.sim_args]
         procs.append(Proc(f"sim-{sim.port}", cmd, str(config.run_dir / f"sim-{sim.port}.log"),
                           f"http:http://{sim.address}/health"))
     return procs
 
 
-# Real vLLM's KV-event ports: the group's port + these (8101 -> 18101 publisher, 28101 replay).
-# The picker finds them through each server's /kv_event_sources.
-VLLM_KV_EVENTS_OFFSET, VLLM_KV_REPLAY_OFFSET = 10000, 20000
-
-
-def vllm_server_of(config: StackConfig, sim) -> vllm_server.VllmServer:
-    """The real vLLM server of one group: the cluster's flags where they apply on a CPU
-    (local/vllm_server), KV events on ports derived from the group's."""
-    if sim.port + VLLM_KV_REPLAY_OFFSET > 65535:
-        raise StackError(f"group port {sim.port}: real vLLM groups need ports below "
-                         f"{65536 - VLLM_KV_REPLAY_OFFSET} (their KV-event ports are "
-                         f"+{VLLM_KV_EVENTS_OFFSET} and +{VLLM_KV_REPLAY_OFFSET})")
+def vllm_server_of(config: StackConfig, index: int, sim) -> vllm_server.VllmServer:
+    """The real vLLM server of group `index`: the cluster's flags where they apply on a CPU
+    (local/vllm_server), its KV events on the ports a simulator of that group would use."""
+    pub, replay = kv_event_ports_of(config, index) if config.precise_prefix else (None, None)
     return vllm_server.VllmServer(port=sim.port, served_model_names=tuple(sim.served_model_names),
-                                  host=config.host, kv_events_port=sim.port + VLLM_KV_EVENTS_OFFSET,
-                                  kv_replay_port=sim.port + VLLM_KV_REPLAY_OFFSET)
+                                  host=config.host, kv_events_port=pub, kv_replay_port=replay,
+                                  kv_topic=f"kv@vllm-{sim.port}")
 
 
 def vllm_procs(config: StackConfig, topo: Topology) -> list[Proc]:
@@ -118,8 +144,8 @@ def vllm_procs(config: StackConfig, topo: Topology) -> list[Proc]:
     if not vllm_server.available():
         raise StackError("real vLLM is not installed: run `make vllm` first")
     procs = []
-    for sim in topo.sims:
-        server = vllm_server_of(config, sim)
+    for i, sim in enumerate(topo.sims):
+        server = vllm_server_of(config, i, sim)
         procs.append(Proc(f"vllm-{sim.port}", server.launch_command() + list(config.sim_args),
                           str(config.run_dir / f"vllm-{sim.port}.log"), f"http:http://{sim.address}/health"))
     return procs
@@ -133,14 +159,6 @@ def objects_file(config: StackConfig) -> Path:
     return config.run_dir / OBJECTS_FILE
 
 
-def real_engine_picker_args(config: StackConfig) -> list[str]:
-    """In front of real vLLM the picker reads the model's tokenizer, as in the cluster, and
-    routes on the engines' KV-cache events."""
-    if config.engine != "vllm" or "--tokenizer" in config.picker_args:
-        return []
-    return ["--tokenizer", str(vllm_server.MODEL_DIR)]
-
-
 def picker_proc(config: StackConfig, topo: Topology) -> Proc:
     """The picker over every simulated group, with the rendered objects and body mode."""
     c = config
@@ -149,8 +167,9 @@ def picker_proc(config: StackConfig, topo: Topology) -> Proc:
            "--secure-serving" if picker_tls(topo) else "--no-secure-serving",
            "--discovery", "static", "--endpoints", ",".join(s.address for s in topo.sims),
            "--objects", str(objects_file(c)), "--profile", c.profile,
-           "--request-body-mode", topo.body_mode, "--bind", c.host, *picker_timing_args(c),
-           *real_engine_picker_args(c), *c.picker_args]
+           "--request-body-mode", topo.body_mode, "--bind", c.host, "--tokenizer", str(tokenizer_dir(c)),
+           "--precise-prefix" if c.precise_prefix else "--no-precise-prefix",
+           *picker_timing_args(c), *c.picker_args]
     return Proc("picker", cmd, str(c.run_dir / "picker.log"), f"grpc:{c.host}:{c.picker_health_port}")
 
 

@@ -334,6 +334,33 @@ async def test_server_publishes_vllm_frames_in_order_and_replays_them(sim_with_e
     assert (await resp.json()) == {"0": config.as_dict()}
 
 
+async def test_the_pickers_decoder_reads_the_simulators_frames(sim_with_events):
+    """The picker's own decoder (picker/signals/kvevents.py) gives the same events as the
+    subscriber written from vLLM's schema above."""
+    from picker.signals.kvevents import decode_message
+    client, server, sub, *_ = sim_with_events
+    first = await wait_subscribed(client, sub)
+    await complete(client, " ".join(f"v{i}" for i in range(21)), max_tokens=9)
+    frames = [first]
+    while True:
+        try:
+            frames.append(await recv(sub, timeout=0.5))
+        except asyncio.TimeoutError:
+            break
+    for frame in frames:
+        topic, seq, batch = decode_message(frame)
+        ours = DECODER.decode(frame[2])
+        assert topic == "kv@sim-0" and seq == int.from_bytes(frame[1], "big")
+        assert [type(e).__name__ for e in batch.events] == \
+            [type(e).__name__.removeprefix("Vllm") for e in ours.events]
+        for theirs, mine in zip(batch.events, ours.events):
+            assert list(theirs.block_hashes) == mine.block_hashes
+            if hasattr(mine, "token_ids"):
+                assert list(theirs.token_ids) == mine.token_ids
+                assert theirs.parent_block_hash == mine.parent_block_hash
+    assert len(frames) >= 3
+
+
 async def test_reset_prefix_cache_is_published_with_the_next_step(sim_with_events):
     client, server, sub, *_ = sim_with_events
     await wait_subscribed(client, sub)

@@ -249,6 +249,35 @@ def test_the_plan_lists_every_process_and_writes_nothing(tmp_path):
     assert not config.run_dir.exists()
 
 
+def test_precise_routing_is_on_by_default_and_can_be_turned_off(tmp_path):
+    """The simulators tokenize with the model's tokenizer and publish KV-cache events on
+    loopback; the picker reads the same tokenizer and routes on them. Off: no events, the picker
+    on its approximate index, both still on the tokenizer."""
+    from local.sim.kv_events import KVEventsConfig
+    from local.stack.plan import kv_event_ports, plan, tokenizer_dir
+    from local.tinymodel import DEFAULT_DIR
+
+    config = StackConfig(name="precise", run_root=tmp_path, groups=2, sim_ports=[1001, 1002])
+    topo = topology(config)
+    sim, _, picker = plan(config, topo)[:3]
+    assert config.precise_prefix and tokenizer_dir(config) == DEFAULT_DIR
+    events = KVEventsConfig.from_json(sim.cmd[sim.cmd.index("--kv-events-config") + 1])
+    assert events.publishes and events.endpoint == "tcp://127.0.0.1:18101"
+    assert events.replay_endpoint == "tcp://127.0.0.1:18102" and events.topic == "kv@sim-1001"
+    assert sim.cmd[sim.cmd.index("--tokenizer") + 1] == str(DEFAULT_DIR)
+    assert picker.cmd[picker.cmd.index("--tokenizer") + 1] == str(DEFAULT_DIR)
+    assert "--precise-prefix" in picker.cmd
+    assert kv_event_ports(config, topo) == [18101, 18102, 18103, 18104]
+
+    off = config_from(parser().parse_args(["up", "--no-precise-prefix", "--tokenizer", str(tmp_path)]))
+    assert not off.precise_prefix
+    procs = {p.name: p for p in plan(off, topology(off))}
+    sim, picker = procs["sim-8101"], procs["picker"]
+    assert "--kv-events-config" not in sim.cmd and "--no-precise-prefix" in picker.cmd
+    assert sim.cmd[sim.cmd.index("--tokenizer") + 1] == str(tmp_path)
+    assert kv_event_ports(off, topology(off)) == []
+
+
 def test_reset_restarts_the_cold_start_processes_and_keeps_their_cpu(tmp_path):
     """`reset` from another shell: the simulator (here a plain HTTP server) is stopped and started
     again with the same command; Envoy Gateway's entry (here a sleeper) is left alone."""

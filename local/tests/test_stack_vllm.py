@@ -9,7 +9,7 @@ import pytest
 
 from local import vllm_server
 from local.stack.config import StackConfig, StackError
-from local.stack.plan import real_engine_picker_args, vllm_procs
+from local.stack.plan import vllm_procs
 from local.stack.topology import SimGroup
 
 
@@ -25,11 +25,14 @@ def test_one_real_server_per_group_with_the_cluster_flags(monkeypatch, tmp_path)
     assert cmd[cmd.index("--served-model-name") + 1:cmd.index("--served-model-name") + 3] == ["qwq", "qwq-canary"]
     assert cmd[cmd.index("--port") + 1] == "8102" and "--enable-prefix-caching" in cmd
     events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
-    assert events["endpoint"] == "tcp://*:18102"                 # vLLM binds only a wildcard host
-    assert events["replay_endpoint"] == "tcp://127.0.0.1:28102"
+    # the second group's ports, as a simulator's; vLLM binds the publisher only on a wildcard host
+    assert events["endpoint"] == "tcp://*:18103"
+    assert events["replay_endpoint"] == "tcp://127.0.0.1:18104"
+    assert events["topic"] == "kv@vllm-8102"
     assert procs[1].health == "http:http://127.0.0.1:8102/health"
-    assert real_engine_picker_args(config) == ["--tokenizer", str(vllm_server.MODEL_DIR)]
-    assert real_engine_picker_args(StackConfig()) == []
+    quiet = vllm_procs(StackConfig(engine="vllm", run_root=tmp_path, precise_prefix=False),
+                       SimpleNamespace(sims=list(topo)))
+    assert "--kv-events-config" not in quiet[0].cmd
 
 
 def test_without_make_vllm_the_plan_says_what_to_run(monkeypatch, tmp_path):
@@ -41,10 +44,3 @@ def test_without_make_vllm_the_plan_says_what_to_run(monkeypatch, tmp_path):
 def test_an_unknown_engine_is_refused():
     with pytest.raises(StackError, match="engine 'tgi'"):
         StackConfig(engine="tgi")
-
-
-def test_group_ports_leave_room_for_the_kv_event_ports(monkeypatch, tmp_path):
-    monkeypatch.setattr(vllm_server, "available", lambda: True)
-    with pytest.raises(StackError, match="below 45536"):
-        vllm_procs(StackConfig(engine="vllm", run_root=tmp_path),
-                   SimpleNamespace(sims=[SimGroup("qwq-dist-v1", 50000, ["qwq"])]))

@@ -52,3 +52,21 @@ def test_chat_template_is_chatml_and_special_tokens_are_single_ids(built):
     tokens = tok.encode(rendered).tokens
     assert tokens[:3] == ["<|im_start|>", "system", "Ċ"]
     assert tokens.count("<|im_end|>") == 2 and tokens[-3:] == ["<|im_start|>", "assistant", "Ċ"]
+
+
+def test_the_file_carries_qwen2s_own_pipeline(built):
+    """vLLM's transformers builds a Qwen2 tokenizer from code (NFC, Qwen2's split regex, byte
+    level without the GPT-2 regex) and ignores the file's pipeline; the picker and the simulator
+    read the file. Checked against a real vLLM 0.32 serving the tiny model: the same token ids
+    and KV blocks for chat and completion prompts with digits, once the file says the same."""
+    out, tok = built
+    spec = json.loads((out / "tokenizer.json").read_text())
+    assert spec["normalizer"]["type"] == "NFC"
+    split, byte_level = spec["pre_tokenizer"]["pretokenizers"]
+    assert split["type"] == "Split" and split["behavior"] == "Isolated"
+    assert split["pattern"]["Regex"] == (
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+        r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    assert byte_level["type"] == "ByteLevel" and byte_level["use_regex"] is False
+    assert tok.encode("w2600").tokens == ["w", "2", "6", "0", "0"]  # digits one by one
+    assert tok.encode("e\u0301").ids == tok.encode("\u00e9").ids   # NFC

@@ -17,7 +17,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from loadtest.prompts import VOCABULARY
 from local.sim.tokens import FILLER
@@ -34,6 +34,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer, Qwen2's tokenizer.json).
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 # Room for every workload word twice (with and without the leading-space marker) plus the merges
 # that build them, the filler words and the 256 byte symbols.
@@ -61,7 +65,14 @@ def _corpus() -> list[str]:
 
 def train() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Qwen2's own pipeline (NFC, its split regex, byte-level without the GPT-2 regex): vLLM's
+    # transformers builds a Qwen2 model's tokenizer from code with exactly these and ignores the
+    # file's, so the file must say the same for the picker and the simulator (which read the
+    # file) to get vLLM's token ids (digits one by one, for instance).
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS,

@@ -62,6 +62,7 @@ class VllmServer:
     max_model_len: int = 2048
     kv_events_port: int | None = None      # ZMQ PUB; the replay ROUTER binds kv_replay_port
     kv_replay_port: int | None = None
+    kv_topic: str = KV_TOPIC
     num_gpu_blocks: int | None = None      # vLLM's --num-gpu-blocks-override (the KV capacity)
     model_dir: Path = MODEL_DIR
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -76,7 +77,7 @@ class VllmServer:
         # vLLM binds the publisher only for a wildcard host (any other host makes it connect
         # out, as the cluster's validation notes), so it listens on every interface here too;
         # the replay socket always binds, to the server's own host.
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_TOPIC,
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": self.kv_topic,
                   "endpoint": f"tcp://*:{self.kv_events_port}"}
         if self.kv_replay_port is not None:
             config["replay_endpoint"] = f"tcp://{self.host}:{self.kv_replay_port}"

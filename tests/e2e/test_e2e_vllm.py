@@ -16,7 +16,7 @@ from local import vllm_server
 from local.stack import Stack, StackConfig
 from local.stack.config import VLLM_STARTUP_TIMEOUT
 from local.stack.demo import REAL_ENGINE_CALLS, real_engine_call
-from local.stack.processes import free_ports, port_free
+from local.stack.processes import free_ports
 from tests.conformance.exchanges import words
 from tests.e2e.conftest import picker_decisions
 
@@ -33,22 +33,11 @@ def picker_samples(stack: Stack, name: str) -> dict[str, float]:
             for f in text_string_to_metric_families(text) for s in f.samples if s.name == name}
 
 
-def low_free_ports(n: int, start: int = 21000) -> list[int]:
-    """Free ports whose +10000 and +20000 (the vLLM groups' KV-event ports) are free too."""
-    out = []
-    for port in range(start, 45000, 7):
-        if all(port_free("127.0.0.1", p) for p in (port, port + 10000, port + 20000)):
-            out.append(port)
-            if len(out) == n:
-                return out
-    raise RuntimeError("no free ports for the vLLM groups")
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     if not vllm_server.available():
         pytest.skip("real vLLM is not installed (make vllm)")
-    ports = free_ports(5) + low_free_ports(2)
+    ports = free_ports(7)   # KV events on the stack's default ports (18101..), as its simulators
     config = StackConfig(name="vllm", engine="vllm", run_root=tmp_path_factory.mktemp("runs"),
                          groups=2, speedup=1.0, sim_ports=ports[5:], http_port=ports[0],
                          llm_port=ports[1], picker_grpc_port=ports[2], picker_health_port=ports[3],

@@ -366,6 +366,8 @@ class KVSources:
         """GET /kv_event_sources until the endpoint answers: its sources, or the fixed ports
         where it has no such route (older vLLM)."""
         import aiohttp
+        if self._session is None:  # endpoints may come before start() (no await between them)
+            await self.start()
         while True:
             try:
                 async with self._session.get(f"http://{address}/kv_event_sources",
