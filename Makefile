@@ -124,7 +124,8 @@ $(VLLM_VENV)/.stamp: $(VLLM_LOCK)
 	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r $(VLLM_LOCK)
 	touch $@
 
-$(TINY_MODEL)/model.safetensors: $(VLLM_VENV)/.stamp local/tinymodel/model.py local/tinymodel/tokenizer.py
+$(TINY_MODEL)/model.safetensors: $(VLLM_VENV)/.stamp local/tinymodel/model.py local/tinymodel/tokenizer.py \
+		loadtest/prompts.py local/sim/tokens.py
 	$(VLLM_VENV)/bin/python -m local.tinymodel model --out $(TINY_MODEL)
 	touch $@
 
