@@ -74,7 +74,9 @@ $(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
 		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
 
-# kube-controller-manager (its HPA controller) from the same wrapper module as kube-apiserver.
+# kube-controller-manager (its HPA controller, for tests/apiserver/test_hpa.py) from the same wrapper
+# module as kube-apiserver (cold: 18 min here beside kube-apiserver's own build, load average ~20 on 2
+# cores; most packages are shared with kube-apiserver).
 KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
 $(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
@@ -91,12 +93,13 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
 .PHONY: apiserver-tools test-apiserver autoscaling-tools
-apiserver-tools: $(KUBE_APISERVER)
+apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
-# The controllers of components/autoscaling's chain (KEDA -> HPA -> LeaderWorkerSet) beside the test
-# API server, for running it by hand; no test runs them yet, so `make test` does not build them.
-autoscaling-tools: apiserver-tools $(KUBE_CONTROLLER_MANAGER) $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
+# KEDA's two binaries for running the whole chain (KEDA -> HPA -> LeaderWorkerSet) by hand beside the
+# test API server; no test runs KEDA yet (tests/apiserver/test_hpa.py stands in for its metrics
+# API server), so `make test` does not build them.
+autoscaling-tools: apiserver-tools $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
@@ -163,7 +166,7 @@ test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, prot
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
 
-test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~2 min)
+test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
 up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
