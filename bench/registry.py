@@ -77,6 +77,15 @@ BENCHMARKS = [
               "(the first 3 of --seeds)",
               lambda a: flow.main(a.seeds[:3] if a.seeds else None),
               titled("Flow control: fairness and priorities (lab)", flow.report)),
+    Benchmark("matrix-flow", "python -m lab matrix on the scenarios late binding is for: least request, the "
+              "picker with and without flow control, the oracle with and without holding",
+              lambda a: flow.run_matrix(a.seeds),
+              titled("Flow control on the scenario matrix", lab_suites.matrix_report),
+              results=("lab-matrix-flow",)),
+    Benchmark("flow-http", "make demo's stack twice, the picker with and without flow control, bursty "
+              "open-loop arrivals on both listeners (run under flock /tmp/local-stack.lock)",
+              lambda a: flow.run_http(),
+              titled("Flow control through HTTP: bursty arrivals on the real data plane", flow.http_report)),
     Benchmark("kv-rate", "python -m lab.kv_rate: KV-cache events the simulator's engine publishes "
               "under the demo workload", lambda a: kv_suites.run_kv_rate(a.seeds),
               titled("KV-cache events: the simulator's event rate", kv_suites.kv_rate_report)),

@@ -256,3 +256,27 @@ def test_context_mixes_precise_and_approximate_per_endpoint():
     assert ctx.owner_tokens() == {"a": 160, "c": 128}
     eps = [EndpointState(x) for x in "abc"]
     assert precise_prefix_scorer()(ctx, eps) == [0.16, 0.0, 0.2]
+
+
+def test_lora_adapter_blocks_match_only_requests_for_that_adapter(tok):
+    rng = random.Random(9)
+    r = Router(load_profile("default"), clock=FakeClock(), rng=random.Random(0))
+    r.set_endpoints([A, B])
+    r.enable_precise(tok)
+    for e in (A, B):
+        r.on_scrape_ok(e, metrics_text(block_size=BS, num_blocks=4000, kv=0.6,
+                                       lora={"max": 2, "running": ["adapter"]}))
+        r.on_kv_events(e, [])
+    body = json.loads(chat(SYSTEM, "q"))
+    tokens = tok.request_tokens("/v1/chat/completions", body)
+    n = len(tokens) // BS
+    r.on_kv_events(A, [BlockStored(block_hashes=[rng.getrandbits(64) for _ in range(n)],
+                                   parent_block_hash=None, token_ids=tokens[:n * BS],
+                                   block_size=BS, lora_name="adapter")])
+    from picker.openai import parse_body
+    for_adapter = parse_body(json.dumps({**body, "model": "adapter"}).encode())
+    for_base = parse_body(json.dumps(body).encode())
+    assert r.precise.prepare("/v1/chat/completions", for_adapter, "adapter").cached == {A: n * BS}
+    assert r.precise.prepare("/v1/chat/completions", for_base, None).cached == {}
+    d = r.decide(RequestInfo("/v1/chat/completions", {}, json.dumps({**body, "model": "adapter"}).encode()))
+    assert d.endpoint == A and d.cached_tokens == min(n * BS, d.prompt_tokens)

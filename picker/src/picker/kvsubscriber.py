@@ -23,7 +23,7 @@ import zmq
 
 from picker import defaults
 from picker.signals.kvevents import KVEventsError, decode_seq, replay_request, split_replay
-from picker.signals.kvstate import MALFORMED, KVTracker
+from picker.signals.kvstate import KVTracker
 
 log = logging.getLogger("picker.kvevents")
 STOPPED = "subscriber_stopped"  # fallback reason: the subscriber thread failed
@@ -147,9 +147,7 @@ class KVSubscriber:
                 self._publish()
         except Exception:  # never silently: the replica then routes approximately
             log.exception("KV-events subscriber stopped: every endpoint falls back")
-            now = time.monotonic()
-            for ep in list(self.tracker.endpoints.values()):
-                self.tracker._out(ep, STOPPED, "the subscriber stopped", now)
+            self.tracker.fall_back_all(STOPPED, "the subscriber stopped", time.monotonic())
             self._next_status = 0.0
             self._publish()
         finally:
@@ -261,11 +259,7 @@ class KVSubscriber:
 
     def _bad(self, sub: _Sub, why: str, now: float) -> None:
         self.bad_frames += 1
-        ep = self.tracker.endpoints.get(sub.address)
-        if ep is not None:
-            ep.stats.malformed += 1
-            if ep.reason != MALFORMED:
-                self.tracker._out(ep, MALFORMED, f"message of {why}", now)
+        self.tracker.on_bad_message(sub.address, f"message of {why}", now)
 
     def _replays_due(self, poller: zmq.Poller, now: float) -> None:
         t = self.tracker
@@ -366,6 +360,8 @@ class KVSources:
         """GET /kv_event_sources until the endpoint answers: its sources, or the fixed ports
         where it has no such route (older vLLM)."""
         import aiohttp
+        if self._session is None:  # endpoints may come before start() (no await between them)
+            await self.start()
         while True:
             try:
                 async with self._session.get(f"http://{address}/kv_event_sources",

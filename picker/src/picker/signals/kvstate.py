@@ -335,6 +335,20 @@ class KVTracker:
             if not self._apply_item(ep, seq, payload, now, None):
                 return
 
+    def on_bad_message(self, address: str, why: str, now: float) -> None:
+        """A message that is not [topic, 8-byte sequence, payload]: counted as malformed, and
+        the endpoint falls back (its sequence is unknown, so a batch may be lost)."""
+        ep = self.endpoints.get(address)
+        if ep is not None:
+            ep.stats.malformed += 1
+            if ep.reason != MALFORMED:
+                self._out(ep, MALFORMED, why, now)
+
+    def fall_back_all(self, reason: str, why: str, now: float) -> None:
+        """Every endpoint out of sync (the subscriber cannot follow them any more)."""
+        for ep in self.endpoints.values():
+            self._out(ep, reason, why, now)
+
     def due_replays(self, now: float) -> list[tuple[str, int]]:
         """Replays to ask for now, (address, start); replays that timed out fail here."""
         out = []
