@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
-                   robustness, validation_time)
+                   robustness, validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -104,6 +104,9 @@ BENCHMARKS = [
               "index, both listeners; the events' delivery lag (run under flock /tmp/local-stack.lock)",
               lambda a: kv_http.run(),
               titled("Precise prefix routing on the real data plane", kv_http.report)),
+    Benchmark("vllm", "real vLLM's CPU build (make vllm): server start, memory, request latency on this "
+              "CPU, the conformance suite's wall time", lambda a: vllm_engine.run_vllm(),
+              titled("Real vLLM on this machine (CPU build, tiny model)", vllm_engine.report)),
     Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
               lambda a: robustness.soak(a.soak_seconds),
               titled("The picker under hostile traffic (soak)", robustness.soak_report)),
