@@ -16,7 +16,10 @@ CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/c
 # CRDs that ship in pinned Go modules (the Prometheus Operator's, for components/monitoring).
 EXTRA_CRDS_DIR := .cache/crds-extra
 RUN_DIR     ?= runs/local
-GROUPS      ?= 3
+# ENGINE=vllm: real vLLM's CPU build serves the groups (`make vllm` builds it); 2 groups by
+# default then (each server holds ~2-4 GB)
+ENGINE      ?= sim
+GROUPS      ?= $(if $(filter vllm,$(ENGINE)),2,3)
 SPEEDUP     ?= 20
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
 # `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
@@ -30,7 +33,7 @@ PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds tiny-model validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
+.PHONY: help setup tools lock crds tiny-model vllm validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -80,7 +83,9 @@ $(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
 		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
 
-# kube-controller-manager (its HPA controller) from the same wrapper module as kube-apiserver.
+# kube-controller-manager (its HPA controller, for tests/apiserver/test_hpa.py) from the same wrapper
+# module as kube-apiserver (cold: 18 min here beside kube-apiserver's own build, load average ~20 on 2
+# cores; most packages are shared with kube-apiserver).
 KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
 $(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
@@ -97,12 +102,13 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
 .PHONY: apiserver-tools test-apiserver autoscaling-tools
-apiserver-tools: $(KUBE_APISERVER)
+apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
-# The controllers of components/autoscaling's chain (KEDA -> HPA -> LeaderWorkerSet) beside the test
-# API server, for running it by hand; no test runs them yet, so `make test` does not build them.
-autoscaling-tools: apiserver-tools $(KUBE_CONTROLLER_MANAGER) $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
+# KEDA's two binaries for running the whole chain (KEDA -> HPA -> LeaderWorkerSet) by hand beside the
+# test API server; no test runs KEDA yet (tests/apiserver/test_hpa.py stands in for its metrics
+# API server), so `make test` does not build them.
+autoscaling-tools: apiserver-tools $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
@@ -118,6 +124,24 @@ promtool:
 
 tiny-model: $(VENV)/.stamp ## build the tiny model's tokenizer (deterministic, offline) into .cache/tiny-model
 	$(PY) -m local.tinymodel tokenizer --out .cache/tiny-model
+
+# Real vLLM (its CPU build) in its own virtualenv, every package pinned and installed without
+# resolution (local/vllm_server/requirements.txt says why), and the tiny model it serves.
+VLLM_VENV   := .venv-vllm
+VLLM_LOCK   := local/vllm_server/requirements.txt
+TINY_MODEL  := .cache/tiny-model
+
+$(VLLM_VENV)/.stamp: $(VLLM_LOCK)
+	rm -rf $(VLLM_VENV) && $(PYTHON_BOOT) -m venv $(VLLM_VENV)
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r $(VLLM_LOCK)
+	touch $@
+
+$(TINY_MODEL)/model.safetensors: $(VLLM_VENV)/.stamp local/tinymodel/model.py local/tinymodel/tokenizer.py \
+		loadtest/prompts.py local/sim/tokens.py
+	$(VLLM_VENV)/bin/python -m local.tinymodel model --out $(TINY_MODEL)
+	touch $@
+
+vllm: $(VLLM_VENV)/.stamp $(TINY_MODEL)/model.safetensors ## real vLLM 0.32 (CPU build, ~5 GB) in .venv-vllm and the tiny model it serves in .cache/tiny-model (cold: ~4-6 min)
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
@@ -145,18 +169,19 @@ validate-manifests:
 validate-policy:
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
+test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/e2e
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/conformance tests/e2e
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
 
-test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC on a real kube-apiserver (~2 min)
+test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
-up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
-	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE) \
-		$(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) $(if $(filter off,$(PRECISE)),--no-precise-prefix)
+up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
+		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
+		$(if $(filter off,$(PRECISE)),--no-precise-prefix)
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
@@ -166,8 +191,9 @@ down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
 DEMO_ARGS ?=
-demo: setup ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it
-	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
+demo: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
+	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) \
+		$(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 # LT_PORTS: listeners `http` and `llm-gw`; the local stack runs them at the cluster ports + 10000
@@ -203,7 +229,7 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null
 
-bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
+bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU

@@ -13,7 +13,7 @@ Open loop, 3 A10 groups, the article's prompts (1,000-token shared prefix, ~3,40
   completed requests and output tokens. Target: within 1.5x of alone.
 - priorities: `interactive` (priority 10) and `standard` (0) at 0.75 x capacity each (1.5x in
   all). P99 TTFT per class. Target: interactive at most half of standard's.
-Failed requests (the queue's age bound, 30 s) are counted; TTFT is over completed requests.
+Failed requests are counted; TTFT is over completed requests.
 """
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def report(d: dict) -> list[str]:
     lab = d["lab"]
     lines = [f"Command: `{d['command']}` (lab, seeds {' '.join(map(str, d['seeds']))}, 3 A10 groups, open "
              f"loop, the article's prompts; capacity = least request's closed-loop request throughput). "
-             "Means over seeds; TTFT over completed requests; failed = the queue's age bound (30 s).", "",
+             "Means over seeds; TTFT over completed requests. The picker's flow-control defaults: 30 s age "
+             "bound, then `--flow-at-bound dispatch` (the request goes to an engine's queue, so none fail).", "",
              "**Fairness**: a light client (0.1x capacity) and a heavy one (1.0x), same priority. Target: the "
              "light client's mean TTFT within 1.5x of what it gets alone.", "",
              "| policy | light alone: mean TTFT ms | light with heavy | ratio | heavy mean TTFT | "
@@ -150,3 +151,69 @@ def report(d: dict) -> list[str]:
                      f"{_mean(rows, 'standard', 'mean_ttft_ms'):,.0f} | {_mean(rows, 'interactive', 'failed'):.1f} / "
                      f"{_mean(rows, 'standard', 'failed'):.1f} |")
     return lines
+
+
+# ---- through HTTP: the real data plane, bursty arrivals ---------------------------------------
+
+HTTP_RATE = 2.7          # req/s: ~80 % of the demo's closed-loop throughput (BENCHMARKS.md "make demo")
+HTTP_BURSTINESS = 0.25   # gamma shape of the gaps (the matrix's bursty scenarios)
+HTTP_PROMPTS = 150
+
+
+def run_http() -> dict:
+    """`python -m local.stack demo` twice (the picker with and without --flow-control), each
+    comparing listener http (least request) with llm-gw (the picker) on bursty open-loop arrivals.
+    Run it under `flock /tmp/local-stack.lock` (the stack binds fixed ports)."""
+    from bench.common import PY, RESULTS, read_json, run_suite
+    compare = ["--request-rate", str(HTTP_RATE), "--burstiness", str(HTTP_BURSTINESS),
+               "--concurrency", "1000", "--num-prompts", str(HTTP_PROMPTS)]
+    runs = {}
+    for mode, flag in (("on", "--flow-control"), ("off", "--no-flow-control")):
+        out = RESULTS / f"flow-http-{mode}"
+        cmd = [PY, "-m", "local.stack", "demo", "--name", f"bench-flow-{mode}", "--out", str(out),
+               f"--picker-arg={flag}", *compare]
+        runs[mode] = run_suite(f"flow-http-{mode}", cmd, lambda out=out: {
+            "dataplane": read_json(out / "dataplane.json"),
+            "results": {name: read_json(out / f"{port}.json")
+                        for name, port in read_json(out / "dataplane.json")["listeners"].items()}},
+            log=RESULTS / f"flow-http-{mode}.log")
+    data = {"command": "python -m bench flow-http", "rate": HTTP_RATE, "burstiness": HTTP_BURSTINESS,
+            "num_prompts": HTTP_PROMPTS, "runs": runs, **stamp()}
+    save("flow-http", data)
+    return data
+
+
+def http_report(d: dict) -> list[str]:
+    lines = [f"Command: `{d['command']}` (under `flock /tmp/local-stack.lock`): `make demo`'s stack (3 simulator "
+             f"processes, the picker, Envoy Gateway + Envoy, speedup 5) twice, the picker with and without "
+             f"`--flow-control`; `loadtest compare` of both listeners, open loop at {d['rate']} req/s with gamma "
+             f"shape {d['burstiness']} gaps (bursty), {d['num_prompts']} prompts, 2 runs per listener. Times are "
+             "wall-clock ms at the speedup; a machine shared with other work.", "",
+             "| listener | mean TTFT ms | P99 TTFT ms | output tok/s | completed | failed |", "|---|---|---|---|---|---|"]
+    for mode, run in d["runs"].items():
+        for name, r in run["results"].items():
+            label = "least request (http)" if name == "http" else f"picker, flow control {mode} (llm-gw)"
+            if name == "http":
+                label += f", run with flow control {mode}"
+            lines.append(f"| {label} | {r['mean_ttft_ms']:,.0f} | {r['p99_ttft_ms']:,.0f} | "
+                         f"{r['output_throughput']:.1f} | {r['completed']} | {r['failed']} |")
+    return lines
+
+
+# ---- the scenario matrix, on the scenarios late binding is for --------------------------------
+
+MATRIX_SCENARIOS = ["base", "chat-reasoning", "kv-0.8x", "open-bursty-50", "open-poisson-50"]
+MATRIX_POLICIES = ["least-request", "picker", "picker-flow", "oracle", "oracle-late"]
+
+
+def run_matrix(seeds: list[int] | None = None) -> dict:
+    """`python -m lab matrix` on MATRIX_SCENARIOS with MATRIX_POLICIES (the full matrix runs
+    them too, `python -m bench matrix`; this is the part that takes minutes, not an hour, on a
+    shared machine)."""
+    from bench.common import PY, RESULTS, read_json, run_suite
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lab-matrix-flow"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds), "--resume",
+           *(a for s in MATRIX_SCENARIOS for a in ("--scenario", s)),
+           *(a for p in MATRIX_POLICIES for a in ("--policy", p))]
+    return run_suite("lab-matrix-flow", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)

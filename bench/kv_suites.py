@@ -190,7 +190,8 @@ def replicas_precise_report(d: dict) -> list[str]:
            "lab/README.md): the lab's workloads on 16 simulated groups at concurrency 160; each "
            "request goes to one picker replica drawn at random; replicas share nothing (no Redis). "
            "`+precise`: every replica follows every engine's KV-cache events. Mean TTFT, mean ± std "
-           "over the seeds, change against one picker with the same signals.", ""]
+           "over the seeds, change against one picker with the same signals (for `picker+precise`: "
+           "against `picker`).", ""]
     rows = []
     names = []
     for run in d["runs"].values():
@@ -199,7 +200,10 @@ def replicas_precise_report(d: dict) -> list[str]:
         cells = []
         for run in d["runs"].values():
             p = run["policies"]
-            base = p["picker+precise" if name.endswith("+precise") else "picker"]["mean_ttft_ms"]["mean"]
+            # replicas against one picker with the same signals; one precise picker against one
+            # approximate picker
+            base = p["picker+precise" if name.endswith("+precise") and name != "picker+precise"
+                     else "picker"]["mean_ttft_ms"]["mean"]
             m = p[name]["mean_ttft_ms"]
             cells.append(f"{num(m['mean'])} ± {num(m['std'])} ({versus(m['mean'], base)})")
         rows.append([name, *cells])

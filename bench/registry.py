@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
-                   robustness, validation_time)
+                   robustness, validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -77,6 +77,15 @@ BENCHMARKS = [
               "(the first 3 of --seeds)",
               lambda a: flow.main(a.seeds[:3] if a.seeds else None),
               titled("Flow control: fairness and priorities (lab)", flow.report)),
+    Benchmark("matrix-flow", "python -m lab matrix on the scenarios late binding is for: least request, the "
+              "picker with and without flow control, the oracle with and without holding",
+              lambda a: flow.run_matrix(a.seeds),
+              titled("Flow control on the scenario matrix", lab_suites.matrix_report),
+              results=("lab-matrix-flow",)),
+    Benchmark("flow-http", "make demo's stack twice, the picker with and without flow control, bursty "
+              "open-loop arrivals on both listeners (run under flock /tmp/local-stack.lock)",
+              lambda a: flow.run_http(),
+              titled("Flow control through HTTP: bursty arrivals on the real data plane", flow.http_report)),
     Benchmark("kv-rate", "python -m lab.kv_rate: KV-cache events the simulator's engine publishes "
               "under the demo workload", lambda a: kv_suites.run_kv_rate(a.seeds),
               titled("KV-cache events: the simulator's event rate", kv_suites.kv_rate_report)),
@@ -95,6 +104,9 @@ BENCHMARKS = [
               "index, both listeners; the events' delivery lag (run under flock /tmp/local-stack.lock)",
               lambda a: kv_http.run(),
               titled("Precise prefix routing on the real data plane", kv_http.report)),
+    Benchmark("vllm", "real vLLM's CPU build (make vllm): server start, memory, request latency on this "
+              "CPU, the conformance suite's wall time", lambda a: vllm_engine.run_vllm(),
+              titled("Real vLLM on this machine (CPU build, tiny model)", vllm_engine.report)),
     Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
               lambda a: robustness.soak(a.soak_seconds),
               titled("The picker under hostile traffic (soak)", robustness.soak_report)),

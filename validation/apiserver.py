@@ -79,6 +79,10 @@ class ControlPlane:
     kube_apiserver: Path
     etcd: str = "etcd"
     authorization_mode: str = "RBAC"
+    # Service ClusterIPs come from here. tests/apiserver/test_hpa.py uses a loopback range, so the
+    # aggregator (routing to the ClusterIP) reaches an extension API server on this machine.
+    service_cidr: str = "10.96.0.0/16"
+    extra_args: tuple = ()
     url: str = ""
     etcd_url: str = ""
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
@@ -138,11 +142,12 @@ class ControlPlane:
             f"--cert-dir={self.workdir / 'certs'}", f"--token-auth-file={self.workdir / 'tokens.csv'}",
             f"--authorization-mode={self.authorization_mode}",
             f"--service-account-issuer={SA_ISSUER}", f"--service-account-key-file={sa_key}",
-            f"--service-account-signing-key-file={sa_key}", "--service-cluster-ip-range=10.96.0.0/16",
+            f"--service-account-signing-key-file={sa_key}", f"--service-cluster-ip-range={self.service_cidr}",
             # Watches are served straight from etcd, so compacting etcd makes an old
             # resourceVersion answer 410 Gone (a production server's watch cache does the same
             # after a restart or a long disconnect).
-            "--watch-cache=false", "--enable-priority-and-fairness=false", "--profiling=false"])
+            "--watch-cache=false", "--enable-priority-and-fairness=false", "--profiling=false",
+            *self.extra_args])
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
         _wait(lambda: _http_ok(f"{self.url}/readyz", self.admin_token, insecure), timeout,

@@ -16,6 +16,9 @@ TLS = ("components/gateway-tls", "components/picker-tls")
 # load tests and the end-to-end tests use it), `user` the limit of any other client.
 API_CLIENTS = ("loadtest", "user")
 API_KEYS_FILE = "api-keys.json"
+ENGINES = ("sim", "vllm")
+# Real vLLM's CPU build takes about a minute to start when the machine is idle, several when not.
+VLLM_STARTUP_TIMEOUT = 600.0
 
 
 class StackError(RuntimeError):
@@ -25,6 +28,9 @@ class StackError(RuntimeError):
 @dataclass
 class StackConfig:
     name: str = "local"
+    # What serves each group: "sim" (local.sim, A10 timing at `speedup`) or "vllm" (real vLLM's
+    # CPU build with the tiny model, local.vllm_server; real time, so speedup does not apply).
+    engine: str = "sim"
     groups: int = 3
     speedup: float = 20.0
     seed: int = 0
@@ -73,6 +79,10 @@ class StackConfig:
     picker_args: list[str] = field(default_factory=list)
     run_root: Path = RUN_ROOT
     startup_timeout: float = 90.0
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise StackError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
 
     @property
     def run_dir(self) -> Path:

@@ -13,10 +13,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from local import dataplane, ratelimit
+from local import dataplane, ratelimit, vllm_server
 from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engines import DEFAULT_ENGINE_MODEL, EngineModel, get_engine_model
-from local.stack.config import StackConfig
+from local.stack.config import StackConfig, StackError
 from local.stack.processes import Proc
 from local.stack.topology import Topology, listener_ports, picker_tls
 
@@ -130,6 +130,31 @@ def sim_procs(config: StackConfig, topo: Topology) -> list[Proc]:
     return procs
 
 
+def vllm_server_of(config: StackConfig, index: int, sim) -> vllm_server.VllmServer:
+    """The real vLLM server of group `index`: the cluster's flags where they apply on a CPU
+    (local/vllm_server), its KV events on the ports a simulator of that group would use."""
+    pub, replay = kv_event_ports_of(config, index) if config.precise_prefix else (None, None)
+    return vllm_server.VllmServer(port=sim.port, served_model_names=tuple(sim.served_model_names),
+                                  host=config.host, kv_events_port=pub, kv_replay_port=replay,
+                                  kv_topic=f"kv@vllm-{sim.port}")
+
+
+def vllm_procs(config: StackConfig, topo: Topology) -> list[Proc]:
+    """One real vLLM server per group (the simulators' ports and served names)."""
+    if not vllm_server.available():
+        raise StackError("real vLLM is not installed: run `make vllm` first")
+    procs = []
+    for i, sim in enumerate(topo.sims):
+        server = vllm_server_of(config, i, sim)
+        procs.append(Proc(f"vllm-{sim.port}", server.launch_command() + list(config.sim_args),
+                          str(config.run_dir / f"vllm-{sim.port}.log"), f"http:http://{sim.address}/health"))
+    return procs
+
+
+def engine_procs(config: StackConfig, topo: Topology) -> list[Proc]:
+    return vllm_procs(config, topo) if config.engine == "vllm" else sim_procs(config, topo)
+
+
 def objects_file(config: StackConfig) -> Path:
     return config.run_dir / OBJECTS_FILE
 
@@ -177,5 +202,5 @@ def plan(config: StackConfig, topo: Topology) -> list[Proc]:
     """Every process of the stack, in start order (all start at once: the picker retries scrapes
     until the simulators answer; the rate limit service retries Envoy Gateway's xDS, and Envoy
     refuses requests until it answers, so the listeners' health check waits for it)."""
-    return [*sim_procs(config, topo), picker_proc(config, topo),
+    return [*engine_procs(config, topo), picker_proc(config, topo),
             *(ratelimit_procs(config) if config.token_budget else []), envoy_gateway_proc(config, topo)]

@@ -172,3 +172,23 @@ def test_vllm_metrics_the_queries_read_are_current_vllm_names():
              for m, _ in selectors(e) if m.startswith("vllm:")}
     assert len(named) >= 10 and named - real == set()
     assert not {n for n in named if "gpu_" in n or "time_per_output_token" in n}
+
+
+def autoscaler_query() -> str:
+    """The Prometheus query of components/autoscaling's ScaledObject, as KEDA sends it."""
+    so = yaml.safe_load((REPO / "components/autoscaling/scaledobject.yaml").read_text())
+    return next(t for t in so["spec"]["triggers"] if t["type"] == "prometheus")["metadata"]["query"]
+
+
+def test_the_autoscaler_query_reads_the_pool_and_is_empty_when_it_is_gone(live):
+    """KEDA's Prometheus trigger takes exactly one series with a finite value; here it is the sum
+    of every leader's running + waiting requests. With the whole pool down the answer is empty,
+    which the ScaledObject (ignoreNullValues "false") turns into an error, so the count holds."""
+    prom, during_load, after, _ = live
+    result = prom.query(autoscaler_query(), during_load)
+    assert len(result) == 1, result
+    value = float(result[0]["value"][1])
+    parts = prom.query('{__name__=~"vllm:num_requests_(running|waiting)",job="vllm",namespace="llm"}', during_load)
+    assert len(parts) == 2 * 2                       # 2 gauges x the 2 simulators still up
+    assert value == sum(float(p["value"][1]) for p in parts) and value >= 0
+    assert prom.query(autoscaler_query(), after) == []
