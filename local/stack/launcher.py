@@ -220,8 +220,9 @@ class Stack:
 def describe(stack: Stack) -> str:
     c = stack.config
     lines = [f"local stack {c.name!r} is up (logs and state in {c.run_dir}):"]
+    kind = "vLLM 0.32 CPU" if c.engine == "vllm" else "simulator"
     for s in stack.topology.sims:
-        lines.append(f"  simulator      {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
+        lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
                  f"{stack.topology.body_mode}), health {c.picker_health_port}, "
                  f"metrics http://{c.host}:{c.picker_metrics_port}/metrics")
