@@ -63,7 +63,16 @@ $(ENVOY_GATEWAY) $(EGCTL) &: argocd/apps/envoy-gateway.yaml
 		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
 	touch $(ENVOY_GATEWAY) $(EGCTL)
 
-tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
+# The Envoy rate limit service for the local stack's token budgets (local/ratelimit.py pins it;
+# ~2 min cold on 2 cores, mostly module downloads). `go install` names the binary service_cmd.
+RATELIMIT_VERSION := $(shell sed -n 's/^RATELIMIT_VERSION = "\(.*\)"/\1/p' local/ratelimit.py)
+RATELIMIT := $(TOOLS)/ratelimit
+$(RATELIMIT): local/ratelimit.py
+	mkdir -p $(TOOLS) .cache/ratelimit-bin
+	GOBIN=$(CURDIR)/.cache/ratelimit-bin GOFLAGS=-mod=mod nice -n 10 go install github.com/envoyproxy/ratelimit/src/service_cmd@$(RATELIMIT_VERSION)
+	mv .cache/ratelimit-bin/service_cmd $@
+
+tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(RATELIMIT) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the Envoy rate limit service, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
 
 # A real API server for tests/apiserver: kube-apiserver v1.34.2 built from the Go module proxy by the
 # wrapper module in tools/kube-apiserver (~5 min on 2 cores the first time), etcd from Debian.
@@ -220,7 +229,7 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null
 
-bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
+bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
