@@ -16,7 +16,10 @@ CRDS_DIR    ?= $(if $(wildcard ../shared/crds/README.md),../shared/crds,.cache/c
 # CRDs that ship in pinned Go modules (the Prometheus Operator's, for components/monitoring).
 EXTRA_CRDS_DIR := .cache/crds-extra
 RUN_DIR     ?= runs/local
-GROUPS      ?= 3
+# ENGINE=vllm: real vLLM's CPU build serves the groups (`make vllm` builds it); 2 groups by
+# default then (each server holds ~2-4 GB)
+ENGINE      ?= sim
+GROUPS      ?= $(if $(filter vllm,$(ENGINE)),2,3)
 SPEEDUP     ?= 20
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
 # `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
@@ -30,7 +33,7 @@ PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds tiny-model validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
+.PHONY: help setup tools lock crds tiny-model vllm validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -60,7 +63,16 @@ $(ENVOY_GATEWAY) $(EGCTL) &: argocd/apps/envoy-gateway.yaml
 		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
 	touch $(ENVOY_GATEWAY) $(EGCTL)
 
-tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
+# The Envoy rate limit service for the local stack's token budgets (local/ratelimit.py pins it;
+# ~2 min cold on 2 cores, mostly module downloads). `go install` names the binary service_cmd.
+RATELIMIT_VERSION := $(shell sed -n 's/^RATELIMIT_VERSION = "\(.*\)"/\1/p' local/ratelimit.py)
+RATELIMIT := $(TOOLS)/ratelimit
+$(RATELIMIT): local/ratelimit.py
+	mkdir -p $(TOOLS) .cache/ratelimit-bin
+	GOBIN=$(CURDIR)/.cache/ratelimit-bin GOFLAGS=-mod=mod nice -n 10 go install github.com/envoyproxy/ratelimit/src/service_cmd@$(RATELIMIT_VERSION)
+	mv .cache/ratelimit-bin/service_cmd $@
+
+tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(RATELIMIT) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the Envoy rate limit service, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
 
 # A real API server for tests/apiserver: kube-apiserver v1.34.2 built from the Go module proxy by the
 # wrapper module in tools/kube-apiserver (~5 min on 2 cores the first time), etcd from Debian.
@@ -113,6 +125,24 @@ promtool:
 tiny-model: $(VENV)/.stamp ## build the tiny model's tokenizer (deterministic, offline) into .cache/tiny-model
 	$(PY) -m local.tinymodel tokenizer --out .cache/tiny-model
 
+# Real vLLM (its CPU build) in its own virtualenv, every package pinned and installed without
+# resolution (local/vllm_server/requirements.txt says why), and the tiny model it serves.
+VLLM_VENV   := .venv-vllm
+VLLM_LOCK   := local/vllm_server/requirements.txt
+TINY_MODEL  := .cache/tiny-model
+
+$(VLLM_VENV)/.stamp: $(VLLM_LOCK)
+	rm -rf $(VLLM_VENV) && $(PYTHON_BOOT) -m venv $(VLLM_VENV)
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r $(VLLM_LOCK)
+	touch $@
+
+$(TINY_MODEL)/model.safetensors: $(VLLM_VENV)/.stamp local/tinymodel/model.py local/tinymodel/tokenizer.py \
+		loadtest/prompts.py local/sim/tokens.py
+	$(VLLM_VENV)/bin/python -m local.tinymodel model --out $(TINY_MODEL)
+	touch $@
+
+vllm: $(VLLM_VENV)/.stamp $(TINY_MODEL)/model.safetensors ## real vLLM 0.32 (CPU build, ~5 GB) in .venv-vllm and the tiny model it serves in .cache/tiny-model (cold: ~4-6 min)
+
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv
 	.cache/lock-venv/bin/pip install --quiet -r requirements.in
@@ -139,18 +169,19 @@ validate-manifests:
 validate-policy:
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, end-to-end on the local stack
+test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack
 	$(MAKE) --no-print-directory validate
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/e2e
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/conformance tests/e2e
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
-up: setup ## start the local stack in the background (simulators, picker, Envoy Gateway + Envoy on 18080/18081); `make down` stops it
-	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --groups $(GROUPS) --speedup $(SPEEDUP) --kv-scale $(KV_SCALE) \
-		$(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) $(if $(filter off,$(PRECISE)),--no-precise-prefix)
+up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
+		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
+		$(if $(filter off,$(PRECISE)),--no-precise-prefix)
 
 OBSERVE_PORT ?= 9095
 observe: setup ## Prometheus on 127.0.0.1:$(OBSERVE_PORT) scraping the stack of `make up` with the cluster's monitors and alerts (Ctrl-C stops it)
@@ -160,8 +191,9 @@ down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
 DEMO_ARGS ?=
-demo: setup ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it
-	$(PY) -m local.stack demo --name demo --groups $(GROUPS) $(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
+demo: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
+	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) \
+		$(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
 
 # Load tests (loadtest/): LT_HOST is the Gateway address (local stack by default, or a cluster's).
 # LT_PORTS: listeners `http` and `llm-gw`; the local stack runs them at the cluster ports + 10000
@@ -197,7 +229,7 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null
 
-bench: setup ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
+bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench
 
 bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU

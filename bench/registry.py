@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
-                   robustness, validation_time)
+                   robustness, validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -104,11 +104,22 @@ BENCHMARKS = [
               "index, both listeners; the events' delivery lag (run under flock /tmp/local-stack.lock)",
               lambda a: kv_http.run(),
               titled("Precise prefix routing on the real data plane", kv_http.report)),
+    Benchmark("vllm", "real vLLM's CPU build (make vllm): server start, memory, request latency on this "
+              "CPU, the conformance suite's wall time", lambda a: vllm_engine.run_vllm(),
+              titled("Real vLLM on this machine (CPU build, tiny model)", vllm_engine.report)),
     Benchmark("soak", "picker/tests/test_abuse.py for --soak-seconds: abuse rounds against one picker",
               lambda a: robustness.soak(a.soak_seconds),
               titled("The picker under hostile traffic (soak)", robustness.soak_report)),
     Benchmark("dead-backend", "tests/e2e/test_e2e_dead_backend.py: a group killed or stalled under load",
               lambda a: robustness.dead_backend(),
               titled("A dead or stalled backend on both listeners", robustness.dead_backend_report)),
+    Benchmark("edge-abuse", "tests/e2e/test_e2e_edge_abuse.py: bad input at the edge through Envoy "
+              "(run under flock /tmp/local-stack.lock)",
+              lambda a: robustness.edge_abuse(),
+              titled("Bad input at the edge", robustness.edge_abuse_report)),
+    Benchmark("token-budget", "tests/e2e/test_e2e_token_budget.py: token budgets per client, overshoot "
+              "streamed and not (run under flock /tmp/local-stack.lock)",
+              lambda a: robustness.token_budget(),
+              titled("Token budgets per client", robustness.token_budget_report)),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}

@@ -239,7 +239,8 @@ def extension_policy_wiring(objs):
     if svc is None:
         return [f"{describe(picker[0])}: no Service forwards to the picker's --grpc-port"]
     llm_routes = {name_of(r) for r in routes_on_port(objs, 8081)}
-    policies = of_kind(objs, "EnvoyExtensionPolicy")
+    # the picker's policies (others, e.g. components/token-budget's Lua on 8080, call no ext_proc)
+    policies = [p for p in of_kind(objs, "EnvoyExtensionPolicy") if (p.get("spec") or {}).get("extProc")]
     if not policies:
         problems.append("no EnvoyExtensionPolicy: port 8081 would not go through the picker")
     for eep in policies:

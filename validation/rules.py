@@ -3,7 +3,8 @@
 
 - every overlay (a deployable whole): the policy rules (validation/policy.py), GPU fit on the A10
   node, Secret references in the workload namespace, isolation (validation/isolation.py), the
-  KV-cache events' flags, ports and policies (validation/kv_events.py) and autoscaling
+  KV-cache events' flags, ports and policies (validation/kv_events.py), every `vllm serve` flag
+  known to the CLI of the pinned vLLM (validation/vllm_cli.py) and autoscaling
   (validation/autoscaling.py: rules only a ScaledObject triggers);
 - every overlay but the explicitly open ones (`overlays/*-open-gateway`): the edge rules
   (validation/edge.py: API keys, rate limits, TLS, the picker hop verified);
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from validation import autoscaling, edge, isolation, kv_events, policy
+from validation import autoscaling, edge, isolation, kv_events, policy, vllm_cli
 from validation.problems import Problem
 from validation.render import argo_app_sources
 
@@ -27,7 +28,7 @@ OPEN_GATEWAY_ANNOTATION = "llm-serving/open-gateway"
 def rules_for(target: str) -> list:
     if target.startswith("overlays/"):
         rules = [*policy.ALL_CHECKS, policy.gpu_pods_fit_node, *isolation.ISOLATION_CHECKS,
-                 *kv_events.KV_EVENTS_CHECKS, *edge.HEALTH_CHECKS,
+                 *kv_events.KV_EVENTS_CHECKS, *vllm_cli.VLLM_CLI_CHECKS, *edge.HEALTH_CHECKS,
                  partial(policy.secret_refs_in_namespace, namespace=WORKLOAD_NAMESPACE),
                  *autoscaling.AUTOSCALING_CHECKS]
         if not target.endswith(OPEN_SUFFIX):

@@ -27,6 +27,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-gpu-blocks", type=int, help="override the engine model's KV capacity")
     p.add_argument("--max-num-seqs", type=int, help="override the engine model's batch limit")
+    p.add_argument("--max-model-len", type=int, help="override the engine model's context length")
+    p.add_argument("--max-loras", type=int, metavar="N",
+                   help="as vLLM with --enable-lora --max-loras N: /metrics carries "
+                        "vllm:lora_requests_info (no adapters are served)")
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="fraction of completion requests answered with HTTP 500")
     p.add_argument("--metrics-delay", type=float, default=0.0,
@@ -63,12 +67,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     engine_model = get_engine_model(args.engine_model)
     overrides = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks),
-                                   ("max_num_seqs", args.max_num_seqs)) if v is not None}
+                                   ("max_num_seqs", args.max_num_seqs),
+                                   ("max_model_len", args.max_model_len)) if v is not None}
     if overrides:
         engine_model = engine_model.with_overrides(**overrides)
     faults = Faults(args.error_rate, args.metrics_delay, args.metrics_fail, args.stall_after)
     server = SimServer(engine_model, args.names or ["qwq"], args.speedup, args.seed, faults,
-                       kv_events=args.kv_events_config, tokenizer=args.tokenizer)
+                       kv_events=args.kv_events_config, tokenizer=args.tokenizer,
+                       max_loras=args.max_loras)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     print(f"local.sim: {', '.join(server.names)} on http://{args.host}:{args.port} "
           f"(engine model {engine_model.name}, speedup {args.speedup:g}, seed {args.seed}, "

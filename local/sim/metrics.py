@@ -2,8 +2,9 @@
 
 Names, types and labels follow vLLM's PrometheusStatLogger (vllm/v1/metrics/loggers.py): every
 family carries `model_name` (the first served model name, as vLLM does) and `engine="0"`.
-`vllm:gpu_cache_usage_perc` (the pre-0.9 name that the article's vLLM v0.7.2 exposed) is
-rendered beside `vllm:kv_cache_usage_perc` so pickers of either generation find their gauge.
+The family set follows vLLM 0.32 where the picker and the load tests read it (checked against
+the real server by tests/conformance): `vllm:kv_cache_usage_perc` only, without the
+`vllm:gpu_cache_usage_perc` that vLLM removed after deprecating it in 0.9.
 
     render_metrics(engine, "qwq")                    # full page, what GET /metrics returns
     render_metrics(engine, "qwq", gauges_only=True)  # gauges + cache_config_info only (fast path
@@ -51,7 +52,6 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
         "num_gpu_blocks": str(p.num_gpu_blocks),
         "num_gpu_blocks_override": "None",
         "sliding_window": "None",
-        "swap_space_bytes": str(4 * 1024 ** 3),
     }
 
 
@@ -64,8 +64,6 @@ def gauge_families(model_name: str, running: int, waiting: int, kv_usage: float,
                  lv, waiting)
     yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                  lv, kv_usage)
-    yield _gauge("vllm:gpu_cache_usage_perc",
-                 "GPU KV-cache usage. 1 means 100 percent usage (deprecated name).", lv, kv_usage)
     info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                              labels=list(cache_config) + ["engine"])
     info.add_metric(list(cache_config.values()) + ["0"], 1.0)
@@ -92,15 +90,19 @@ def render_gauges(model_name: str, running: int, waiting: int, kv_usage: float,
 class EngineCollector:
     """prometheus_client collector reading one engine's state at collect time."""
 
-    def __init__(self, engine: Engine, model_name: str, gauges_only: bool = False):
+    def __init__(self, engine: Engine, model_name: str, gauges_only: bool = False,
+                 lora: tuple[int, float] | None = None):
         self.engine = engine
         self.labels = (model_name, "0")
         self.gauges_only = gauges_only
+        self.lora = lora
 
     def collect(self):
         e, lv = self.engine, self.labels
         yield from gauge_families(lv[0], len(e.running), len(e.waiting), e.kv_cache_usage(),
                                   cache_config_labels(e))
+        if self.lora is not None:
+            yield lora_family(*self.lora)
         if self.gauges_only:
             return
         yield _counter("vllm:prefix_cache_queries",
@@ -129,7 +131,19 @@ class EngineCollector:
                          "Histogram of e2e request latency in seconds.", lv, e.e2e)
 
 
-def render_metrics(engine: Engine, model_name: str, gauges_only: bool = False) -> str:
+def lora_family(max_loras: int, timestamp: float) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info` (only with --enable-lora): no model_name or engine label,
+    the adapters running and waiting comma-joined, the value the Unix time of the update. The
+    simulator serves no adapters, so both lists are empty."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(max_loras), "", ""], timestamp)
+    return info
+
+
+def render_metrics(engine: Engine, model_name: str, gauges_only: bool = False,
+                   lora: tuple[int, float] | None = None) -> str:
+    """`lora`: (max_loras, Unix time) to render vllm:lora_requests_info, as vLLM with LoRA on."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name, gauges_only))
+    registry.register(EngineCollector(engine, model_name, gauges_only, lora))
     return generate_latest(registry).decode()

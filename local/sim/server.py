@@ -36,9 +36,12 @@ from local.sim.engine import Engine, StepOutput
 from local.sim.engines import EngineModel
 from local.sim.kv_events import EventPublisher, KVEventsConfig
 from local.sim.metrics import CONTENT_TYPE, render_metrics
+from local.sim import validation
 from local.sim.tokenizer import WordTokenizer
 from local.sim.tokens import filler_word
+from local.sim.validation import RequestError
 
+VLLM_VERSION = "0.32.0"      # the vLLM whose surfaces the simulator follows (tests/conformance)
 EOS_MIN, EOS_SPAN = 16, 1009   # without ignore_eos, EOS falls at 16..1024 tokens (from the seed)
 
 
@@ -50,30 +53,32 @@ class Faults:
     stall_after: Optional[int] = None
 
 
-def error_body(message: str, err_type: str, code: int, param: Optional[str] = None) -> dict:
-    """vLLM's ErrorResponse (current shape: {"error": {message, type, param, code}})."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+def _error(err: RequestError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
 
 
-def _error(status: int, message: str, err_type: str, param: Optional[str] = None) -> web.Response:
-    return web.json_response(error_body(message, err_type, status, param), status=status)
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
+@web.middleware
+async def _json_http_errors(request: web.Request, handler):
+    """Unknown paths and wrong methods answer like vLLM's FastAPI: JSON {"detail": reason}."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        return web.json_response({"detail": exc.reason}, status=exc.status)
 
 
 class SimServer:
     def __init__(self, engine_model: EngineModel, served_model_names: list[str], speedup: float = 1.0,
                  seed: int = 0, faults: Optional[Faults] = None,
-                 kv_events: Optional[KVEventsConfig] = None, tokenizer=None):
+                 kv_events: Optional[KVEventsConfig] = None, tokenizer=None,
+                 max_loras: Optional[int] = None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         if not served_model_names:
             raise ValueError("need at least one served model name")
         self.engine_model = engine_model
+        self.max_loras = max_loras     # vLLM's --enable-lora --max-loras: /metrics gets lora info
         self.names = list(dict.fromkeys(served_model_names))
         self.speedup = speedup
         self.seed = seed
@@ -144,12 +149,14 @@ class SimServer:
             await self.publisher.close()
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_json_http_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/kv_event_sources", self.kv_event_sources)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self.on_startup)
@@ -169,6 +176,21 @@ class SimServer:
                  "max_model_len": self.engine_model.max_model_len} for n in self.names]
         return web.json_response({"object": "list", "data": data})
 
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a `prompt` or chat `messages` (with the reply primer, as vLLM's
+        default add_generation_prompt) -> count, max_model_len, tokens (the simulator's ids)."""
+        try:
+            body = validation.parse_body(await request.read(), request.content_type)
+            validation.check_model(body, self.names)
+            ids = self._prompt_ids(body, chat="messages" in body)
+        except RequestError as err:
+            return _error(err)
+        return web.json_response({"count": len(ids), "max_model_len": self.engine_model.max_model_len,
+                                  "tokens": ids, "token_strs": None})
+
     async def kv_event_sources(self, request: web.Request) -> web.Response:
         """The KV-event publisher's config per data-parallel rank ({} when events are off)."""
         if self.kv_events is None or not self.kv_events.enable_kv_cache_events:
@@ -177,8 +199,8 @@ class SimServer:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         if not self.engine.reset_prefix_cache():
-            return _error(400, "cannot reset the prefix cache while requests hold KV blocks",
-                          "BadRequestError")
+            return _error(RequestError(400, "cannot reset the prefix cache while requests hold "
+                                            "KV blocks", "BadRequestError"))
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -186,7 +208,8 @@ class SimServer:
             await asyncio.sleep(self.faults.metrics_delay)
         if self.faults.metrics_fail:
             return web.Response(status=500, text="simulated /metrics failure\n")
-        text = render_metrics(self.engine, self.names[0])
+        lora = (self.max_loras, time.time()) if self.max_loras else None
+        text = render_metrics(self.engine, self.names[0], lora=lora)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     # ----- completions ----------------------------------------------------------------------
@@ -197,36 +220,43 @@ class SimServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def _parse(self, body: dict, chat: bool) -> tuple[list[int], Optional[int]]:
+    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list", "messages")
-            if not all(isinstance(m, dict) for m in messages):
-                raise BadRequest("every message must be an object", "messages")
+            if isinstance(messages, list) and not messages:
+                raise validation.empty_conversation()
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise RequestError(400, "'messages' must be a list of message objects",
+                                   "BadRequestError", "messages")
             try:
-                ids = self.tokenizer.chat_ids(messages)
+                return self.tokenizer.chat_ids(messages)
             except ValueError as err:
-                raise BadRequest(str(err), "messages") from None
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = self.tokenizer.prompt_ids(prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                ids = list(prompt)
-            else:
-                raise BadRequest("'prompt' must be a string, a one-string list or a list of "
-                                 "token ids (the simulator serves one prompt per request)",
-                                 "prompt")
-            max_tokens = body.get("max_tokens", 16)
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-        if not ids:
-            raise BadRequest("the prompt is empty", "prompt")
-        return ids, max_tokens
+                raise RequestError(400, str(err), "BadRequestError", "messages") from None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if prompt is None or prompt == "" or prompt == []:
+            raise validation.empty_prompt()
+        if isinstance(prompt, str):
+            return self.tokenizer.prompt_ids(prompt) or [0]   # whitespace only: still one token
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                            for t in prompt):
+            return list(prompt)
+        raise RequestError(400, "'prompt' must be a string, a one-string list or a list of token "
+                                "ids (the simulator serves one prompt per request)",
+                           "BadRequestError", "prompt")
+
+    def _parse(self, body: dict, chat: bool) -> tuple[str, list[int], int]:
+        """(model, prompt token ids, output limit) of a request, or the RequestError vLLM answers.
+        Over-long requests are served like vLLM 0.32's: a prompt that fits is generated up to
+        the context limit (finish reason `length`) even when prompt + max_tokens exceeds it."""
+        max_len = self.engine_model.max_model_len
+        max_tokens = validation.check_max_tokens(body, chat, max_len)
+        model = validation.check_model(body, self.names)
+        ids = self._prompt_ids(body, chat)
+        validation.check_prompt_length(len(ids), max_len)
+        room = max_len - len(ids)
+        return model, ids, room if max_tokens is None else min(max_tokens, room)
 
     def _stop_at(self, ids: list[int], body: dict, max_tokens: int) -> Optional[int]:
         if body.get("ignore_eos"):
@@ -236,22 +266,12 @@ class SimServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "BadRequestError")
-        model = body.get("model")
-        if model not in self.names:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        try:
-            ids, max_tokens = self._parse(body, chat)
-        except BadRequest as err:
-            return _error(400, str(err), "BadRequestError", err.param)
-        if max_tokens is None:
-            max_tokens = max(1, self.engine_model.max_model_len - len(ids))
+            body = validation.parse_body(await request.read(), request.content_type)
+            model, ids, max_tokens = self._parse(body, chat)
+        except RequestError as err:
+            return _error(err)
         if self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate:
-            return _error(500, "simulated engine error", "InternalServerError")
+            return _error(RequestError(500, "simulated engine error", "InternalServerError"))
         self.counter += 1
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{self.seed}-{self.counter}"
         queue: asyncio.Queue = asyncio.Queue()
@@ -261,7 +281,7 @@ class SimServer:
                                     stop_at=self._stop_at(ids, body, max_tokens))
         except ValueError as err:
             del self.streams[request_id]
-            return _error(400, str(err), "BadRequestError")
+            return _error(RequestError(400, str(err), "BadRequestError"))
         self.accepted += 1
         self.wakeup.set()
         stream_seed = zlib.crc32(request_id.encode())
@@ -278,13 +298,15 @@ class SimServer:
 
     async def _stream(self, request: web.Request, queue: asyncio.Queue, ctx: "_Response",
                       include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         while True:
             out: Optional[StepOutput] = await queue.get()
             if out is None:                 # shutting down: cut the stream like a dying server
                 return resp
+            if ctx.chat and out.first_token:    # vLLM opens a chat stream with the role alone
+                await resp.write(ctx.sse(ctx.role_chunk()))
             await resp.write(ctx.sse(ctx.chunk(out)))
             if out.finished:
                 break
@@ -299,7 +321,8 @@ class SimServer:
         while True:
             out: Optional[StepOutput] = await queue.get()
             if out is None:
-                return _error(503, "the server is shutting down", "ServiceUnavailableError")
+                return _error(RequestError(503, "the server is shutting down",
+                                           "ServiceUnavailableError"))
             words.append(ctx.word(out.num_output_tokens - 1))
             if out.finished:
                 break
@@ -332,15 +355,17 @@ class _Response:
     def chunk(self, out: StepOutput) -> dict:
         text = " " + self.word(out.num_output_tokens - 1)
         if self.chat:
-            delta = {"content": text}
-            if out.first_token:
-                delta = {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
                       "finish_reason": out.finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text, "logprobs": None,
                   "finish_reason": out.finish_reason, "stop_reason": None}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def role_chunk(self) -> dict:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -3,8 +3,9 @@
 One whitespace-separated word is one token. Each word maps to a stable integer id (CRC-32 of its
 UTF-8 bytes), so ids are equal across processes and runs (Python's str hash is randomised; CRC-32
 is not). A chat request counts the tokens of every message's content plus a fixed template
-overhead (chat_token_ids): 4 per message (`<|im_start|>`, role, newline, `<|im_end|>`) and 3 once
-for the assistant turn, like ChatML's framing.
+overhead (chat_token_ids): 5 per message (`<|im_start|>`, role, newline, `<|im_end|>`, newline)
+and 3 once for the assistant turn: ChatML's framing, as the tiny model's chat template renders it
+(so real vLLM serving that model counts the same).
 Load-test workloads generate prompts as words, so their token counts match the simulator's usage.
 """
 
@@ -49,7 +50,7 @@ def chat_token_ids(messages: Iterable[dict]) -> list[int]:
         ids.append(word_id(str(m.get("role", ""))))
         ids.append(_NEWLINE)
         ids.extend(token_ids(message_text(m.get("content"))))
-        ids.append(_IM_END)
+        ids.extend((_IM_END, _NEWLINE))
     ids.extend((_IM_START, _ASSISTANT, _NEWLINE))
     return ids
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from local import dataplane
 from loadtest.workloads import DEMO_SCALE
 from local.stack.api_keys import read_api_keys
-from local.stack.config import API_CLIENTS, API_KEYS_FILE, EDGE_SECURITY, RUN_ROOT, StackConfig, StackError
-from local.stack.demo import DEMO_ORDERS, DEMO_SPEEDUP, demo, demo_config
+from local.stack.config import (API_CLIENTS, API_KEYS_FILE, EDGE_SECURITY, ENGINES, RUN_ROOT,
+                                 VLLM_STARTUP_TIMEOUT, StackConfig, StackError)
+from local.stack.demo import DEMO_ORDERS, DEMO_SPEEDUP, demo, demo_config, demo_real_engine
 from local.stack.launcher import Stack, describe, down, reset, status
 
 
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
         if name in ("up", "demo"):
             d = demo_config() if name == "demo" else StackConfig()  # the defaults live there
             s.add_argument("--groups", type=int, default=d.groups, help="simulated vLLM groups (stable)")
+            s.add_argument("--engine", choices=ENGINES, default="sim",
+                           help="what serves each group: the simulator (default) or real vLLM's CPU "
+                                "build with the tiny model (`make vllm` first; real time: --speedup "
+                                "and --kv-scale do not apply)")
             s.add_argument("--speedup", type=float, default=d.speedup,
                            help=f"simulator time speedup (default: {StackConfig.speedup:g} for up, "
                                 f"{DEMO_SPEEDUP:g} for demo)")
@@ -64,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--edge-security", action=argparse.BooleanOptionalAction, default=d.edge_security,
                            help=f"render {EDGE_SECURITY} (API keys, rate limits, connection limit) with "
                                 "throw-away keys (default: on; --no-edge-security: open listeners)")
+            s.add_argument("--token-budget", action="store_true",
+                           help="components/token-budget: per-client token budgets (Envoy Gateway's global "
+                                "rate limit; starts Redis and the Envoy rate limit service)")
+            s.add_argument("--tls", action="store_true",
+                           help="TLS on both listeners and the verified picker hop (components/gateway-tls, "
+                                "components/picker-tls) with a CA made at start: <run>/tls/ca.crt")
             s.add_argument("--profile", default=d.profile, help="picker scheduling profile")
             s.add_argument("--sim-base-port", type=int, default=d.sim_base_port)
             s.add_argument("--sim-ports", type=int, nargs="+")
@@ -108,15 +119,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> StackConfig:
+    real = args.engine == "vllm"
     return StackConfig(
-        name=args.name, groups=args.groups, speedup=args.speedup, seed=args.seed, body_mode=args.body_mode,
-        canary=args.canary, edge_security=args.edge_security, profile=args.profile, sim_base_port=args.sim_base_port,
+        name=args.name, engine=args.engine, groups=args.groups, speedup=1.0 if real else args.speedup,
+        seed=args.seed, body_mode=args.body_mode,
+        canary=args.canary, edge_security=args.edge_security, token_budget=args.token_budget, tls=args.tls,
+        profile=args.profile, sim_base_port=args.sim_base_port,
         sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
         picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],
-        picker_args=[a for x in args.picker_arg for a in x.split()], startup_timeout=args.startup_timeout,
+        picker_args=[a for x in args.picker_arg for a in x.split()],
+        startup_timeout=max(args.startup_timeout, VLLM_STARTUP_TIMEOUT) if real else args.startup_timeout,
         picker_scrape_interval=args.picker_scrape_interval, picker_staleness=args.picker_staleness,
-        kv_scale=args.kv_scale, run_root=args.run_root, precise_prefix=args.precise_prefix,
+        kv_scale=1 if real else args.kv_scale, run_root=args.run_root, precise_prefix=args.precise_prefix,
         tokenizer=args.tokenizer, kv_events_base_port=args.kv_events_base_port)
 
 
@@ -143,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)  # also when started in the background (SIGINT ignored)
     try:
+        if args.command == "demo" and config.engine == "vllm":
+            return demo_real_engine(config)
         if args.command == "demo":
             return demo(config, args.out, args.workload, rest, warm=args.warm, order=args.order)
         stack = Stack(config).start()

@@ -9,10 +9,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RUN_ROOT = REPO / "runs"
 EDGE_SECURITY = "components/edge-security"
+TOKEN_BUDGET = "components/token-budget"
+# TLS on both listeners and the verified picker hop, with the run's throw-away CA (local/certs.py)
+TLS = ("components/gateway-tls", "components/picker-tls")
 # Client ids of the throw-away keys: `loadtest` has the load generators' rate limit (the demo, the
 # load tests and the end-to-end tests use it), `user` the limit of any other client.
 API_CLIENTS = ("loadtest", "user")
 API_KEYS_FILE = "api-keys.json"
+ENGINES = ("sim", "vllm")
+# Real vLLM's CPU build takes about a minute to start when the machine is idle, several when not.
+VLLM_STARTUP_TIMEOUT = 600.0
 
 
 class StackError(RuntimeError):
@@ -22,6 +28,9 @@ class StackError(RuntimeError):
 @dataclass
 class StackConfig:
     name: str = "local"
+    # What serves each group: "sim" (local.sim, A10 timing at `speedup`) or "vllm" (real vLLM's
+    # CPU build with the tiny model, local.vllm_server; real time, so speedup does not apply).
+    engine: str = "sim"
     groups: int = 3
     speedup: float = 20.0
     seed: int = 0
@@ -32,6 +41,16 @@ class StackConfig:
     # The cluster's edge (components/edge-security) with throw-away API keys; False: no keys, no
     # rate limits, as overlays/a10-open-gateway alone.
     edge_security: bool = True
+    # components/token-budget: per-client token budgets through Envoy Gateway's global rate limit;
+    # starts Redis and the Envoy rate limit service (local/ratelimit.py). Needs edge_security.
+    token_budget: bool = False
+    redis_port: int = 16379
+    ratelimit_grpc_port: int = 18091
+    ratelimit_http_port: int = 18090
+    ratelimit_debug_port: int = 18092
+    # TLS on both listeners (certificates from a CA made at start) and the picker hop verified
+    # against that CA, as overlays/a10 has them.
+    tls: bool = False
     host: str = "127.0.0.1"
     sim_base_port: int = 8101
     sim_ports: list[int] | None = None  # explicit ports; else sim_base_port, +1, ...
@@ -61,6 +80,10 @@ class StackConfig:
     run_root: Path = RUN_ROOT
     startup_timeout: float = 90.0
 
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise StackError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name
@@ -71,8 +94,20 @@ class StackConfig:
 
     @property
     def components(self) -> list[str]:
+        if self.token_budget and not self.edge_security:
+            raise StackError("a token budget needs the edge (the client id comes from the API key)")
         return ((["components/buffered-body"] if self.body_mode == "buffered" else [])
-                + ([EDGE_SECURITY] if self.edge_security else []))
+                + ([EDGE_SECURITY] if self.edge_security else [])
+                + ([TOKEN_BUDGET] if self.token_budget else []) + (list(TLS) if self.tls else []))
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.run_dir / "tls"
+
+    @property
+    def ratelimit_ports(self):
+        from local.ratelimit import Ports
+        return Ports(self.redis_port, self.ratelimit_grpc_port, self.ratelimit_http_port, self.ratelimit_debug_port)
 
     @property
     def api_keys_file(self) -> Path:

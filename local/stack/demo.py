@@ -107,3 +107,68 @@ def cpu_table(before: dict[str, float], after: dict[str, float], wall: float) ->
         rows.append(f"  {name:<12} {used:7.1f} s  {used / wall:5.2f} cores")
     rows.append(f"  {'stack total':<12} {total:7.1f} s  {total / wall:5.2f} cores (without loadtest)")
     return "\n".join(rows)
+
+
+# What `demo --engine vllm` sends through each listener: (API, streamed). Functional only: the
+# CPU engine with a tiny model has no A10 timing, so there is nothing to compare in figures.
+REAL_ENGINE_CALLS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
+
+
+def _served_per_group(stack: Stack) -> dict[str, float]:
+    """vllm:request_success_total summed per group (from its own /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for sim in stack.topology.sims:
+        with urllib.request.urlopen(f"http://{sim.address}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out[sim.address] = sum(s.value for f in text_string_to_metric_families(text)
+                               for s in f.samples if s.name == "vllm:request_success_total")
+    return out
+
+
+def real_engine_call(client, model: str, api: str, stream: bool, max_tokens: int = 12) -> int:
+    """One request with the official OpenAI client; the completion tokens it reported."""
+    prompt = "the model thinks about this step and then answers with a short note"
+    kwargs = {"model": model, "max_tokens": max_tokens, "extra_body": {"ignore_eos": True}}
+    if stream:
+        kwargs.update(stream=True, stream_options={"include_usage": True})
+    if api == "chat":
+        resp = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
+    else:
+        resp = client.completions.create(prompt=prompt, **kwargs)
+    if not stream:
+        return resp.usage.completion_tokens
+    usage = [chunk.usage for chunk in resp if chunk.usage is not None]
+    return usage[-1].completion_tokens if usage else 0
+
+
+def demo_real_engine(config: StackConfig, max_tokens: int = 12) -> int:
+    """Real vLLM groups behind the gateway: completions and chat, streamed or not, through both
+    listeners (http: Envoy's least request; llm-gw: the picker). Prints a table and which group
+    served how many; 0 when every call returned its max_tokens tokens."""
+    import openai
+
+    failures = 0
+    with Stack(config) as stack:
+        print(describe(stack), flush=True)
+        before = _served_per_group(stack)
+        rows = ["| listener | API | stream | result |", "|---|---|---|---|"]
+        for listener, port in stack.listener_ports().items():
+            client = openai.OpenAI(base_url=f"http://{config.host}:{port}/v1",
+                                   api_key=stack.api_key() or "none", max_retries=0, timeout=120)
+            for api, stream in REAL_ENGINE_CALLS:
+                try:
+                    tokens = real_engine_call(client, "qwq", api, stream, max_tokens)
+                    result = f"{tokens} tokens" + ("" if tokens == max_tokens else " (expected "
+                                                   f"{max_tokens})")
+                    failures += tokens != max_tokens
+                except openai.OpenAIError as e:
+                    result, failures = f"error: {e}"[:120], failures + 1
+                rows.append(f"| {listener} ({port}) | {api} | {'yes' if stream else 'no'} | {result} |")
+        after = _served_per_group(stack)
+    print("\n".join(rows))
+    print("requests served per vLLM group: " + ", ".join(
+        f"{addr} {after[addr] - before.get(addr, 0):.0f}" for addr in after))
+    return 1 if failures else 0

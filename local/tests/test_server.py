@@ -58,8 +58,9 @@ async def test_streaming_chat_without_usage_and_role_first(make_client):
     body = {"model": "qwq-canary", "messages": [{"role": "user", "content": "hi there"}],
             "max_completion_tokens": 3, "stream": True, "ignore_eos": True}
     events = await sse_events(await client.post("/v1/chat/completions", json=body))
-    assert len(events) == 3 and all("usage" not in e for e in events)
-    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len(events) == 1 + 3 and all("usage" not in e for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # vLLM's opener
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
     assert events[0]["model"] == "qwq-canary"
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -78,7 +79,7 @@ async def test_non_streaming_shapes(make_client):
     data = await resp.json()
     assert data["object"] == "chat.completion"
     assert data["choices"][0]["message"]["role"] == "assistant"
-    assert data["usage"]["prompt_tokens"] == 3 + 4 + 3 and data["usage"]["completion_tokens"] == 2
+    assert data["usage"]["prompt_tokens"] == 3 + 5 + 3 and data["usage"]["completion_tokens"] == 2
 
 
 async def test_eos_point_is_deterministic_without_ignore_eos(make_client):
@@ -99,11 +100,21 @@ async def test_errors(make_client):
     assert err["type"] == "NotFoundError" and err["code"] == 404 and "nope" in err["message"]
     resp = await client.post("/v1/completions", data=b"{not json")
     assert resp.status == 400
-    resp = await client.post("/v1/completions", json={"model": "qwq", "prompt": "x " * 500,
-                                                      "max_tokens": 100})
+    resp = await client.post("/v1/completions", json={"model": "qwq", "prompt": "x " * 520,
+                                                      "max_tokens": 4})
     assert resp.status == 400 and "maximum context length" in (await resp.json())["error"]["message"]
     resp = await client.post("/v1/chat/completions", json={"model": "qwq", "messages": []})
-    assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
+    assert resp.status == 400 and "empty conversation" in (await resp.json())["error"]["message"]
+
+
+async def test_prompt_plus_max_tokens_over_the_context_is_served_up_to_it(make_client):
+    # vLLM 0.32 serves a prompt that fits and stops the output at max_model_len (512 here)
+    client, _ = await make_client()
+    resp = await client.post("/v1/completions", json={"model": "qwq", "prompt": "x " * 500,
+                                                      "max_tokens": 100, "ignore_eos": True})
+    data = await resp.json()
+    assert resp.status == 200 and data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"] == {"prompt_tokens": 500, "completion_tokens": 12, "total_tokens": 512}
 
 
 async def test_models_health_metrics(make_client):

@@ -1,5 +1,7 @@
 """`python -m local.tinymodel tokenizer [--out DIR]`: train the tiny model's tokenizer into DIR
-(default .cache/tiny-model) and print the directory and its fingerprint."""
+(default .cache/tiny-model) and print the directory and its fingerprint.
+`python -m local.tinymodel model [--out DIR]`: write the random-weight Qwen2 beside it (needs torch
+and transformers: run it with the vLLM virtualenv's python) and print the weights' fingerprint."""
 
 from __future__ import annotations
 
@@ -15,10 +17,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     tok = sub.add_parser("tokenizer", help="train the tokenizer (tokenizer.json, tokenizer_config.json)")
     tok.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    model = sub.add_parser("model", help="the tokenizer, then config.json, "
+                           "generation_config.json and model.safetensors")
+    model.add_argument("--out", type=Path, default=DEFAULT_DIR)
     args = p.parse_args(argv)
     if args.command == "tokenizer":
         out = write_tokenizer(args.out)
         print(f"{out} sha256={fingerprint(out)}")
+    elif args.command == "model":
+        from local.tinymodel.model import model_fingerprint, write_model  # needs torch
+        out = write_model(args.out)
+        print(f"{out} sha256={model_fingerprint(out)}")
     return 0
 
 

@@ -60,8 +60,10 @@ async def queued(session, stack) -> float:
 
 
 async def post(session, stack, body: dict, objective: str | None = None, tag: str = "",
-               timeout: float | None = None) -> tuple[int, dict, float]:
+               timeout: float | None = None, client: str | None = None) -> tuple[int, dict, float]:
     headers = {"x-request-id": f"{tag or 'flow'}-{uuid.uuid4()}"}
+    if client:  # another API key: the edge sets x-client-id from it
+        headers.update(stack.auth_headers(client))
     if objective:
         headers["x-gateway-inference-objective"] = objective
     started = time.monotonic()
@@ -172,6 +174,29 @@ async def test_higher_priority_is_dispatched_first(stack, session):
             if r.get("msg") == "decision"][-3:]
     assert last == ["interactive", None, None], last
     await drain(fillers)
+
+
+async def test_a_heavy_client_does_not_delay_a_light_one(stack, session):
+    """Two API keys (the edge's x-client-id): the light client's one request, queued behind two
+    of the heavy client's, is dispatched second (round robin per client), not third."""
+    fillers = await fill(session, stack)
+    heavy = [asyncio.ensure_future(post(session, stack, completion(max_tokens=2), tag="heavy"))
+             for _ in range(2)]
+    await wait_for(lambda: queued_at_least(session, stack, 2), timeout=5)
+    light = asyncio.ensure_future(post(session, stack, completion(max_tokens=2), tag="light",
+                                       client="user"))
+    await wait_for(lambda: queued_at_least(session, stack, 3), timeout=5)  # the queue's bound here
+    results = await asyncio.gather(light, *heavy)
+    assert all(status == 200 for status, _, _ in results), results
+    clients = [r.get("client") for r in json_lines(stack.proc("picker").log)
+               if r.get("msg") == "decision"][-3:]
+    assert sorted(clients) == ["loadtest", "loadtest", "user"], clients
+    assert clients.index("user") <= 1, clients
+    await drain(fillers)
+
+
+async def queued_at_least(session, stack, n: int) -> bool:
+    return await queued(session, stack) >= n
 
 
 async def test_picker_killed_while_holding_gives_a_prompt_503(stack, session):

@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from picker.core import Decision, PickerError, RequestInfo, Router
 from picker.errors import clip
-from picker.flowcontrol.controller import FlowControl, Outcome
+from picker.flowcontrol.controller import CLIENT_HEADER, FlowControl, Outcome
 from picker.flowcontrol.driver import FlowDriver
 from picker.flowcontrol.queue import Held
 from picker.protocol import messages as msg
@@ -213,6 +213,7 @@ class RequestStream:
                                          "model": clip(d.model),
                                          "target_model": d.target_model, "endpoint": d.endpoint,
                                          "objective": d.objective, "priority": d.priority,
+                                         "client": clip(info.headers.get(CLIENT_HEADER, "")),
                                          "prompt_tokens": d.prompt_tokens,
                                          "cached_tokens": d.cached_tokens})
         if bodiless:

@@ -9,9 +9,9 @@ The payload is msgpack: the batch `[ts, events, data_parallel_rank]` (array-enco
 is missing in the oldest versions). Each event is tagged by its kind, in one of two encodings:
 
 - a map with a `type` key (vLLM 0.28 and later: the `KVCacheEvent` Struct without array_like);
-- an array whose first element is the tag (`array_like=True`: vLLM 0.9 up to the versions the
-  manifests pin, e.g. v0.11.0), the fields in declaration order, later versions adding fields
-  at the end.
+- an array whose first element is the tag (`array_like=True`: vLLM 0.9 up to 0.27, e.g. the
+  v0.11.0 the manifests pinned before v0.32.0), the fields in declaration order, later versions
+  adding fields at the end.
 
 Fields read: `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 medium, lora_name, extra_keys, group_idx)`, `BlockRemoved(block_hashes, medium, group_idx)`,
