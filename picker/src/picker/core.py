@@ -402,7 +402,7 @@ class Router:
         if precise is not None:
             m = candidates[0].metrics
             prep = precise.prepare(info.path, parsed,
-                                   None if m is None or target in m.models else target)
+                                   None if m is None or target in m.models else target, now)
         prompt_tokens = parsed.prompt_tokens if prep is None else prep.prompt_tokens
         ctx = SchedulingContext(target, prompt_tokens, parsed.max_tokens, priority, now,
                                 profile.block_size_tokens,
