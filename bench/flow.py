@@ -212,7 +212,7 @@ def http_report(d: dict) -> list[str]:
 # ---- the scenario matrix, on the scenarios late binding is for --------------------------------
 
 MATRIX_SCENARIOS = ["base", "chat-reasoning", "kv-0.8x", "open-bursty-50", "open-poisson-50"]
-MATRIX_POLICIES = ["least-request", "picker", "picker-flow", "oracle", "oracle-late"]
+MATRIX_POLICIES = ["least-request", "picker", "picker-flow", "picker-flow-reject", "oracle", "oracle-late"]
 
 
 def run_matrix(seeds: list[int] | None = None) -> dict:
