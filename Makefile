@@ -63,7 +63,16 @@ $(ENVOY_GATEWAY) $(EGCTL) &: argocd/apps/envoy-gateway.yaml
 		github.com/envoyproxy/gateway/cmd/egctl@$(EG_VERSION)
 	touch $(ENVOY_GATEWAY) $(EGCTL)
 
-tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
+# The Envoy rate limit service for the local stack's token budgets (local/ratelimit.py pins it;
+# ~2 min cold on 2 cores, mostly module downloads). `go install` names the binary service_cmd.
+RATELIMIT_VERSION := $(shell sed -n 's/^RATELIMIT_VERSION = "\(.*\)"/\1/p' local/ratelimit.py)
+RATELIMIT := $(TOOLS)/ratelimit
+$(RATELIMIT): local/ratelimit.py
+	mkdir -p $(TOOLS) .cache/ratelimit-bin
+	GOBIN=$(CURDIR)/.cache/ratelimit-bin GOFLAGS=-mod=mod nice -n 10 go install github.com/envoyproxy/ratelimit/src/service_cmd@$(RATELIMIT_VERSION)
+	mv .cache/ratelimit-bin/service_cmd $@
+
+tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(RATELIMIT) $(TOOLS)/picker-loadclient apiserver-tools redis-server ## build the pinned tools into .tools/bin: kubeconform, Envoy Gateway + egctl, the Envoy rate limit service, the picker benchmark's load client, kube-apiserver (+ etcd); Debian's redis-server
 
 # A real API server for tests/apiserver: kube-apiserver v1.34.2 built from the Go module proxy by the
 # wrapper module in tools/kube-apiserver (~5 min on 2 cores the first time), etcd from Debian.
@@ -121,6 +130,7 @@ tiny-model: $(VENV)/.stamp ## build the tiny model's tokenizer (deterministic, o
 VLLM_VENV   := .venv-vllm
 VLLM_LOCK   := local/vllm_server/requirements.txt
 TINY_MODEL  := .cache/tiny-model
+TINY_LORA   := .cache/tiny-model-lora
 
 $(VLLM_VENV)/.stamp: $(VLLM_LOCK)
 	rm -rf $(VLLM_VENV) && $(PYTHON_BOOT) -m venv $(VLLM_VENV)
@@ -132,7 +142,11 @@ $(TINY_MODEL)/model.safetensors: $(VLLM_VENV)/.stamp local/tinymodel/model.py lo
 	$(VLLM_VENV)/bin/python -m local.tinymodel model --out $(TINY_MODEL)
 	touch $@
 
-vllm: $(VLLM_VENV)/.stamp $(TINY_MODEL)/model.safetensors ## real vLLM 0.32 (CPU build, ~5 GB) in .venv-vllm and the tiny model it serves in .cache/tiny-model (cold: ~4-6 min)
+$(TINY_LORA)/adapter_model.safetensors: $(TINY_MODEL)/model.safetensors local/tinymodel/lora.py
+	$(VLLM_VENV)/bin/python -m local.tinymodel lora --out $(TINY_LORA) --model $(TINY_MODEL)
+	touch $@
+
+vllm: $(VLLM_VENV)/.stamp $(TINY_MODEL)/model.safetensors $(TINY_LORA)/adapter_model.safetensors ## real vLLM 0.32 (CPU build, ~5 GB) in .venv-vllm, the tiny model it serves in .cache/tiny-model and its LoRA adapter in .cache/tiny-model-lora (cold: ~4-6 min)
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv

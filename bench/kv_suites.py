@@ -23,10 +23,11 @@ SEEDS = [0, 1, 2, 3, 4]
 PRESSURE_POLICIES = ["least-request", "picker", "picker+precise", "replicas:2:independent",
                      "replicas:2:independent+precise", "replicas:4:independent",
                      "replicas:4:independent+precise", "oracle"]
-# Tight lists (the lab shares two cores with everything else): the base, the multi-tenant workload
-# and the outage of the matrix; two of the three cache-pressure scenarios.
-MATRIX_SCENARIOS = ["base", "shared-prefix", "outage"]
-PRESSURE_SCENARIOS = ["pressure-8x9000", "pressure-24x3500"]
+# Tight lists (the lab shares two cores with everything else): the base, the multi-tenant and
+# multi-turn workloads, the smaller KV and the outage of the matrix; the three cache-pressure
+# scenarios.
+MATRIX_SCENARIOS = ["base", "shared-prefix", "multi-turn", "kv-0.8x", "outage"]
+PRESSURE_SCENARIOS = ["pressure-8x9000", "pressure-24x3500", "pressure-48x1800"]
 MATRIX_POLICIES = ["least-request", "picker", "picker+precise", "oracle"]
 
 

@@ -113,5 +113,13 @@ BENCHMARKS = [
     Benchmark("dead-backend", "tests/e2e/test_e2e_dead_backend.py: a group killed or stalled under load",
               lambda a: robustness.dead_backend(),
               titled("A dead or stalled backend on both listeners", robustness.dead_backend_report)),
+    Benchmark("edge-abuse", "tests/e2e/test_e2e_edge_abuse.py: bad input at the edge through Envoy "
+              "(run under flock /tmp/local-stack.lock)",
+              lambda a: robustness.edge_abuse(),
+              titled("Bad input at the edge", robustness.edge_abuse_report)),
+    Benchmark("token-budget", "tests/e2e/test_e2e_token_budget.py: token budgets per client, overshoot "
+              "streamed and not (run under flock /tmp/local-stack.lock)",
+              lambda a: robustness.token_budget(),
+              titled("Token budgets per client", robustness.token_budget_report)),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}

@@ -17,6 +17,8 @@ from bench.common import PY, RESULTS, run_suite, shown
 from bench.markdown import md_table
 
 SOAK_TEST = "picker/tests/test_abuse.py"
+EDGE_ABUSE_TEST = "tests/e2e/test_e2e_edge_abuse.py"
+TOKEN_BUDGET_TEST = "tests/e2e/test_e2e_token_budget.py"
 DEAD_BACKEND_TEST = "tests/e2e/test_e2e_dead_backend.py"
 
 
@@ -51,7 +53,44 @@ def dead_backend() -> dict:
                    lambda props: {"runs": [json.loads(p["figures"]) for p in props.values()]})
 
 
+def edge_abuse() -> dict:
+    return _pytest("edge-abuse", EDGE_ABUSE_TEST, [],
+                   lambda props: {"figures": {k: v for p in props.values() for k, v in p.items()}})
+
+
+def token_budget() -> dict:
+    return _pytest("token-budget", TOKEN_BUDGET_TEST, [],
+                   lambda props: {"figures": {k: json.loads(v) for p in props.values() for k, v in p.items()}})
+
+
 # -- BENCHMARKS.md -------------------------------------------------------------------------------
+
+def edge_abuse_report(d: dict) -> list[str]:
+    out = [f"Command: `{d['command']}` ({d['wall_s']:.0f} s wall). The local stack with the cluster's edge "
+           "(`components/edge-security`, plain HTTP), 2 simulated groups. What was sent, the statuses Envoy "
+           "answered, and what reached the picker or a backend (its decision log, Envoy's upstream request "
+           "counts): nothing, in every row (the test fails otherwise).", ""]
+    rows = [[name, text] for name, text in sorted(d["figures"].items())]
+    return out + md_table(["case (listener)", "sent: Envoy's answers"], rows)
+
+
+def token_budget_report(d: dict) -> list[str]:
+    f = d["figures"]
+    out = [f"Command: `{d['command']}` ({d['wall_s']:.0f} s wall). The local stack with "
+           "`components/token-budget`: Envoy Gateway's global rate limit, the Envoy rate limit service and "
+           "Redis; one client (`user`) alternating both listeners.", ""]
+    rows = []
+    if "sequential" in f:
+        s = f["sequential"]
+        rows.append(["one at a time, not streamed", s["budget"], s["served"], s["charged"],
+                     s["charged"] - s["budget"], f"request #{s['refused_at']} (predicted #{s['predicted']})",
+                     "one request's charge"])
+    if "streamed" in f:
+        s = f["streamed"]
+        rows.append([f"{s['workers']} concurrent streams", s["budget"], s["served"], s["charged"],
+                     s["overshoot"], "every stream's next request", f"{s['bound']} (workers x largest charge)"])
+    return out + md_table(["load", "budget (tokens)", "requests served", "tokens charged",
+                           "beyond the budget", "first refusal", "bound"], rows)
 
 def soak_report(d: dict) -> list[str]:
     rounds = d["rounds"]

@@ -4,7 +4,7 @@ system prompt + ~4,000 tokens, ~3,000 output tokens, +-20 %), arrivals a Poisson
 rate follows the day (thinning). Written as a loadtest trace (loadtest/traces.py), so
 `python -m lab plan --trace FILE` and the load tests replay it.
 
-    python -m lab daytrace --out day.jsonl [--peak-rate 0.2] [--hours 24] [--seed 0]
+    python -m lab daytrace --out day.jsonl [--peak-rate 0.07] [--hours 6] [--seed 0]
 """
 from __future__ import annotations
 

@@ -3,34 +3,23 @@ and picker use, so that the engines' KV-cache events and the picker's own tokeni
 the lab as they do on the stack. Every load-test word is one token in it, so token counts (and
 so every engine's schedule) are those of the simulator's word convention.
 
-Built on first use into local.tinymodel.DEFAULT_DIR (deterministic, under a second); written to a
-temporary directory first and moved into place, so parallel lab workers never read half a file.
+Built on first use into local.tinymodel.DEFAULT_DIR (deterministic, under a second), and again
+when the builder's code changed (local.tinymodel.tokenizer.ensure_tokenizer).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from local.sim.tokenizer import ModelTokenizer
 from local.tinymodel import DEFAULT_DIR
-
-FILES = ("tokenizer.json", "tokenizer_config.json")
+from local.tinymodel.tokenizer import ensure_tokenizer
 
 
 def tokenizer_dir(directory: Path = DEFAULT_DIR) -> Path:
-    if all((directory / f).is_file() for f in FILES):
-        return directory
-    from local.tinymodel.tokenizer import write_tokenizer
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        write_tokenizer(Path(tmp))
-        for f in FILES:
-            os.replace(Path(tmp) / f, directory / f)
-    return directory
+    return ensure_tokenizer(directory)
 
 
 @functools.lru_cache(maxsize=1)

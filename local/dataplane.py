@@ -63,7 +63,7 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
     picker: where the picker's ext_proc port listens.
     listener_ports: listener name -> port, overriding `cluster port + offset` (tests use free ports).
     """
-    out = [copy.deepcopy(d) for d in gateway_objects(docs)]
+    out = [copy.deepcopy(d) for d in envoy_gateway_inputs(docs)]
     backends: dict[tuple[str, str], dict] = {}
     for obj in out:
         kind, meta = obj.get("kind"), obj.get("metadata") or {}
@@ -85,6 +85,16 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
         elif kind == "Backend" and is_picker_backend(obj):
             obj["spec"]["endpoints"] = [{"ip": {"address": picker[0], "port": picker[1]}}]
     return out + list(backends.values())
+
+
+def envoy_gateway_inputs(docs: list[dict]) -> list[dict]:
+    """What Envoy Gateway reads of a render: the Gateway API and Envoy Gateway objects, and the
+    ConfigMaps their Lua filters name (an EnvoyExtensionPolicy's lua valueRef)."""
+    lua = {(ref.get("name")) for d in docs if d.get("kind") == "EnvoyExtensionPolicy"
+           for item in (d.get("spec") or {}).get("lua") or [] for ref in [item.get("valueRef") or {}]
+           if ref.get("kind") == "ConfigMap"}
+    return gateway_objects(docs) + [d for d in docs if d.get("kind") == "ConfigMap"
+                                    and manifests.name_of(d) in lua]
 
 
 def is_picker_backend(obj: dict) -> bool:
@@ -133,7 +143,8 @@ class Layout:
         return self.data_home / "envoy-versions" / ENVOY_VERSION / "bin" / "envoy"
 
 
-def envoy_gateway_config(layout: Layout) -> dict:
+def envoy_gateway_config(layout: Layout, settings: dict | None = None) -> dict:
+    """settings: added at the top level (rateLimit), with `extensionApis` merged."""
     host = {"configHome": str(layout.config_home), "dataHome": str(layout.data_home),
             "stateHome": str(layout.state_home), "runtimeDir": str(layout.runtime_dir)}
     return {
@@ -144,7 +155,8 @@ def envoy_gateway_config(layout: Layout) -> dict:
             "resource": {"type": "File", "file": {"paths": [str(layout.resources)]}},
             "infrastructure": {"type": "Host", "host": host}}},
         "logging": {"level": {"default": "info"}},
-        "extensionApis": {"enableBackend": True},
+        "extensionApis": {"enableBackend": True, **(settings or {}).get("extensionApis", {})},
+        **{k: v for k, v in (settings or {}).items() if k != "extensionApis"},
     }
 
 
@@ -169,11 +181,12 @@ def installed_envoy() -> Path:
     return binary
 
 
-def prepare(layout: Layout) -> None:
-    """Config file, folders and the Envoy binary where func-e finds it."""
+def prepare(layout: Layout, settings: dict | None = None) -> None:
+    """Config file (with `settings`, see envoy_gateway_config), folders and the Envoy binary where
+    func-e finds it."""
     for d in (layout.resources, layout.config_home, layout.data_home, layout.state_home, layout.runtime_dir):
         d.mkdir(parents=True, exist_ok=True)
-    write_atomically(layout.config, yaml.safe_dump(envoy_gateway_config(layout), sort_keys=False))
+    write_atomically(layout.config, yaml.safe_dump(envoy_gateway_config(layout, settings), sort_keys=False))
     binary = layout.envoy_binary
     binary.parent.mkdir(parents=True, exist_ok=True)
     if binary.is_symlink() or binary.exists():

@@ -125,7 +125,9 @@ def _limits_before_picker(target: str, gw: dict, xds) -> list[Problem]:
         for hcm in _hcms(listener):
             names = [f.get("name", "") for f in hcm.get("httpFilters", [])]
             ext_proc = next((i for i, n in enumerate(names) if n.startswith("envoy.filters.http.ext_proc")), None)
-            late = [n for n in names[ext_proc or 0:] if n in GATE_FILTERS] if ext_proc is not None else []
+            # a filter of a shared global rate limit is named envoy.filters.http.ratelimit/<domain>
+            late = ([n for n in names[ext_proc:] if n.split('/')[0] in GATE_FILTERS]
+                    if ext_proc is not None else [])
             if late:
                 problems.append(Problem(
                     target, f"listener {listener.get('name')}: Envoy runs {', '.join(late)} after the picker's "

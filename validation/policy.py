@@ -2,6 +2,10 @@
 
 Each check takes the objects of one render target and returns a list of problem strings that
 name the object and the field. An empty list means the check holds.
+
+Why one file of this size: it is a catalogue of short, independent checks read one at a time
+(topics with their own vocabulary live beside it: isolation.py, edge.py, kv_events.py,
+autoscaling.py); rules.py says which of them apply to which target.
 """
 from __future__ import annotations
 
@@ -239,7 +243,8 @@ def extension_policy_wiring(objs):
     if svc is None:
         return [f"{describe(picker[0])}: no Service forwards to the picker's --grpc-port"]
     llm_routes = {name_of(r) for r in routes_on_port(objs, 8081)}
-    policies = of_kind(objs, "EnvoyExtensionPolicy")
+    # the picker's policies (others, e.g. components/token-budget's Lua on 8080, call no ext_proc)
+    policies = [p for p in of_kind(objs, "EnvoyExtensionPolicy") if (p.get("spec") or {}).get("extProc")]
     if not policies:
         problems.append("no EnvoyExtensionPolicy: port 8081 would not go through the picker")
     for eep in policies:

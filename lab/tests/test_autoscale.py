@@ -2,9 +2,6 @@
 group-hours, the day trace and the planner."""
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 
 from lab.autoscale import Hpa, Policy, ScalerSettings, ScalingLab, slo_figures
@@ -14,7 +11,6 @@ from lab.policies import make_policy
 from lab.simulation import LabConfig, prepare_requests
 from loadtest.metrics import RequestSample
 from loadtest.traces import trace_workload
-from loadtest.workloads import build_workload
 
 
 def settings(**kw):

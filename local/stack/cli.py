@@ -69,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--edge-security", action=argparse.BooleanOptionalAction, default=d.edge_security,
                            help=f"render {EDGE_SECURITY} (API keys, rate limits, connection limit) with "
                                 "throw-away keys (default: on; --no-edge-security: open listeners)")
+            s.add_argument("--token-budget", action="store_true",
+                           help="components/token-budget: per-client token budgets (Envoy Gateway's global "
+                                "rate limit; starts Redis and the Envoy rate limit service)")
+            s.add_argument("--tls", action="store_true",
+                           help="TLS on both listeners and the verified picker hop (components/gateway-tls, "
+                                "components/picker-tls) with a CA made at start: <run>/tls/ca.crt")
             s.add_argument("--profile", default=d.profile, help="picker scheduling profile")
             s.add_argument("--sim-base-port", type=int, default=d.sim_base_port)
             s.add_argument("--sim-ports", type=int, nargs="+")
@@ -117,7 +123,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         name=args.name, engine=args.engine, groups=args.groups, speedup=1.0 if real else args.speedup,
         seed=args.seed, body_mode=args.body_mode,
-        canary=args.canary, edge_security=args.edge_security, profile=args.profile, sim_base_port=args.sim_base_port,
+        canary=args.canary, edge_security=args.edge_security, token_budget=args.token_budget, tls=args.tls,
+        profile=args.profile, sim_base_port=args.sim_base_port,
         sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
         picker_metrics_port=args.picker_metrics_port, sim_args=[a for x in args.sim_arg for a in x.split()],

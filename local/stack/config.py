@@ -9,6 +9,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RUN_ROOT = REPO / "runs"
 EDGE_SECURITY = "components/edge-security"
+TOKEN_BUDGET = "components/token-budget"
+# TLS on both listeners and the verified picker hop, with the run's throw-away CA (local/certs.py)
+TLS = ("components/gateway-tls", "components/picker-tls")
 # Client ids of the throw-away keys: `loadtest` has the load generators' rate limit (the demo, the
 # load tests and the end-to-end tests use it), `user` the limit of any other client.
 API_CLIENTS = ("loadtest", "user")
@@ -38,6 +41,16 @@ class StackConfig:
     # The cluster's edge (components/edge-security) with throw-away API keys; False: no keys, no
     # rate limits, as overlays/a10-open-gateway alone.
     edge_security: bool = True
+    # components/token-budget: per-client token budgets through Envoy Gateway's global rate limit;
+    # starts Redis and the Envoy rate limit service (local/ratelimit.py). Needs edge_security.
+    token_budget: bool = False
+    redis_port: int = 16379
+    ratelimit_grpc_port: int = 18091
+    ratelimit_http_port: int = 18090
+    ratelimit_debug_port: int = 18092
+    # TLS on both listeners (certificates from a CA made at start) and the picker hop verified
+    # against that CA, as overlays/a10 has them.
+    tls: bool = False
     host: str = "127.0.0.1"
     sim_base_port: int = 8101
     sim_ports: list[int] | None = None  # explicit ports; else sim_base_port, +1, ...
@@ -81,8 +94,20 @@ class StackConfig:
 
     @property
     def components(self) -> list[str]:
+        if self.token_budget and not self.edge_security:
+            raise StackError("a token budget needs the edge (the client id comes from the API key)")
         return ((["components/buffered-body"] if self.body_mode == "buffered" else [])
-                + ([EDGE_SECURITY] if self.edge_security else []))
+                + ([EDGE_SECURITY] if self.edge_security else [])
+                + ([TOKEN_BUDGET] if self.token_budget else []) + (list(TLS) if self.tls else []))
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.run_dir / "tls"
+
+    @property
+    def ratelimit_ports(self):
+        from local.ratelimit import Ports
+        return Ports(self.redis_port, self.ratelimit_grpc_port, self.ratelimit_http_port, self.ratelimit_debug_port)
 
     @property
     def api_keys_file(self) -> Path:

@@ -4,6 +4,7 @@ every process is healthy, records the run in RunState and stops it all on any fa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from local import dataplane
+from local import certs, dataplane, ratelimit
 from local.stack.api_keys import api_keys_secret, bearer, new_api_keys, read_api_keys
 from local.stack.config import API_KEYS_FILE, RUN_ROOT, StackConfig, StackError
 from local.stack.plan import kv_event_ports, objects_file, picker_timing, plan, tokenizer_dir
@@ -101,6 +102,8 @@ class Stack:
                                                        c.picker_grpc_port, c.picker_health_port,
                                                        c.picker_metrics_port,
                                                        *kv_event_ports(c, self.topology)]
+        if c.token_budget:
+            ports += [*dataclasses.astuple(c.ratelimit_ports), ratelimit.XDS_PORT]
         busy = [p for p in ports if not port_free(c.host, p)]
         if busy:
             raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
@@ -132,7 +135,7 @@ class Stack:
         c, topo, layout = self.config, self.topology, self.layout
         c.run_dir.mkdir(parents=True, exist_ok=True)
         objects_file(c).write_text(yaml.safe_dump_all(topo.objects, sort_keys=False))
-        dataplane.prepare(layout)
+        dataplane.prepare(layout, self.envoy_gateway_settings())
         certgen = subprocess.run([str(dataplane.envoy_gateway_binary()), "certgen", "--local", "--config-home",
                                   str(layout.config_home)], capture_output=True, text=True)
         if certgen.returncode != 0:
@@ -145,7 +148,20 @@ class Stack:
         if c.edge_security:
             self.api_keys = new_api_keys(c.api_keys_file)
             resources += [api_keys_secret(topo.gateway, self.api_keys)]
+        if c.tls:
+            resources += certs.secrets_for(topo.gateway, certs.write_run_certs(c.certs_dir))
+        if c.token_budget:
+            gateway = next(d for d in topo.gateway if d.get("kind") == "Gateway")
+            resources += [ratelimit.cluster_patch(gateway, layout.config_home / "certs", c.ratelimit_ports)]
         dataplane.write_atomically(layout.resources / "gateway.yaml", dataplane.dump(resources))
+
+    def envoy_gateway_settings(self) -> dict:
+        """Envoy Gateway's config beyond the data plane's own: Lua, EnvoyPatchPolicy and the global
+        rate limit for the token budget."""
+        if not self.config.token_budget:
+            return {}
+        return {"extensionApis": {"enableLua": True, "enableEnvoyPatchPolicy": True},
+                **ratelimit.envoy_gateway_settings(self.config.ratelimit_ports)}
 
     def _start(self, p: Proc) -> None:
         self.procs.append(spawn(p))
@@ -204,8 +220,9 @@ class Stack:
 def describe(stack: Stack) -> str:
     c = stack.config
     lines = [f"local stack {c.name!r} is up (logs and state in {c.run_dir}):"]
+    kind = "vLLM 0.32 CPU" if c.engine == "vllm" else "simulator"
     for s in stack.topology.sims:
-        lines.append(f"  simulator      {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
+        lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
                  f"{stack.topology.body_mode}), health {c.picker_health_port}, "
                  f"metrics http://{c.host}:{c.picker_metrics_port}/metrics")

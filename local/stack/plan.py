@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from local import dataplane, vllm_server
+from local import dataplane, ratelimit, vllm_server
 from local.sim.clock import to_model_seconds, to_wall_seconds
 from local.sim.engines import DEFAULT_ENGINE_MODEL, EngineModel, get_engine_model
 from local.stack.config import StackConfig, StackError
@@ -168,8 +168,9 @@ def picker_proc(config: StackConfig, topo: Topology) -> Proc:
            "--discovery", "static", "--endpoints", ",".join(s.address for s in topo.sims),
            "--objects", str(objects_file(c)), "--profile", c.profile,
            "--request-body-mode", topo.body_mode, "--bind", c.host, "--tokenizer", str(tokenizer_dir(c)),
-           "--precise-prefix" if c.precise_prefix else "--no-precise-prefix",
-           *picker_timing_args(c), *c.picker_args]
+           "--precise-prefix" if c.precise_prefix else "--no-precise-prefix", *picker_timing_args(c),
+           # the certificate the gateway verifies (components/picker-tls), else a self-signed one
+           *(["--cert-path", str(c.certs_dir / "picker")] if c.tls else []), *c.picker_args]
     return Proc("picker", cmd, str(c.run_dir / "picker.log"), f"grpc:{c.host}:{c.picker_health_port}")
 
 
@@ -178,13 +179,28 @@ def envoy_gateway_proc(config: StackConfig, topo: Topology) -> Proc:
     listeners route: /v1/models on `http` reaches a simulator through Envoy, on `llm-gw` it also
     crosses the picker."""
     layout = dataplane.Layout(config.run_dir)
-    health = " ".join(f"http:http://{config.host}:{port}/v1/models"
-                      for port in listener_ports(topo, config).values())
+    if config.tls:
+        health = " ".join(f"https:https://localhost:{port}/v1/models#{config.certs_dir / 'ca.crt'}"
+                          for port in listener_ports(topo, config).values())
+    else:
+        health = " ".join(f"http:http://{config.host}:{port}/v1/models"
+                          for port in listener_ports(topo, config).values())
     return Proc("envoy-gateway", [str(dataplane.envoy_gateway_binary()), "server", "--config-path",
                                   str(layout.config)], str(config.run_dir / "envoy-gateway.log"), health)
 
 
+def ratelimit_procs(config: StackConfig) -> list[Proc]:
+    """Redis and the Envoy rate limit service, as Envoy Gateway runs them in a cluster
+    (local/ratelimit.py); the service takes its configuration from Envoy Gateway over xDS."""
+    ports, certs = config.ratelimit_ports, dataplane.Layout(config.run_dir).config_home / "certs"
+    return [Proc("redis", ratelimit.redis_command(ports), str(config.run_dir / "redis.log"), ""),
+            Proc("ratelimit", ratelimit.service_command(), str(config.run_dir / "ratelimit.log"),
+                 f"http:http://127.0.0.1:{ports.http}/healthcheck", env=ratelimit.service_env(certs, ports))]
+
+
 def plan(config: StackConfig, topo: Topology) -> list[Proc]:
     """Every process of the stack, in start order (all start at once: the picker retries scrapes
-    until the simulators answer)."""
-    return [*engine_procs(config, topo), picker_proc(config, topo), envoy_gateway_proc(config, topo)]
+    until the simulators answer; the rate limit service retries Envoy Gateway's xDS, and Envoy
+    refuses requests until it answers, so the listeners' health check waits for it)."""
+    return [*engine_procs(config, topo), picker_proc(config, topo),
+            *(ratelimit_procs(config) if config.token_budget else []), envoy_gateway_proc(config, topo)]

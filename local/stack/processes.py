@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -52,9 +53,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None) -> bool:
+def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None, cafile: str | None = None) -> bool:
+    """GET url answers 200; an https url is verified against `cafile` (the run's CA)."""
+    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout,
+                                    context=context) as r:
             return r.status == 200
     except OSError:
         return False
@@ -92,9 +96,13 @@ def is_ours(pid: int, cmd: list[str]) -> bool:
     """The pid still runs the command we started (pids get reused)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[:3] == [c.encode() for c in cmd[:3]]
+            args = f.read().rstrip(b"\0").split(b"\0")
     except OSError:
         return True  # no /proc: trust the state file
+    if args[:3] == [c.encode() for c in cmd[:3]]:
+        return True
+    # a process that rewrote its title into argv[0] (redis-server: "<path> <address>")
+    return args[0].startswith(cmd[0].encode() + b" ") and not any(args[1:])
 
 
 def stop_group(pid: int, timeout: float = 5.0) -> None:
@@ -124,20 +132,23 @@ class Proc:
     name: str
     cmd: list[str]
     log: str
-    health: str  # "http:<url>" or "grpc:<address>"; several separated by spaces must all pass
+    # "http:<url>", "https:<url>#<CA file>" or "grpc:<address>"; several separated by spaces must all pass
+    health: str
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
     def to_json(self) -> dict:
-        return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid}
+        return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid,
+                "env": self.env}
 
     @classmethod
     def from_json(cls, raw: dict) -> "Proc":
-        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"))
+        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"), env=raw.get("env") or {})
 
     def fresh(self) -> "Proc":
         """The same process, not started."""
-        return Proc(self.name, self.cmd, self.log, self.health)
+        return Proc(self.name, self.cmd, self.log, self.health, env=self.env)
 
     def running(self) -> bool:
         """Started, still alive and still running our command."""
@@ -147,7 +158,12 @@ class Proc:
         """headers: sent with the http checks (the API key when the listeners need one)."""
         for check in self.health.split():
             kind, _, target = check.partition(":")
-            if not (http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)):
+            if kind == "https":
+                url, _, cafile = target.partition("#")
+                ok = http_ok(url, headers=headers, cafile=cafile)
+            else:
+                ok = http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)
+            if not ok:
                 return False
         return True
 
@@ -155,7 +171,7 @@ class Proc:
 def spawn(p: Proc) -> Proc:
     """Start `p` in its own session (so its whole group can be stopped), output appended to its log."""
     with open(p.log, "ab") as log:
-        p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=python_env(), stdout=log, stderr=subprocess.STDOUT,
+        p.popen = subprocess.Popen(p.cmd, cwd=REPO, env={**python_env(), **p.env}, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     p.pid = p.popen.pid
     return p

@@ -22,7 +22,6 @@ import yaml
 from local import dataplane
 from local.stack.config import REPO, StackConfig, StackError
 from validation import manifests
-from validation.manifests import gateway_objects
 from validation.render import kustomize as render_target
 
 STABLE_SERVICE = "qwq-dist-v1"
@@ -105,7 +104,7 @@ BODY_MODES = {"Buffered": "buffered", "FullDuplexStreamed": "full-duplex"}
 
 
 def _body_mode(docs: list[dict]) -> str:
-    policy = next((d for d in docs if d.get("kind") == "EnvoyExtensionPolicy"), None)
+    policy = next((d for d in docs if d.get("kind") == "EnvoyExtensionPolicy" and d["spec"].get("extProc")), None)
     if policy is None:
         raise StackError("the rendered manifests have no EnvoyExtensionPolicy (the picker's ext_proc)")
     mode = ((policy["spec"]["extProc"][0].get("processingMode") or {}).get("request") or {}).get("body")
@@ -154,7 +153,7 @@ def topology(config: StackConfig) -> Topology:
         raise StackError(f"body mode {config.body_mode!r} asked, but the rendered EnvoyExtensionPolicy says "
                          f"{body_mode!r}")
     return Topology(sims, {k: v for k, v in services.items() if v}, route("http"), route("llm-gw"),
-                    _objects(docs), gateway_objects(docs), body_mode)
+                    _objects(docs), dataplane.envoy_gateway_inputs(docs), body_mode)
 
 
 def _objects(docs: list[dict]) -> list[dict]:

@@ -70,3 +70,16 @@ def test_the_file_carries_qwen2s_own_pipeline(built):
     assert byte_level["type"] == "ByteLevel" and byte_level["use_regex"] is False
     assert tok.encode("w2600").tokens == ["w", "2", "6", "0", "0"]  # digits one by one
     assert tok.encode("e\u0301").ids == tok.encode("\u00e9").ids   # NFC
+
+
+def test_a_cached_tokenizer_from_other_builder_code_is_trained_again(tmp_path, monkeypatch):
+    from local.tinymodel import tokenizer as builder
+    ensure = builder.ensure_tokenizer
+    ensure(tmp_path)
+    first = fingerprint(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")          # stale file, same builder stamp
+    assert ensure(tmp_path) and (tmp_path / "tokenizer.json").read_text() == "{}"  # trusted as is
+    monkeypatch.setattr(builder, "builder_digest", lambda: "other code")
+    ensure(tmp_path)
+    assert fingerprint(tmp_path) == first
+    assert (tmp_path / builder.BUILDER_STAMP).read_text() == "other code"

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+import loadtest.prompts as prompts_module
+import local.sim.tokens as sim_tokens_module
 from loadtest.prompts import VOCABULARY
 from local.sim.tokens import FILLER
 
@@ -101,6 +105,7 @@ def write_tokenizer(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     train().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    (out / BUILDER_STAMP).write_text(builder_digest())
     return out
 
 
@@ -112,8 +117,31 @@ def fingerprint(directory: Path) -> str:
     return h.hexdigest()
 
 
+# What the trained files depend on: this module and the word lists it trains on. A cached
+# tokenizer whose recorded builder digest differs was made by other code and is trained again.
+BUILDER_SOURCES = (Path(__file__), Path(prompts_module.__file__), Path(sim_tokens_module.__file__))
+BUILDER_STAMP = ".tokenizer-builder"
+FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def builder_digest() -> str:
+    h = hashlib.sha256()
+    for path in BUILDER_SOURCES:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def ensure_tokenizer(directory: Path) -> Path:
-    """The tokenizer in `directory`, trained there first if it is missing."""
-    if not ((directory / "tokenizer.json").is_file() and (directory / "tokenizer_config.json").is_file()):
-        write_tokenizer(directory)
+    """The tokenizer in `directory`, trained there first if it is missing or was built by other
+    code. Written to a temporary directory and moved into place, so parallel users (lab workers,
+    the stack) never read half a file."""
+    digest = builder_digest()
+    stamp = directory / BUILDER_STAMP
+    if all((directory / f).is_file() for f in FILES) and stamp.is_file() and stamp.read_text() == digest:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        write_tokenizer(Path(tmp))
+        for f in (*FILES, BUILDER_STAMP):      # the stamp last: it vouches for the files
+            os.replace(Path(tmp) / f, directory / f)
     return directory

@@ -27,7 +27,7 @@ def test_every_app_path_exists_and_renders():
 def test_app_paths_and_chart_versions_are_checked():
     apps = applications()
     problems, paths = app_path_problems(Rendered(APPS, apps), ROOT)
-    assert problems == [] and set(paths) == {"argocd/apps", "base/crds", "overlays/a10"}
+    assert problems == [] and set(paths) == {"argocd/apps", "base/crds", "overlays/a10", "argocd/platform/ratelimit-redis"}
     broken = find(apps, "Application", "qwq-serving")
     broken["spec"]["source"]["path"] = "overlays/a100"
     chart = find(apps, "Application", "lws")

@@ -112,7 +112,7 @@ def test_route_to_missing_service_or_port_is_caught(field, value, expect):
 
 def test_extension_policy_on_the_8080_route_is_caught():
     objs = rendered("overlays/a10")
-    find(objs, "EnvoyExtensionPolicy")["spec"]["targetRefs"][0]["name"] = "reasoning-backend"
+    find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["targetRefs"][0]["name"] = "reasoning-backend"
     assert any("must be the 8081 route" in p for p in policy.extension_policy_wiring(objs))
 
 
@@ -140,7 +140,7 @@ def test_plaintext_picker_behind_tls_backend_is_caught():
 
 def test_service_ref_to_tls_picker_is_caught():
     objs = rendered("overlays/a10")
-    ext = find(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]
+    ext = find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["extProc"][0]
     ext["backendRefs"] = [{"group": "", "kind": "Service", "name": "inference-gateway-ext-proc", "port": 9002}]
     assert any("picker serves TLS" in p for p in policy.extension_policy_wiring(objs))
 
@@ -153,7 +153,7 @@ def test_service_ref_to_tls_picker_is_caught():
 ])
 def test_extension_policy_settings_are_checked(mutate, expect):
     objs = rendered("overlays/a10")
-    mutate(find(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0])
+    mutate(find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["extProc"][0])
     assert any(expect in p for p in policy.extension_policy_wiring(objs))
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.policy.conftest import CACHE, OVERLAYS, ROOT, find, rendered  # noqa: F401  (shared render cache)
 from validation import edge, gateway
-from validation.gateway_xds import clusters, listener_port, listeners, routes_of
+from validation.gateway_xds import _hcms, clusters, listener_port, listeners, routes_of
 
 EGCTL = ROOT / ".tools" / "bin" / "egctl"
 pytestmark = pytest.mark.skipif(not EGCTL.is_file(), reason="egctl not built (make tools)")
@@ -50,7 +50,7 @@ def test_a_client_policy_on_a_missing_gateway_is_reported():
 
 def test_fail_open_with_streamed_bodies_is_rejected_by_envoy_gateway():
     objs = rendered("overlays/a10")
-    find(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] = True
+    find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["extProc"][0]["failOpen"] = True
     found = check(objs)
     assert any("reasoning-inference-picker" in p and "spec.extProc[0]" in p and "FailOpen must be false" in p
                for p in found), found
@@ -58,7 +58,7 @@ def test_fail_open_with_streamed_bodies_is_rejected_by_envoy_gateway():
 
 def test_an_ext_proc_to_a_missing_backend_is_reported():
     objs = rendered("overlays/a10")
-    find(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["backendRefs"][0]["name"] = "no-such-picker"
+    find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["extProc"][0]["backendRefs"][0]["name"] = "no-such-picker"
     found = check(objs)
     assert any("EnvoyExtensionPolicy llm/reasoning-inference-picker" in p for p in found), found
 
@@ -76,8 +76,11 @@ def test_a_rate_limit_after_the_picker_is_reported():
     objs = [o for o in rendered("overlays/a10") if o.get("kind") != "EnvoyProxy"]
     del find(objs, "Gateway", "inference-gateway")["spec"]["infrastructure"]
     found = check(objs)
-    assert any("Gateway llm/inference-gateway: spec.infrastructure.parametersRef" in p
-               and "envoy.filters.http.local_ratelimit after the picker's ext_proc" in p for p in found), found
+    late = [p for p in found if "Gateway llm/inference-gateway: spec.infrastructure.parametersRef" in p
+            and "after the picker's ext_proc" in p]
+    # both the request limit and the token budget (shared global rate limit) would run too late
+    assert late and all("envoy.filters.http.local_ratelimit" in p for p in late), found
+    assert all("envoy.filters.http.ratelimit/llm/inference-gateway-token-budget" in p for p in late), found
 
 
 def test_the_baseline_listener_must_balance_by_least_request():
@@ -188,3 +191,25 @@ def test_the_picker_hop_verifies_the_picker_certificate():
     assert context["defaultValidationContext"]["matchTypedSubjectAltNames"] == [
         {"matcher": {"exact": "inference-gateway-ext-proc.llm.svc.cluster.local"}, "sanType": "DNS"}]
     assert context["validationContextSdsSecretConfig"]["name"] == "inference-gateway-ext-proc/llm-ca"
+
+
+def test_the_token_budget_is_one_count_per_client_charged_from_metadata():
+    """Both routes charge the same shared domain (one budget per client across listeners and Envoy
+    replicas), the prompt at admission and the completion at the stream's end, with the Lua filter
+    that writes those numbers running before the rate limit, and both before the picker."""
+    _, xds = gateway.translate(EGCTL, rendered("overlays/a10"))
+    budget = "envoy.filters.http.ratelimit/llm/inference-gateway-token-budget"
+    for route in ("reasoning-backend", "reasoning-inference"):
+        (_, r), = routes_of(xds, "llm", route)
+        config = r["typedPerFilterConfig"][budget]
+        assert config["domain"] == "llm/inference-gateway-token-budget"
+        addends = {(rl.get("applyOnStreamDone", False), rl["hitsAddend"]["format"]) for rl in config["rateLimits"]}
+        assert addends == {(False, "%DYNAMIC_METADATA(llm-serving.tokens:prompt)%"),
+                           (True, "%DYNAMIC_METADATA(llm-serving.tokens:settle)%")}
+    for listener in listeners(xds):
+        if listener_port(listener) not in (8080, 8081):
+            continue
+        names = [f["name"] for hcm in _hcms(listener) for f in hcm["httpFilters"]]
+        lua = next(i for i, n in enumerate(names) if n.startswith("envoy.filters.http.lua/"))
+        assert lua < names.index(budget)
+        assert all(names.index(budget) < i for i, n in enumerate(names) if n.startswith("envoy.filters.http.ext_proc"))

@@ -3,6 +3,10 @@
 The gRPC server, the scraper and discovery (and the routing lab, in virtual time) all call the
 same methods; nothing here does I/O or touches asyncio. Data flows one way: endpoint/object
 updates and scrapes are stored, decide() reads them and asks scheduling for a pick.
+
+Why one file of this size: the Router is the one facade every driver and the lab call, and its
+methods are short hand-offs to scheduling/, signals/ and flowcontrol/; splitting the class would
+spread one request pipeline (rewrite -> objective -> admission -> candidates -> pick) over files.
 """
 from __future__ import annotations
 
@@ -402,7 +406,7 @@ class Router:
         if precise is not None:
             m = candidates[0].metrics
             prep = precise.prepare(info.path, parsed,
-                                   None if m is None or target in m.models else target)
+                                   None if m is None or target in m.models else target, now)
         prompt_tokens = parsed.prompt_tokens if prep is None else prep.prompt_tokens
         ctx = SchedulingContext(target, prompt_tokens, parsed.max_tokens, priority, now,
                                 profile.block_size_tokens,

@@ -95,6 +95,14 @@ KV_STATUS_INTERVAL = 1.0       # seconds between per-endpoint status updates (me
 KV_VERIFY_WINDOW = 120.0
 KV_VERIFY_MISSES = 32
 KV_VERIFY_PENDING = 1024       # checks remembered at most
+# In-flight (speculative) entries (scheduling/kvindex.py): a request routed to an endpoint in sync
+# counts as held there, block by block, until its engine's events confirm them or this many
+# seconds pass. Longer than event delivery (P99 ~14 ms + 10 ms flush to the workers) plus a long
+# prompt's queueing and prefill under load (the lab's cache-pressure scenarios reach ~10 s mean
+# TTFT); short enough that a request the engine sheds or preempts before storing its blocks
+# stops attracting its tenant's burst soon after.
+KV_INFLIGHT_TTL = 10.0
+KV_INFLIGHT_MAX_BLOCKS = 1 << 18   # in-flight (block, endpoint) entries at most, oldest dropped
 PRECISE_PREFIX = True          # --precise-prefix: on unless turned off (needs --tokenizer)
 
 # Process model.

@@ -2,9 +2,9 @@
 the engines reported holding (their KV-cache events), per endpoint, with the approximate index
 as the fallback for every endpoint whose events are not in sync.
 
-    prep = precise.prepare(path, parsed, lora)   # tokenized and matched, or None (fall back)
+    prep = precise.prepare(path, parsed, lora, now)  # tokenized and matched, or None (fall back)
     precise.apply_to(ctx, prep)                  # ctx.precise / ctx.sync for the scorers
-    precise.after_decision(prep, address, now)   # checks that the tokenizer matches the engine
+    precise.after_decision(prep, address, now)   # in-flight entries; the tokenizer check
 
 The index is fed either by the signals process (deltas, `apply`) or, in process, by a
 KVTracker this object owns (`on_batch`: the routing lab and tests).
@@ -13,6 +13,11 @@ Tokenizer check: a request routed to an endpoint in sync makes the engine store 
 first block once it is prefilled. If KV_VERIFY_MISSES such first blocks in a row do not show up
 in the index within KV_VERIFY_WINDOW, the picker's tokenizer does not produce the engine's token ids (another model, another
 chat template): precise routing turns off for the whole replica (metric, one log line).
+
+In-flight entries: the chosen endpoint (in sync) is recorded as holding the request's whole
+block chain for `inflight_ttl` seconds of the caller's clock (kvindex.PreciseIndex.add_inflight),
+so the next requests of a burst match it before its engine's events arrive. They are local to
+this object (one worker of the picker).
 """
 from __future__ import annotations
 
@@ -44,12 +49,15 @@ class Prepared:
     prompt_tokens: int
     cached: dict[str, int]
     first: dict[int, int]
+    chains: dict[int, list[int]] | None = None   # own block hashes per block size, so far
+    rest: tuple | None = None   # (windows left, tokens, seed): tokenization stopped early
 
 
 class PrecisePrefix:
     def __init__(self, tokenizer: ModelTokenizer | None, max_tokens: int = 16384,
                  verify_window: float = defaults.KV_VERIFY_WINDOW,
-                 verify_misses: int = defaults.KV_VERIFY_MISSES):
+                 verify_misses: int = defaults.KV_VERIFY_MISSES,
+                 inflight_ttl: float = defaults.KV_INFLIGHT_TTL):
         self.tokenizer = tokenizer
         self.state = LOADED if tokenizer is not None else MISSING
         self.max_tokens = max_tokens                 # longest prefix matched, in tokens
@@ -61,6 +69,7 @@ class PrecisePrefix:
         self.verify_misses = verify_misses
         self._checks: deque = deque()                # (sent, address, first block's own hash)
         self._misses = 0
+        self.inflight_ttl = inflight_ttl              # 0: no in-flight entries
 
     @property
     def active(self) -> bool:
@@ -114,7 +123,8 @@ class PrecisePrefix:
         self.index.apply(self.tracker.take_deltas())
 
     # ---- deciding ----------------------------------------------------------------------------
-    def prepare(self, path: str, parsed: ParsedRequest, lora: str | None) -> Prepared | None:
+    def prepare(self, path: str, parsed: ParsedRequest, lora: str | None,
+                now: float | None = None) -> Prepared | None:
         """Tokenize the request as the engine will and match it against the in-sync endpoints'
         blocks. None: route approximately (precise off, nothing in sync, not tokenizable).
 
@@ -122,6 +132,8 @@ class PrecisePrefix:
         match); the rest of the prompt's token count is then estimated at the tokens per
         character seen so far. Windows of a prefix shared by many prompts are cached."""
         index = self.index
+        if now is not None:
+            index.expire(now)
         sizes = index.sizes()
         if self.state != LOADED or not sizes:
             return None
@@ -134,13 +146,15 @@ class PrecisePrefix:
         chains: dict[int, list[int]] = {bs: [] for bs in sizes}
         tokens = array("I")
         limit = self.max_tokens
-        pieces = [(ids, None)] if text is None else self.tokenizer.windows(text, special)
+        pieces = iter([(ids, None)] if text is None else self.tokenizer.windows(text, special))
         consumed = before = 0
         for piece, consumed in pieces:
             tokens.extend(piece)
             if not self._extend(chains, tokens, seed, limit) or len(tokens) >= limit:
                 break
             before = consumed
+        # what after_decision needs to finish the chosen size's chain (some lag behind)
+        rest = (pieces if len(tokens) < limit else (), tokens, seed)
         if text is None or consumed >= len(text):
             prompt_tokens = len(tokens)
         else:  # stopped early: the rest at the last window's tokens per character
@@ -156,7 +170,24 @@ class PrecisePrefix:
                 for addr, n in index.match(chain).items():
                     if sizes_of.get(addr) == bs:
                         cached[addr] = n * bs
-        return Prepared(prompt_tokens, cached, first)
+        return Prepared(prompt_tokens, cached, first, chains, rest)
+
+    def _full_chain(self, prep: Prepared, bs: int) -> list[int]:
+        """The request's chain for block size `bs` up to its last full block (or max_tokens):
+        tokenization resumes where `prepare` stopped, for the chosen endpoint's size only."""
+        chain = prep.chains.setdefault(bs, [])
+        pieces, tokens, seed = prep.rest
+        limit = self.max_tokens
+        for piece, _ in pieces:
+            tokens.extend(piece)
+            if len(tokens) >= limit:
+                break
+        prep.rest = ((), tokens, seed)
+        done, full = len(chain), min(len(tokens), limit) // bs
+        if full > done:
+            chain.extend(chain_hashes(tokens[done * bs:full * bs], bs,
+                                      chain[-1] if chain else seed))
+        return chain
 
     def _extend(self, chains: dict[int, list[int]], tokens: array, seed: int, limit: int) -> bool:
         """Hash the newly complete blocks of each block size; False once no in-sync endpoint
@@ -184,6 +215,9 @@ class PrecisePrefix:
         first block found is a hit, one not found within the window a miss."""
         if self.index.in_sync(address):
             bs = self.index.block_size.get(address)
+            if bs and self.inflight_ttl > 0 and prep.chains is not None:
+                self.index.add_inflight(address, self._full_chain(prep, bs),
+                                        now + self.inflight_ttl)
             h = prep.first.get(bs) if bs else None
             if h is not None:
                 if len(self._checks) >= defaults.KV_VERIFY_PENDING:
