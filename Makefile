@@ -130,6 +130,7 @@ tiny-model: $(VENV)/.stamp ## build the tiny model's tokenizer (deterministic, o
 VLLM_VENV   := .venv-vllm
 VLLM_LOCK   := local/vllm_server/requirements.txt
 TINY_MODEL  := .cache/tiny-model
+TINY_LORA   := .cache/tiny-model-lora
 
 $(VLLM_VENV)/.stamp: $(VLLM_LOCK)
 	rm -rf $(VLLM_VENV) && $(PYTHON_BOOT) -m venv $(VLLM_VENV)
@@ -141,7 +142,11 @@ $(TINY_MODEL)/model.safetensors: $(VLLM_VENV)/.stamp local/tinymodel/model.py lo
 	$(VLLM_VENV)/bin/python -m local.tinymodel model --out $(TINY_MODEL)
 	touch $@
 
-vllm: $(VLLM_VENV)/.stamp $(TINY_MODEL)/model.safetensors ## real vLLM 0.32 (CPU build, ~5 GB) in .venv-vllm and the tiny model it serves in .cache/tiny-model (cold: ~4-6 min)
+$(TINY_LORA)/adapter_model.safetensors: $(TINY_MODEL)/model.safetensors local/tinymodel/lora.py
+	$(VLLM_VENV)/bin/python -m local.tinymodel lora --out $(TINY_LORA) --model $(TINY_MODEL)
+	touch $@
+
+vllm: $(VLLM_VENV)/.stamp $(TINY_MODEL)/model.safetensors $(TINY_LORA)/adapter_model.safetensors ## real vLLM 0.32 (CPU build, ~5 GB) in .venv-vllm, the tiny model it serves in .cache/tiny-model and its LoRA adapter in .cache/tiny-model-lora (cold: ~4-6 min)
 
 lock: ## re-resolve requirements.in into the pinned requirements.txt
 	rm -rf .cache/lock-venv && $(PYTHON_BOOT) -m venv .cache/lock-venv

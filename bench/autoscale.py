@@ -12,18 +12,20 @@ ATTAINMENT = 95.0     # percent of requests that must meet it
 JOBS = 2
 
 
-def run_autoscale(seeds: list[int] | None = None) -> dict:
+def run_autoscale(seeds: list[int] | None = None, name: str = "autoscale", hours: float | None = None,
+                  pools: tuple[int, ...] = (2, 3, 4, 5, 6)) -> dict:
+    """The day trace (`hours` long, default lab/daytrace.py's) through `python -m lab plan`."""
     seeds = seeds or [0, 1, 2, 3, 4]
-    out = RESULTS / "autoscale"
+    out = RESULTS / name
     out.mkdir(parents=True, exist_ok=True)
     trace = str((out / "day.jsonl").relative_to(REPO))          # relative: commands run in REPO
-    run([PY, "-m", "lab", "daytrace", "--out", trace])
+    run([PY, "-m", "lab", "daytrace", "--out", trace, *(["--hours", f"{hours:g}"] if hours else [])])
     cmd = [PY, "-m", "lab", "plan", "--trace", trace, "--slo", f"{SLO_S:g}",
-           "--attainment", f"{ATTAINMENT:g}", "--pools", "2", "3", "4", "5", "6",
+           "--attainment", f"{ATTAINMENT:g}", "--pools", *map(str, pools),
            "--seeds", *map(str, seeds), "--jobs", str(JOBS), "--json", str((out / "plan.json").relative_to(REPO))]
     shown = " ".join(["python", *cmd[1:]])
-    return run_suite("autoscale", cmd, lambda: {"plan": read_json(out / "plan.json")},
-                     log=RESULTS / "autoscale.log", command=shown, seeds=seeds,
+    return run_suite(name, cmd, lambda: {"plan": read_json(out / "plan.json")},
+                     log=RESULTS / f"{name}.log", command=shown, seeds=seeds,
                      results_dir=str(out.relative_to(REPO)))
 
 

@@ -7,8 +7,8 @@ Open loop, 3 A10 groups, the article's prompts (1,000-token shared prefix, ~3,40
 ~1,800 out). The pool's capacity is least request's request throughput on the closed-loop base
 (concurrency 30), measured first for each seed.
 
-- fairness: a light client at 0.1 x capacity and a heavy one at 1.0 x (10x its rate), same
-  priority: total 1.1x capacity. The light client's mean TTFT with the heavy one, against what
+- fairness: a light client at 0.15 x capacity and a heavy one at 1.5 x (10x its rate), same
+  priority: total 1.65x capacity. The light client's mean TTFT with the heavy one, against what
   it gets alone (the same requests at the same times, nothing else); each client's share of the
   completed requests and output tokens. Target: within 1.5x of alone.
 - priorities: `interactive` (priority 10) and `standard` (0) at 0.75 x capacity each (1.5x in
@@ -25,7 +25,7 @@ import numpy as np
 from bench.common import load_average, save, stamp
 from lab.stats import mean
 
-LIGHT, HEAVY = 0.1, 1.0                 # fractions of capacity
+LIGHT, HEAVY = 0.15, 1.5               # fractions of capacity: 10x the rate, 1.65x in all
 PRIORITY_LOAD = 0.75                    # each class, fraction of capacity
 DURATION_REQUESTS = 150                 # heavy requests per fairness run
 
@@ -60,12 +60,19 @@ def _requests(seed: int, streams: list[tuple[str, str | None, float, int]]):
     return reqs
 
 
-def _policies():
+def _policies(priorities: bool = False):
+    """The picker without and with flow control; for priorities also with `--flow-at-bound
+    reject` (a held request is refused at its age bound instead of joining an engine's queue)."""
     from lab.picker_policy import PickerPolicy
     from picker.discovery.objects import Objective
+    from picker.flowcontrol.controller import FlowSettings
     objectives = (Objective("interactive", 10), Objective("standard", 0))
-    return {"picker": lambda: PickerPolicy("default", objectives=objectives),
-            "picker-flow": lambda: PickerPolicy("default", flow=True, objectives=objectives)}
+    out = {"picker": lambda: PickerPolicy("default", objectives=objectives),
+           "picker-flow": lambda: PickerPolicy("default", flow=True, objectives=objectives)}
+    if priorities:
+        out["picker-flow, reject at bound"] = lambda: PickerPolicy(
+            "default", objectives=objectives, flow_settings=FlowSettings(dispatch_at_bound=False))
+    return out
 
 
 def _by_group(run) -> dict:
@@ -96,12 +103,13 @@ def run(seeds: list[int]) -> dict:
             mixed = _by_group(run_lab(both, make(), config))
             solo = _by_group(run_lab(alone, make(), config))["light"]
             out["fairness"].setdefault(name, []).append({"seed": seed, "mixed": mixed, "alone": solo})
+            print(f"seed {seed} {name:12} light alone {solo['mean_ttft_ms'] or 0:8,.0f} ms, with heavy "
+                  f"{mixed['light']['mean_ttft_ms'] or 0:8,.0f} ms", flush=True)
+        for name, make in _policies(priorities=True).items():
             n = round(DURATION_REQUESTS * PRIORITY_LOAD)
             prio = _requests(seed, [("interactive", "interactive", PRIORITY_LOAD * cap, n),
                                     ("standard", "standard", PRIORITY_LOAD * cap, n)])
             out["priorities"].setdefault(name, []).append({"seed": seed, **_by_group(run_lab(prio, make(), config))})
-            print(f"seed {seed} {name:12} light alone {solo['mean_ttft_ms'] or 0:8,.0f} ms, with heavy "
-                  f"{mixed['light']['mean_ttft_ms'] or 0:8,.0f} ms", flush=True)
     return out
 
 
@@ -130,8 +138,9 @@ def report(d: dict) -> list[str]:
     lines = [f"Command: `{d['command']}` (lab, seeds {' '.join(map(str, d['seeds']))}, 3 A10 groups, open "
              f"loop, the article's prompts; capacity = least request's closed-loop request throughput). "
              "Means over seeds; TTFT over completed requests. The picker's flow-control defaults: 30 s age "
-             "bound, then `--flow-at-bound dispatch` (the request goes to an engine's queue, so none fail).", "",
-             "**Fairness**: a light client (0.1x capacity) and a heavy one (1.0x), same priority. Target: the "
+             "bound, then `--flow-at-bound dispatch` (the request goes to an engine's queue, so none fail); "
+             "`reject at bound`: refused with 503 there instead.", "",
+             f"**Fairness**: a light client ({LIGHT:g}x capacity) and a heavy one ({HEAVY:g}x), same priority. Target: the "
              "light client's mean TTFT within 1.5x of what it gets alone.", "",
              "| policy | light alone: mean TTFT ms | light with heavy | ratio | heavy mean TTFT | "
              "share of completed requests light / heavy | failed light / heavy |", "|---|---|---|---|---|---|---|"]
@@ -203,7 +212,7 @@ def http_report(d: dict) -> list[str]:
 # ---- the scenario matrix, on the scenarios late binding is for --------------------------------
 
 MATRIX_SCENARIOS = ["base", "chat-reasoning", "kv-0.8x", "open-bursty-50", "open-poisson-50"]
-MATRIX_POLICIES = ["least-request", "picker", "picker-flow", "oracle", "oracle-late"]
+MATRIX_POLICIES = ["least-request", "picker", "picker-flow", "picker-flow-reject", "oracle", "oracle-late"]
 
 
 def run_matrix(seeds: list[int] | None = None) -> dict:

@@ -146,7 +146,8 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
 
 MATRIX_POLICIES = [("least-request", "least request"), ("round-robin", "round robin"),
                    ("picker-upstream", "upstream-default"), ("picker", "**default**"),
-                   ("picker-flow", "default + flow control"), ("oracle", "oracle"),
+                   ("picker-flow", "default + flow control"),
+                   ("picker-flow-reject", "flow control, reject at bound"), ("oracle", "oracle"),
                    ("oracle-late", "oracle, may hold")]
 
 
@@ -204,7 +205,7 @@ def matrix_report(d: dict) -> list[str]:
         gap = a.get("gap_closed_pct")
         f = s.get("assessment_flow") or {}
         cf, gap_f = f.get("change_pct", {}), f.get("gap_closed_pct")
-        failed = p.get("picker-flow", {}).get("failed", {}).get("mean")
+        failed = [p[n]["failed"]["mean"] for n in ("picker-flow", "picker-flow-reject") if n in p]
         rows.append([f"{s['name']}: {s['description']}", s["factor"],
                      *(_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES),
                      f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %" if c else "-",
@@ -212,7 +213,7 @@ def matrix_report(d: dict) -> list[str]:
                      num(gap) + " %" if gap is not None else "-",
                      f"{cf['mean_ttft_ms']:+.1f} %, {cf['p99_ttft_ms']:+.1f} %, {cf['output_throughput']:+.1f} %" if cf else "-",
                      num(gap_f) + " %" if gap_f is not None else "-",
-                     num(failed, 1) if failed is not None else "-"])
+                     " / ".join(num(f, 1) for f in failed) if failed else "-"])
     return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
             f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
             f"**{d['wall_s'] / 60:.1f} min wall**, target 15 min; 1-minute load average "
@@ -231,7 +232,7 @@ def matrix_report(d: dict) -> list[str]:
         ["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
          "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed",
          "flow control vs least request (mean, P99, tok/s)", "gap closed with flow control",
-         "failed with flow control (of the scenario's prompts)"], rows) \
+         "failed with flow control (of the scenario's prompts; dispatch / reject at bound)"], rows) \
         + [""] + _matrix_targets(m["scenarios"]) + _flow_targets(m["scenarios"])
 
 

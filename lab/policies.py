@@ -82,6 +82,12 @@ def make_policy(name: str, **options) -> Policy:
     if name == "oracle-late":
         from lab.oracle import LateOracle
         return LateOracle()
+    if name == "picker-flow-reject":  # --flow-at-bound reject: refused at the age bound
+        from lab.picker_policy import PickerPolicy
+        from picker.flowcontrol.controller import FlowSettings
+        policy = PickerPolicy("default", flow_settings=FlowSettings(dispatch_at_bound=False), **options)
+        policy.name = name
+        return policy
     if name == "picker-flow" or name.startswith("picker-flow:"):
         from lab.picker_policy import PickerPolicy
         profile = name.partition(":")[2] or "default"
@@ -93,5 +99,6 @@ def make_policy(name: str, **options) -> Policy:
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, **options)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, oracle, "
-                     f"oracle-late, picker[:PROFILE], picker-flow[:PROFILE], picker-upstream, "
+                     f"oracle-late, picker[:PROFILE], picker-flow[:PROFILE], picker-flow-reject, "
+                     f"picker-upstream, "
                      f"replicas:N[:independent], each picker or replicas name with +precise[=SECONDS]")

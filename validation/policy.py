@@ -2,6 +2,10 @@
 
 Each check takes the objects of one render target and returns a list of problem strings that
 name the object and the field. An empty list means the check holds.
+
+Why one file of this size: it is a catalogue of short, independent checks read one at a time
+(topics with their own vocabulary live beside it: isolation.py, edge.py, kv_events.py,
+autoscaling.py); rules.py says which of them apply to which target.
 """
 from __future__ import annotations
 

@@ -21,6 +21,9 @@
    its threads). A null server (answers without deciding) shows the cost of Python gRPC itself.
 3. Scraping: 64 fake vLLM /metrics pages (realistic size, histograms included) served by a child
    process; a second child runs the real Scraper at the default interval; its CPU time is reported.
+
+Why one file of this size: the three measurements share the child processes (server, fake
+vLLM fleet, scraper), their start/stop and the CPU accounting; each part is read top to bottom.
 """
 from __future__ import annotations
 

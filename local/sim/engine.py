@@ -35,6 +35,10 @@ Model (what vLLM's scheduler does, simplified where noted):
   the CRC-32 of the request id (the ids of the words the HTTP server streams).
 - Step time per stage = base + prefill tokens + decoding sequences + context tokens attended, each
   times a constant; pipeline stages run in series for one batch.
+
+Why one file of this size: the scheduler, the block allocator and its events change the same
+per-step state (running, waiting, free and cached blocks) in one order, as vLLM's do; split, every
+step would cross module boundaries for each block.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and the recorded answers of vLLM 0.32 (the shared samples, when present).
 Live vLLM: one server for this package's tests (it takes about a minute to start on the CPU
 build; package scope stops it before tests/e2e starts its own),
 with the cluster's flags as far as they apply (local.vllm_server), on loopback, stopped at the
-end. CONFORMANCE_VLLM=host:port uses a server that is already running instead (its KV-event
+end. test_lora.py starts a second one with the tiny model's LoRA adapter, for its module only. CONFORMANCE_VLLM=host:port uses a server that is already running instead (its KV-event
 ports must then be given as CONFORMANCE_VLLM_KV=pub_port,replay_port to test events).
 """
 

@@ -3,6 +3,10 @@
 The gRPC server, the scraper and discovery (and the routing lab, in virtual time) all call the
 same methods; nothing here does I/O or touches asyncio. Data flows one way: endpoint/object
 updates and scrapes are stored, decide() reads them and asks scheduling for a pick.
+
+Why one file of this size: the Router is the one facade every driver and the lab call, and its
+methods are short hand-offs to scheduling/, signals/ and flowcontrol/; splitting the class would
+spread one request pipeline (rewrite -> objective -> admission -> candidates -> pick) over files.
 """
 from __future__ import annotations
 

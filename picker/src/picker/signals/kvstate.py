@@ -25,6 +25,10 @@ blocks are dropped and the sync starts again from 0.
 Bounds: the blocks tracked per endpoint are capped at its KV capacity (num_gpu_blocks, else
 KV_DEFAULT_MAX_BLOCKS), oldest first; messages held while a replay runs, and the payload bytes
 decoded per second, are capped too (a flooding publisher falls back instead of taking the CPU).
+
+Why one file of this size: per endpoint, one state machine (sync, gaps, replay, restarts, bounds)
+whose transitions read and write the same few fields; the tests drive it through the recorded
+vLLM frames as one unit.
 """
 from __future__ import annotations
 
