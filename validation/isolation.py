@@ -70,7 +70,8 @@ class Rule:
         return self.ports is None or port == ANY_PORT or port in self.ports
 
 
-def _ports(rule: dict, named: dict[str, int]) -> list[int] | None:
+def rule_ports(rule: dict, named: dict[str, int]) -> list[int] | None:
+    """The port numbers a NetworkPolicy rule admits (named ports resolved), None for every port."""
     ports = rule.get("ports")
     if not ports:
         return None
@@ -100,7 +101,7 @@ def ingress_rules(objs, namespace: str, labels: dict, named_ports: dict[str, int
         isolated = True
         for i, rule in enumerate(spec.get("ingress") or []):
             peers = rule.get("from")
-            rules.append(Rule(np, i, _ports(rule, named_ports), peers or None))
+            rules.append(Rule(np, i, rule_ports(rule, named_ports), peers or None))
     return rules if isolated else None
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from validation.isolation import (ANY_PORT, KV_EVENT_PORT_NAMES, Pod,
+from validation.isolation import (ANY_PORT, KV_EVENT_PORT_NAMES, Pod, rule_ports,
                                   _named_ports, _picker_labels, ingress_rules, is_pod_of, lws_pods,
                                   ray_peers, selects)
 from validation.manifests import (argv, has_flag, flag_values, of_kind, ns_of, picker_container,
@@ -226,21 +226,6 @@ def _egress_rules(objs, namespace: str, labels: dict) -> list | None:
     return out if restricted else None
 
 
-def _egress_ports(rule: dict, named: dict[str, int]) -> list[int] | None:
-    ports = rule.get("ports")
-    if not ports:
-        return None
-    out = []
-    for p in ports:
-        value = p.get("port")
-        if value is None:
-            return None
-        number = named.get(value) if isinstance(value, str) else int(value)
-        if number is not None:
-            out.extend(range(number, int(p.get("endPort") or number) + 1))
-    return out
-
-
 def _is_leader_peer(peer: dict) -> bool:
     have = (peer.get("podSelector") or {}).get("matchLabels") or {}
     return ("ipBlock" not in peer and "namespaceSelector" not in peer and "podSelector" in peer
@@ -260,7 +245,7 @@ def _picker_egress_problems(objs, names: dict[str, int]) -> list[str]:
     for port_name, port in names.items():
         reached = False
         for np, i, rule in rules:
-            ports = _egress_ports(rule, names)
+            ports = rule_ports(rule, names)
             if ports is not None and port not in ports and ANY_PORT not in ports:
                 continue
             peers = rule.get("to")
