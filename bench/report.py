@@ -3,6 +3,7 @@ header, the machine, then each benchmark's section in the order of bench/registr
 
 from __future__ import annotations
 
+import re
 import time
 
 from bench.common import REPO, git_revision, load, machine
@@ -32,16 +33,46 @@ def machine_lines(m: dict, loads: list[float]) -> list[str]:
 def machine_section(m: dict, loads: list[float], old: list[str] | None, fresh: list[str]) -> list[str]:
     """`## Machine`. When some sections are kept from the previous report, its machine section
     stays (those figures were measured there) and the sections run now are named with their own
-    machine, so that no figure is credited to a machine it did not run on. Rewriting the report
-    from the same runs adds nothing."""
+    machine, so that no figure is credited to a machine it did not run on. A section run now
+    leaves the earlier "Since then" block that named it (a block left naming nothing goes), so
+    the section lists each machine once. Rewriting the report from the same runs adds nothing."""
     now = machine_lines(m, loads)
     if old is None:
         return ["## Machine", ""] + now + [""]
-    kept = old[:-1] if old and not old[-1].strip() else old
-    since = ["", f"Since then, {', '.join(fresh)} ran again on:", ""] + now
-    if not fresh or "\n".join(since) in "\n".join(kept):
-        return kept + [""]
-    return kept + since + [""]
+    head, blocks = _rerun_blocks(old)
+    since = [f"Since then, {', '.join(fresh)} ran again on:", ""] + now
+    lines = head
+    for names, body in blocks:
+        left = [n for n in names if n not in fresh]
+        if left:
+            lines += ["", f"Since then, {', '.join(left)} ran again on:"] + body
+    if fresh:
+        lines += [""] + since
+    return lines + [""]
+
+
+_SINCE = re.compile(r'^Since then, (.*) ran again on:$')
+
+
+def _rerun_blocks(old: list[str]) -> tuple[list[str], list[tuple[list[str], list[str]]]]:
+    """An earlier machine section split into its first part and its "Since then" blocks, each
+    as (the quoted section titles it names, its lines after the heading)."""
+    head: list[str] = []
+    blocks: list[tuple[list[str], list[str]]] = []
+    for line in old:
+        match = _SINCE.match(line)
+        if match:
+            blocks.append((re.findall(r'"[^"]*"', match.group(1)), []))
+        elif blocks:
+            blocks[-1][1].append(line)
+        else:
+            head.append(line)
+
+    def trim(lines: list[str]) -> list[str]:
+        while lines and not lines[-1].strip():
+            lines = lines[:-1]
+        return lines
+    return trim(head), [(names, trim(body)) for names, body in blocks]
 
 
 def _old_sections(text: str) -> dict[str, list[str]]:

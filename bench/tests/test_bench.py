@@ -231,3 +231,17 @@ def test_every_registered_benchmark_has_its_own_results_and_section(tmp_path, mo
     text = report.write()  # nothing run: every section in the registry's order, each named in the header
     assert [line for line in text.splitlines() if line in titles] == titles
     assert all(f"`{b.name}`" in text.split("## Machine")[0] for b in BENCHMARKS)
+
+
+def test_a_section_run_again_leaves_the_earlier_machine_block_that_named_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    old = ["## Machine", "", "- 2 CPUs: Old CPU", "",
+           'Since then, "A", "B: x, y" ran again on:', "", "- 2 CPUs: Mid CPU", "",
+           'Since then, "C" ran again on:', "", "- 2 CPUs: Other CPU", ""]
+    m = {"nproc": 2, "cpu_model": "New CPU", "memory_gb": 8, "python": "3", "kernel": "6"}
+    lines = report.machine_section(m, [], old, ['"C"', '"B: x, y"'])
+    text = "\n".join(lines)
+    assert 'Since then, "A" ran again on:\n\n- 2 CPUs: Mid CPU' in text
+    assert "Other CPU" not in text and text.count("Since then") == 2
+    assert text.index("Old CPU") < text.index("Mid CPU") < text.index('Since then, "C", "B: x, y"')
+    assert report.machine_section(m, [], lines, ['"C"', '"B: x, y"']) == lines
