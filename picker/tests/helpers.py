@@ -86,10 +86,13 @@ class FakeVllm:
             return web.Response(status=404)
         return web.json_response(self.models)
 
-    async def start(self):
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.list_models)
+
+    async def start(self):
+        app = web.Application()
+        self.routes(app)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -40,17 +40,9 @@ class VllmWithEvents(FakeVllm):
             "endpoint": f"tcp://*:{self.publisher.port}",
             "replay_endpoint": f"tcp://*:{self.publisher.replay_port}"}})
 
-    async def start(self):
-        app = web.Application()
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/v1/models", self.list_models)
+    def routes(self, app: web.Application) -> None:
+        super().routes(app)
         app.router.add_get("/kv_event_sources", self.sources)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
 
 
 @pytest.fixture(scope="module")
