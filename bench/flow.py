@@ -71,7 +71,7 @@ def _policies(priorities: bool = False):
            "picker-flow": lambda: PickerPolicy("default", flow=True, objectives=objectives)}
     if priorities:
         out["picker-flow, reject at bound"] = lambda: PickerPolicy(
-            "default", objectives=objectives, flow_settings=FlowSettings(dispatch_at_bound=False))
+            "default", objectives=objectives, flow_settings=FlowSettings(at_bound="reject"))
     return out
 
 
