@@ -307,7 +307,9 @@ def test_recent_arrivals_hold_back_a_client_over_its_share_and_a_lower_band():
     a.add(6.0, 10, "other")
     assert a.must_hold_back(6.0, 0, "light")              # a higher band is active
     assert not a.must_hold_back(6.0, 10, "other")
+    assert not a.alone(6.0, 10, "other") and not a.alone(6.0, 0, "heavy")
     assert not a.must_hold_back(16.5, 0, "heavy")         # all of it older than the window
+    assert a.alone(16.5, 0, "heavy")
     with pytest.raises(ValueError):
         RecentArrivals(window=0)
 
@@ -355,18 +357,20 @@ def test_lower_band_leaves_the_reserve_while_a_higher_band_is_active():
     assert flow.pump() == 1 and not held.queued
 
 
-@pytest.mark.parametrize("contested", [False, True])
-def test_dispatch_uncontested_at_bound_sends_a_lone_client_and_refuses_a_heavy_one(contested):
+@pytest.mark.parametrize("contested", [None, "light", "band"])
+def test_dispatch_uncontested_at_bound_sends_a_lone_client_and_refuses_the_others(contested):
     router, flow, clock, metrics = flow_router(waiting=3, max_wait=10.0, at_bound="dispatch-uncontested")
     outcomes = []
     flow.submit(info(client="heavy"), outcomes.append)
     flow.submit(info(prompt="again", client="heavy"), outcomes.append)
-    if contested:
+    if contested == "light":
         flow.submit(info(prompt="light", client="light"), lambda o: None)
+    elif contested == "band":   # a lower band: it holds back, the heavy client does not
+        flow.submit(info(prompt="batch", client="heavy", objective="batch"), lambda o: None)
     clock.t += 10.0
     scrape_all(router, clock, waiting=3)            # still no room anywhere
     flow.pump()
-    if contested:   # over its share: into an engine's FIFO it would go ahead of the light client
+    if contested:   # in an engine's FIFO it would go ahead of the others' later requests
         assert [o.status for o in outcomes] == [503, 503]
     else:           # the engine's FIFO serves it as the picker would: no need to refuse it
         assert all(o.endpoint in router.endpoints for o in outcomes)

@@ -79,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a sheddable request (priority < 0) may be held; then 429")
     p.add_argument("--flow-at-bound", choices=list(AT_BOUND), default=defaults.FLOW_AT_BOUND,
                    help="a request of priority >= 0 at --flow-max-wait: refused (503), sent to "
-                        "the best endpoint as without flow control, or sent only if it holds "
-                        "nobody back (dispatch-uncontested; sheddable ones: always 429)")
+                        "the best endpoint as without flow control, or sent only if no other band "
+                        "or client is active (dispatch-uncontested; sheddable ones: always 429)")
     p.add_argument("--flow-strict-turns", type=int, default=defaults.FLOW_STRICT_TURNS,
                    help="higher-priority dispatches in a row before a waiting lower-priority "
                         "request goes (the starvation bound)")

@@ -4,7 +4,9 @@ The controller asks it whether a request must leave room for others (room.py, ho
 - a higher priority band had arrivals in the window (its next request should find a free slot);
 - or the request's client sent more than its share of its band's arrivals in the window
   (share = 1 / clients seen in the band), so a light client next to a heavy one finds a slot.
-A single client of a single band never holds back: without competition nothing changes.
+A single client of a single band never holds back: without competition nothing changes. It is
+also the one case where sending a request to an engine's queue at its age bound costs nobody
+their order (`alone`): the engine's FIFO serves it as the picker's queue would.
 """
 from __future__ import annotations
 
@@ -43,3 +45,8 @@ class RecentArrivals:
         if len(band) < 2:
             return False
         return band.get(client, 0) * len(band) > sum(band.values())
+
+    def alone(self, now: float, priority: int, client: str) -> bool:
+        """No other band and no other client sent anything in the window."""
+        self._forget(now)
+        return all(key == (priority, client) for key in self._counts)

@@ -48,8 +48,10 @@ class FlowSettings:
     # At the age bound a sheddable request is always refused (429); one of priority >= 0 is
     # refused (503 queue_timeout) with "reject", sent to the best endpoint as without flow control
     # with "dispatch" (it then waits in an engine's queue), and with "dispatch-uncontested" sent
-    # only if it holds nobody back (no higher band active, its client not over its share: an
-    # engine's FIFO then serves it in the order the picker would), else refused.
+    # only if no other band and no other client sent anything in the activity window (an
+    # engine's FIFO then serves it in the order the picker would), else refused: in an engine's
+    # queue it would go ahead of the others' later requests, and its queue closes the engine's
+    # room to all of them.
     at_bound: str = defaults.FLOW_AT_BOUND
     activity_window: float = defaults.FLOW_ACTIVITY_WINDOW   # seconds of arrivals for holdback
 
@@ -194,7 +196,7 @@ class FlowControl:
         mode = self.settings.at_bound
         if h.priority < 0 or mode == "reject":
             return False
-        if mode == "dispatch-uncontested" and self._holds_back(h, now):
+        if mode == "dispatch-uncontested" and not self.arrivals.alone(now, h.priority, h.client):
             return False
         return self._dispatch_ungated(h, now)
 
