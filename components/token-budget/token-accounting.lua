@@ -59,8 +59,8 @@ local function explain_refusal(handle)
   local message, code
   if text == "" then
     local budget, window = string.match(headers:get("x-ratelimit-limit") or "", "(%d+);w=(%d+)")
-    if budget == nil then
-      return
+    if budget == nil or headers:get("x-ratelimit-remaining") ~= "0" then
+      return -- not the budget's refusal (the budget's headers are on every answer it let through)
     end
     message = string.format("Token budget exceeded: this client's budget of %s tokens per %s s is used up; "
       .. "the window ends in %s s.", budget, window, headers:get("x-ratelimit-reset") or "?")
