@@ -29,6 +29,7 @@ POLLING_S = 2            # ScaledObject pollingInterval (15 s shipped)
 DOWN_WINDOW_S = 10       # HPA scaleDown stabilizationWindowSeconds (600 s shipped)
 DOWN_PERIOD_S = 10       # HPA scaleDown policy periodSeconds (300 s shipped; still one group per period)
 MAX_TOKENS = 30          # each request decodes 30 tokens: ~2.7 s on the simulator's a10 engine model
+HPA = "keda-hpa-qwq-dist-v1"   # the HPA KEDA makes of the ScaledObject
 LOW, HIGH = 2, 11        # concurrent requests: below one group's target / ~2.75 groups' worth
 
 
@@ -66,10 +67,13 @@ def scaled_object(chain: Chain) -> dict:
 
 def external_metric(chain: Chain) -> float | None:
     """What KEDA's metrics API server answers the HPA, read through the aggregator as the HPA does."""
+    from kubernetes import client
     from kubernetes.client.exceptions import ApiException
+    hpa = client.AutoscalingV2Api(chain.api).read_namespaced_horizontal_pod_autoscaler(HPA, NAMESPACE)
+    name = hpa.spec.metrics[0].external.metric.name        # the metric KEDA named in its HPA
     try:
         reply = chain.api.call_api(
-            f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{NAMESPACE}/s0-prometheus", "GET",
+            f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{NAMESPACE}/{name}", "GET",
             query_params=[("labelSelector", "scaledobject.keda.sh/name=qwq-dist-v1")],
             auth_settings=["BearerToken"], response_type="object", _return_http_data_only=True)
     except ApiException:
@@ -101,6 +105,11 @@ def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drai
     # KEDA takes the ScaledObject, makes its HPA, which raises the LeaderWorkerSet to the minimum.
     wait_until(lambda: condition(scaled_object(chain), "Ready").get("status") == "True", 60,
                "KEDA reports the ScaledObject Ready")
+    from kubernetes import client
+    hpa = client.AutoscalingV2Api(chain.api).read_namespaced_horizontal_pod_autoscaler(HPA, NAMESPACE)
+    assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (low, high)
+    assert hpa.spec.metrics[0].external.target.average_value == shipped["spec"]["triggers"][0]["metadata"]["threshold"]
+    assert hpa.spec.behavior.scale_down.stabilization_window_seconds == DOWN_WINDOW_S
     wait_until(lambda: sorted(chain.picker.endpoints()) == [f"{group_ip(g)}:8000" for g in range(low)], 90,
                f"the picker routes to {low} groups")
     chain.check_running()
