@@ -6,8 +6,8 @@ PodMonitor's rules, the actuator (stand-in for the LeaderWorkerSet controller an
 and the picker with Kubernetes discovery. Not part of `make test`: `make test-autoscaling`."""
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +84,11 @@ def apply_serving_objects(api, objects: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
+def chain():
     require_tools()
-    workdir = tmp_path_factory.mktemp("keda-chain")
+    # Not pytest's tmp_path: other pytest sessions on the machine prune those while this one runs.
+    workdir = Path(tempfile.mkdtemp(prefix="keda-chain-"))
+    print(f"\nlogs in {workdir}")
     certs = write_certificates(workdir)
     plane = ControlPlane(workdir, KUBE_APISERVER, ETCD, service_cidr="127.0.100.0/24",
                          extra_args=("--enable-aggregator-routing=false", *certs.apiserver_args)).start()
@@ -120,5 +122,5 @@ def chain(tmp_path_factory):
         if kcm is not None:
             stop_process(kcm)
         plane.stop()
-        if os.environ.get("KEEP_CHAIN_LOGS"):
-            print(f"\nlogs kept in {workdir}")
+        for data in (workdir / "etcd", workdir / "prometheus" / "data"):   # the logs stay
+            shutil.rmtree(data, ignore_errors=True)

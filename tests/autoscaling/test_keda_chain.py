@@ -71,11 +71,10 @@ def external_metric(chain: Chain) -> float | None:
     from kubernetes.client.exceptions import ApiException
     hpa = client.AutoscalingV2Api(chain.api).read_namespaced_horizontal_pod_autoscaler(HPA, NAMESPACE)
     name = hpa.spec.metrics[0].external.metric.name        # the metric KEDA named in its HPA
-    try:
-        reply = chain.api.call_api(
-            f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{NAMESPACE}/{name}", "GET",
-            query_params=[("labelSelector", "scaledobject.keda.sh/name=qwq-dist-v1")],
-            auth_settings=["BearerToken"], response_type="object", _return_http_data_only=True)
+    try:   # the external metrics API's path has the shape of a custom resource list
+        reply = client.CustomObjectsApi(chain.api).list_namespaced_custom_object(
+            "external.metrics.k8s.io", "v1beta1", NAMESPACE, name,
+            label_selector="scaledobject.keda.sh/name=qwq-dist-v1")
     except ApiException:
         return None
     value = reply["items"][0]["value"]
@@ -98,6 +97,9 @@ def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drai
     print("\nScaledObject changed for the local run: "
           + "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items())
           + f"; HPA sync {HPA_SYNC_S} s, scrape {SCRAPE}")
+    # Prometheus scrapes the running group with the PodMonitor's labels: the query has an answer.
+    query = shipped["spec"]["triggers"][0]["metadata"]["query"]
+    wait_until(lambda: chain.prometheus.query(query), 30, "Prometheus answers the ScaledObject's query")
     from validation.apiserver import ServerSideApply
     applied = time.monotonic()
     ServerSideApply(chain.api).apply(so, dry_run=False)
