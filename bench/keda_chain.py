@@ -28,9 +28,9 @@ def report(d: dict) -> list[str]:
            f"(Kubernetes discovery) by the test's stand-in for Envoy. The ScaledObject as rendered, but: {changes}; "
            "HPA sync 1 s, scrape 1 s. Seconds from each phase's start:", ""]
     rows = [["load rises (2 -> 11 in flight)", f"spec.replicas {t['spec_up_s']:.1f}", f"picker lists the new group "
-             f"{t['listed_s']:.1f}", f"first answer from it {t['served_s']:.1f}"],
+             f"{t['listed_s']:.1f}", f"first request sent to it {t['routed_s']:.1f}, answered {t['served_s']:.1f}"],
             ["Prometheus stopped, load falls", f"KEDA fallback active {t['fallback_s']:.1f}",
-             f"count held at {t['raised_to']}", ""],
+             f"count held at {t['raised_to']} (checked for window + period)", ""],
             ["Prometheus back (load low)", f"first group removed {t['first_down_s']:.1f}",
              f"minimum {t['min_s']:.1f}", f"removed group drained and gone {t['gone_s']:.1f}"]]
     return out + md_table(["phase", "", "", ""], rows) + [

@@ -132,11 +132,12 @@ def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drai
     wait_until(lambda: f"{group_ip(low)}:8000" in chain.picker.endpoints(), 60, "the picker lists the new group")
     t_listed = time.monotonic() - rise
     wait_until(lambda: served_by(load, group_ip(low), rise), 60, "a request served by the new group")
+    t_routed = min(o.started for o in served_by(load, group_ip(low), rise)) - rise
     t_served = min(o.ended for o in served_by(load, group_ip(low), rise)) - rise
     raised = chain.actuator.spec_replicas()
     assert low < raised <= min(high, math.ceil(HIGH / target)), raised
     print(f"rise: spec.replicas {low} -> {raised} after {t_spec:.1f} s, new group listed by the picker after "
-          f"{t_listed:.1f} s, first request answered by it after {t_served:.1f} s "
+          f"{t_listed:.1f} s, first request sent to it after {t_routed:.1f} s and answered by it after {t_served:.1f} s "
           f"(KEDA's metric {external_metric(chain)})")
     chain.check_running()
 
@@ -177,7 +178,7 @@ def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drai
     print(f"Prometheus back: first group removed after {first_down:.1f} s, minimum after {t_down:.1f} s, "
           f"last removed group gone after {t_gone:.1f} s; {len(load.outcomes)} requests, none failed")
     record_property("timeline", json.dumps({      # `python -m bench keda-chain` reads it
-        "spec_up_s": round(t_spec, 2), "listed_s": round(t_listed, 2), "served_s": round(t_served, 2),
+        "spec_up_s": round(t_spec, 2), "listed_s": round(t_listed, 2), "routed_s": round(t_routed, 2), "served_s": round(t_served, 2),
         "raised_to": raised, "fallback_s": round(t_fallback, 2), "first_down_s": round(first_down, 2),
         "min_s": round(t_down, 2), "gone_s": round(t_gone, 2), "requests": len(load.outcomes),
         "failed": len(failed), "changes": {k: list(v) for k, v in changes.items()}}))
