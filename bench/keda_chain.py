@@ -6,6 +6,7 @@ holds without Prometheus, how long the way down takes. Needs `make autoscaling-t
 from __future__ import annotations
 
 import json
+import re
 
 from bench.markdown import md_table
 from bench.robustness import _pytest
@@ -20,7 +21,9 @@ def run() -> dict:
 
 def report(d: dict) -> list[str]:
     t = d["timeline"]
-    changes = "; ".join(f"`{k}` {a} -> {b}" for k, (a, b) in t["changes"].items())
+    # The test's Prometheus listens on a free port: the address says where, not which port.
+    changes = "; ".join(f"`{k}` {a} -> {re.sub(r':[0-9]+$', ':<free port>', str(b))}"
+                        for k, (a, b) in t["changes"].items())
     out = [f"Command: `{d['command']}` ({d['wall_s']:.0f} s wall, load average {d['load_average_start']} at "
            "the start). The real KEDA (operator + metrics API server), kube-controller-manager's HPA controller "
            "and kube-apiserver, Debian's Prometheus; simulated groups started and stopped by the test's "
