@@ -29,14 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 import extproc_client as c
 from helpers import free_ports, start_app, until
 from loadtest.prompts import random_words
+from local.vllm_server import VllmServer
 from picker.app import App
 from picker.openai import parse_body
 from picker.scheduling.prefix import block_hashes
-from picker.signals.kvevents import (BlockRemoved, BlockStored, decode_payload, replay_request,
-                                     split_replay)
+from picker.signals.kvevents import (BlockRemoved, BlockStored, EventBatch, decode_payload,
+                                     replay_request, split_replay)
 from picker.signals.kvstate import STAT_FIELDS, chain_hashes
 from picker.tokenizer import ModelTokenizer
-from local.vllm_server import VllmServer
 from vllm_engines import running, tiny_model_dir
 
 BLOCK = 128                 # the CPU backend's block size
@@ -99,20 +99,20 @@ async def serve(address: str, body: dict, path: str = CHAT) -> int:
     return int(after[HITS] - before[HITS])
 
 
-def engine_history(server: VllmServer) -> list:
-    """Every event the engine published since it started, from its replay socket."""
+def engine_history(server: VllmServer) -> list[EventBatch]:
+    """Every batch of events the engine published since it started, from its replay socket."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{server.host}:{server.kv_replay_port}")
     try:
         sock.send_multipart(replay_request(0))
-        events = []
+        batches = []
         while True:
             assert sock.poll(TIMEOUT * 1000), "the replay socket did not finish its answer"
             item = split_replay(sock.recv_multipart())
             if item is None:
-                return events
-            events += decode_payload(item[1]).events
+                return batches
+            batches.append(decode_payload(item[1]))
     finally:
         sock.close()
 
@@ -155,6 +155,12 @@ def approximate_blocks(app: App, body: dict, address: str) -> tuple[int, int]:
     hashes = block_hashes("qwq", parse_body(json.dumps(body).encode()).prompt,
                           profile.block_size_tokens, profile.max_prefix_blocks)
     return app.router.prefix.match(hashes).get(address, 0), len(hashes)
+
+
+def kv_counters(app: App, address: str) -> dict[str, float]:
+    """The picker's KV-event counters for one endpoint (empty until the first status)."""
+    status = app.router.precise.status.get(address)
+    return dict(zip(STAT_FIELDS, status[3])) if status else {}
 
 
 def common_prefix(x: list[int], y: list[int]) -> int:
@@ -216,6 +222,7 @@ async def test_engine_eviction_misleads_the_approximate_index_not_precise_routin
             assert to_precise == to_approx == a
             assert await serve(a, first) == 0
         await until(lambda: all(index.holds(h, a) for h in tenant_chain), timeout=TIMEOUT)
+        assert index.block_size[a] == BLOCK    # learnt from the events (nothing before them)
         held, blocks = approximate_blocks(approx_app, first, a)
         assert held == blocks > 0
 
@@ -226,13 +233,15 @@ async def test_engine_eviction_misleads_the_approximate_index_not_precise_routin
                                    "prompt": random_words(rng, size)}, "/v1/completions") == 0
         await until(lambda: not any(index.holds(h, a) for h in tenant_chain), timeout=TIMEOUT)
         history = await asyncio.to_thread(engine_history, servers[0])
-        stored_on_a = engine_chain(history, first_ids)
-        removed = {h for ev in history if isinstance(ev, BlockRemoved) for h in ev.block_hashes}
+        events = [ev for batch in history for ev in batch.events]
+        stored_on_a = engine_chain(events, first_ids)
+        removed = {h for ev in events if isinstance(ev, BlockRemoved) for h in ev.block_hashes}
         assert len(stored_on_a) == len(tenant_chain) >= 5
         assert set(stored_on_a) <= removed, "A's engine did not report evicting the prefix"
-        await until(lambda: a in precise_app.router.precise.status, timeout=TIMEOUT)
-        overflow = precise_app.router.precise.status[a][3][STAT_FIELDS.index("overflow")]
-        assert overflow == 0, "the picker's capacity cap evicted, not the engine's events"
+        await until(lambda: kv_counters(precise_app, a).get("batches", 0) >= len(history),
+                    timeout=TIMEOUT)           # the counters come every KV_STATUS_INTERVAL
+        assert kv_counters(precise_app, a)["overflow"] == 0, \
+            "the picker's capacity cap dropped blocks: the engine's events alone must evict"
         assert approximate_blocks(approx_app, first, a) == (blocks, blocks), \
             "the approximate index was expected to keep the prefix on A"
 
