@@ -101,14 +101,18 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_OPERATOR) github.com/kedacore/keda/v2/cmd/operator && \
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
-.PHONY: apiserver-tools test-apiserver autoscaling-tools
+.PHONY: apiserver-tools test-apiserver autoscaling-tools test-autoscaling
 apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
-# KEDA's two binaries for running the whole chain (KEDA -> HPA -> LeaderWorkerSet) by hand beside the
-# test API server; no test runs KEDA yet (tests/apiserver/test_hpa.py stands in for its metrics
-# API server), so `make test` does not build them.
+# KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
+# KEDA -> HPA -> LeaderWorkerSet -> simulated groups -> the picker). Not part of `make test`: the
+# KEDA build is long on a cold cache (tests/apiserver/test_hpa.py, in `make test`, stands in for
+# KEDA's metrics API server instead).
 autoscaling-tools: apiserver-tools $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
+
+test-autoscaling: setup autoscaling-tools ## the whole autoscaling chain on loopback with the real KEDA, HPA controller and Prometheus (~3 min; builds KEDA first)
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q -s tests/autoscaling
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
