@@ -89,8 +89,20 @@ def token_budget_report(d: dict) -> list[str]:
         s = f["streamed"]
         rows.append([f"{s['workers']} concurrent streams", s["budget"], s["served"], s["charged"],
                      s["overshoot"], "every stream's next request", f"{s['bound']} (workers x largest charge)"])
-    return out + md_table(["load", "budget (tokens)", "requests served", "tokens charged",
-                           "beyond the budget", "first refusal", "bound"], rows)
+    out += md_table(["load", "budget (tokens)", "requests served", "tokens charged",
+                     "beyond the budget", "first refusal", "bound"], rows)
+    if "window_edge" in f:
+        w = f["window_edge"]
+        out += ["", f"Fixed windows: a budget of {w['budget']} tokens per {w['unit'].lower()}, spent from second 50 "
+                    f"of a minute ({w['first_window']} tokens) and again as the next minute began "
+                    f"({w['second_window']}): {w['spent']} tokens within {w['span_s']} s, "
+                    f"{w['spent'] / w['budget']:.2f} budgets (the bound: 2 budgets plus the request that crosses each)."]
+    limits = [(k.removeprefix("request_limit_"), v) for k, v in sorted(f.items()) if k.startswith("request_limit_")]
+    if limits:
+        out += ["", "The request rate limit beside the budget (a burst at once, budget not reached): "
+                + "; ".join(f"{name}: {v['sent']} sent, {v['served']} served, {v['refused']} refused with "
+                            f"`{v['body']}`" for name, v in limits) + "."]
+    return out
 
 def soak_report(d: dict) -> list[str]:
     rounds = d["rounds"]

@@ -20,7 +20,6 @@ cluster gets.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from lab.simulation import _ARRIVAL, _DOWN, _STEP_DONE, _UP, Lab, LabConfig
+from lab.simulation import _ARRIVAL, _DOWN, _UP, Lab, LabConfig
 from local.sim.engine import Engine
 
 _SCRAPE, _SYNC, _READY = 10, 11, 12
@@ -187,42 +186,38 @@ class ScalingLab(Lab):
         self.timeline.append((self.now, self.replicas,
                               sum(s == "serving" for s in self.state), self.signal))
 
-    # ----- main loop -----------------------------------------------------------------------
+    # ----- the lab's event loop, with the scaler's events ----------------------------------
 
-    def run(self):
+    def _schedule(self) -> None:
         self.policy.start(self.endpoints, lambda: self.now, self.rng)
         self._available()
-        arrivals = self._arrival_times()
-        for req, t in zip(self.requests, arrivals):
+        for req, t in zip(self.requests, self._arrival_times()):
             self._push(t, _ARRIVAL, req)
         if self.hpa:       # each tick schedules the next while requests are outstanding
             self._push(1e-6, _SCRAPE, None)
             self._push(2e-6, _SYNC, None)
-        events = self.events
-        while events:
-            t, _, kind, obj = heapq.heappop(events)
-            self.now = t
-            if kind == _STEP_DONE:
-                self._deliver(*obj)
-            elif kind == _ARRIVAL:
-                self.pending.append(obj)
-                self._send_pending()
-            elif kind == _SCRAPE:
-                self._scrape()
-                if not self._done():
-                    self._push(t + self.scaler.scrape_s, _SCRAPE, None)
-            elif kind == _SYNC:
-                self._sync()
-                if not self._done():
-                    self._push(t + self.scaler.sync_s, _SYNC, None)
-            elif kind == _READY:
-                self._ready(*obj)
-            elif kind in (_DOWN, _UP):
-                raise ValueError("outages are not modelled with scaling")
+
+    def _handle(self, kind: int, obj) -> None:
+        if kind == _SCRAPE:
+            self._scrape()
+            if not self._done():
+                self._push(self.now + self.scaler.scrape_s, _SCRAPE, None)
+        elif kind == _SYNC:
+            self._sync()
+            if not self._done():
+                self._push(self.now + self.scaler.sync_s, _SYNC, None)
+        elif kind == _READY:
+            self._ready(*obj)
+        elif kind in (_DOWN, _UP):
+            raise ValueError("outages are not modelled with scaling")
+        else:
+            super()._handle(kind, obj)
+
+    def _result(self):
         for ep in self.endpoints:
             if self.billed_since[ep.index] is not None:
                 self._stop_billing(ep)
-        run = self._result()
+        run = super()._result()
         run.summary.update(group_hours=self.group_seconds / 3600.0)
         return run
 

@@ -308,32 +308,42 @@ class Lab:
     # ----- main loop -----------------------------------------------------------------------
 
     def run(self) -> LabRun:
+        self._schedule()
+        events = self.events
+        while events:
+            t, _, kind, obj = heapq.heappop(events)
+            self.now = t
+            self._handle(kind, obj)
+            self._arm_wake()
+        return self._result()
+
+    def _schedule(self) -> None:
+        """The run's first events: the policy starts, every arrival and outage is queued."""
         self.policy.start(self.endpoints, lambda: self.now, self.rng)
         for req, t in zip(self.requests, self._arrival_times()):
             self._push(t, _ARRIVAL, req)
         for index, down_at, up_at in self.config.outages:
             self._push(down_at, _DOWN, self.endpoints[index])
             self._push(up_at, _UP, self.endpoints[index])
-        events = self.events
-        while events:
-            t, _, kind, obj = heapq.heappop(events)
-            self.now = t
-            if kind == _STEP_DONE:
-                self._deliver(*obj)
-            elif kind == _DOWN:
-                self._down(obj)
-            elif kind == _UP:
-                self._up(obj)
-            elif kind == _WAKE:
-                if obj != self.wake_at:
-                    continue   # superseded by an earlier wake-up
-                self.wake_at = None
-                self._wake()
-            else:
-                self.pending.append(obj)
-                self._send_pending()
-            self._arm_wake()
-        return self._result()
+
+    def _handle(self, kind: int, obj) -> None:
+        """One event at `self.now`; a subclass adds its own kinds and passes the rest here."""
+        if kind == _STEP_DONE:
+            self._deliver(*obj)
+        elif kind == _DOWN:
+            self._down(obj)
+        elif kind == _UP:
+            self._up(obj)
+        elif kind == _WAKE:
+            if obj != self.wake_at:
+                return   # superseded by an earlier wake-up
+            self.wake_at = None
+            self._wake()
+        elif kind == _ARRIVAL:
+            self.pending.append(obj)
+            self._send_pending()
+        else:
+            raise ValueError(f"unknown lab event kind {kind}")
 
     def _result(self) -> LabRun:
         cfg = self.config

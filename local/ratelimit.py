@@ -95,7 +95,14 @@ def envoy_gateway_settings(ports: Ports) -> dict:
     service's configuration). The URL is what a cluster would name; the Host provider never uses it
     (the service gets REDIS_URL above) but Envoy Gateway requires a parseable one."""
     return {"rateLimit": {"backend": {"type": "Redis", "redis": {"url": f"localhost:{ports.redis}"}},
-                          "failClosed": True}}
+                          "failClosed": True, "timeout": cluster_settings()["timeout"]}}
+
+
+def cluster_settings() -> dict:
+    """The rate limit settings argocd/apps/envoy-gateway.yaml gives Envoy Gateway in the cluster."""
+    import yaml
+    app = yaml.safe_load((REPO / "argocd" / "apps" / "envoy-gateway.yaml").read_text())
+    return app["spec"]["source"]["helm"]["valuesObject"]["config"]["envoyGateway"]["rateLimit"]
 
 
 def cluster_patch(gateway: dict, certs: Path, ports: Ports) -> dict:

@@ -75,16 +75,37 @@ def listeners_strip_endpoint_headers(objs):
     """Client-sent x-gateway-destination-endpoint* headers are removed before any filter runs."""
     problems = []
     for listener in _listeners(objs):
-        removed = set()
-        for p in of_kind(objs, "ClientTrafficPolicy"):
-            if _covers(p, listener):
-                early = (((p.get("spec") or {}).get("headers") or {}).get("earlyRequestHeaders") or {})
-                removed.update(h.lower() for h in early.get("remove") or [])
+        removed = _early_removed(objs, listener)
         missing = [h for h in ENDPOINT_HEADERS if h not in removed]
         if missing:
             problems.append(f"Gateway {GATEWAY} listener {listener!r}: no ClientTrafficPolicy "
                             f"spec.headers.earlyRequestHeaders.remove lists {missing}, so a client "
                             f"can choose its backend")
+    return problems
+
+
+def _early_removed(objs, listener: str) -> set[str]:
+    removed = set()
+    for p in of_kind(objs, "ClientTrafficPolicy"):
+        if _covers(p, listener):
+            early = (((p.get("spec") or {}).get("headers") or {}).get("earlyRequestHeaders") or {})
+            removed.update(h.lower() for h in early.get("remove") or [])
+    return removed
+
+
+def listeners_strip_client_id(objs):
+    """The client id header (apiKeyAuth.forwardClientIDHeader) is removed from client requests before
+    any filter runs: only authentication names the client. Otherwise, while the key Secret is missing
+    (no API-key filter runs), a client could name itself, pass the check that refuses requests no key
+    authenticated (components/token-budget) and reach the picker, under another client's limits."""
+    problems = []
+    for listener in _listeners(objs):
+        for p in of_kind(objs, "SecurityPolicy"):
+            header = (((p.get("spec") or {}).get("apiKeyAuth") or {}).get("forwardClientIDHeader") or "").lower()
+            if _covers(p, listener) and header and header not in _early_removed(objs, listener):
+                problems.append(f"Gateway {GATEWAY} listener {listener!r}: no ClientTrafficPolicy "
+                                f"spec.headers.earlyRequestHeaders.remove lists {header!r} ({describe(p)} "
+                                f"forwards the client id in it), so a client can name itself")
     return problems
 
 
@@ -238,8 +259,8 @@ def _self_signed() -> dict[str, str]:
                                          serialization.NoEncryption()).decode()}
 
 
-EDGE_CHECKS = [listeners_authenticate, listeners_strip_endpoint_headers, listeners_limit_connections,
-               routes_rate_limit, listeners_use_tls, picker_hop_verified]
+EDGE_CHECKS = [listeners_authenticate, listeners_strip_endpoint_headers, listeners_strip_client_id,
+               listeners_limit_connections, routes_rate_limit, listeners_use_tls, picker_hop_verified]
 # what an Argo CD app's path must hold unless the app opts in to an open Gateway
 CLOSED_CHECKS = [listeners_authenticate, routes_rate_limit]
 # every overlay (components/healthy-backends is part of every overlay)

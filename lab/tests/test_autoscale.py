@@ -66,10 +66,10 @@ def burst_then_quiet(n=24, gap=2.0, output_tokens=400):
     return [{"prompt_tokens": 600, "output_tokens": output_tokens, "arrival_time": i * gap} for i in range(n)]
 
 
-def run(requests, scaler, initial, startup_s=120.0, engines=None):
+def run(requests, scaler, initial, startup_s=120.0, engines=None, policy="least-request"):
     config = LabConfig(num_engines=engines or (2 * scaler.max_groups if scaler else initial),
                        concurrency=None, seed=0)
-    lab = ScalingLab(requests, make_policy("least-request"), config, scaler, initial, startup_s)
+    lab = ScalingLab(requests, make_policy(policy), config, scaler, initial, startup_s)
     return lab, lab.run()
 
 
@@ -79,6 +79,14 @@ def test_fixed_pool_bills_every_group_for_the_whole_run(tmp_path):
     end = max(s.end for s in result.samples)
     assert result.summary["completed"] == len(requests) and result.summary["failed"] == 0
     assert result.summary["group_hours"] == pytest.approx(2 * end / 3600)
+
+
+def test_a_policy_that_holds_requests_runs_with_scaling(tmp_path):
+    """Flow control holds a burst in the picker while a small pool is saturated: the scaling lab
+    runs the same event loop as the lab, so the held requests are woken and all complete."""
+    requests = trace_requests(tmp_path, burst_then_quiet(n=40, gap=0.1, output_tokens=800))
+    lab, result = run(requests, None, 1, policy="picker-flow")
+    assert result.summary["completed"] == 40 and result.summary["failed"] == 0
 
 
 def test_scaler_adds_groups_after_the_startup_delay_and_drains_them_without_failures(tmp_path):

@@ -1,8 +1,8 @@
 """Bad input at the edge through the real Envoy (the local stack renders components/edge-security as
 the cluster has it): oversized headers, a header flood, invalid keys at a high rate, keys in the
-query string and slow clients. Each is refused early with the right status, and neither the picker
-nor any simulated vLLM sees it (the picker's decision log and Envoy's upstream request counts stay
-as they were). Figures go to `record_property` for `python -m bench edge-abuse`."""
+query string and slow clients (cut at the listeners' request timeout, waited for). Each is refused
+early with the right status, and neither the picker nor any simulated vLLM sees it (the picker's
+decision log and Envoy's upstream request counts stay as they were). Figures go to `record_property` for `python -m bench edge-abuse`."""
 
 from __future__ import annotations
 
@@ -92,33 +92,78 @@ async def test_a_key_in_the_query_string_is_401(stack, listener, record_property
     record_property(f"query_key_{listener}", f"sent {len(targets)}: {dict(statuses)}")
 
 
-async def test_slow_clients_hold_nothing_but_their_connection(stack, record_property):
-    """Slowloris: 50 connections sending a request's headers a few bytes at a time. None reaches the
-    picker or a backend while it dribbles; a normal client is served meanwhile; Envoy cuts them at
-    the ClientTrafficPolicy's requestReceivedTimeout (60 s, checked by make validate) rather than
-    here (the test does not wait that long)."""
-    slow = []
+def request_received_timeout(stack) -> float:
+    """The listeners' requestReceivedTimeout (s) as the stack rendered it from the cluster's manifests."""
+    from validation.manifests import seconds
+    ctp = next(d for d in stack.topology.gateway if d.get("kind") == "ClientTrafficPolicy")
+    return seconds(ctp["spec"]["timeout"]["http"]["requestReceivedTimeout"])
+
+
+async def read_until_closed(reader: asyncio.StreamReader) -> tuple[float, bytes]:
+    """(when the first byte came, everything the server sent) until it closes the connection (or
+    resets it: Envoy does when a client keeps writing to a connection it has answered)."""
+    data, first = b"", None
+    try:
+        while chunk := await reader.read(4096):
+            first = first or time.monotonic()
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return first or time.monotonic(), data
+
+
+async def dribble(host: str, port: int, key: str, every: float, give_up: float) -> tuple[float, float, bytes]:
+    """A slowloris client: a request line, then one header line every `every` s, never the end of the
+    headers. Returns (seconds until Envoy answered, until it closed the connection, what it
+    answered); (give_up, give_up, b"") if it was still open then."""
+    reader, writer = await asyncio.open_connection(host, port)
+    start = time.monotonic()
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n".encode())
+    answer = asyncio.ensure_future(read_until_closed(reader))
+    try:
+        while not answer.done() and time.monotonic() - start < give_up:
+            try:
+                writer.write(b"x-slow: a\r\n")
+                await writer.drain()
+            except ConnectionError:
+                await answer
+                break
+            await asyncio.wait([answer], timeout=every)
+        if not answer.done():
+            return give_up, give_up, b""
+        answered, data = answer.result()
+        return answered - start, time.monotonic() - start, data
+    finally:
+        answer.cancel()
+        writer.close()
+
+
+async def test_slow_clients_are_cut_at_the_request_timeout(stack, record_property):
+    """Slowloris: 50 connections sending a request's headers a line every second, never finishing
+    them. None reaches the picker or a backend while it dribbles, a normal client is served
+    meanwhile, and Envoy cuts every one at the ClientTrafficPolicy's requestReceivedTimeout (the
+    cluster's 60 s, rendered from the same manifest; make validate checks the generated Envoy
+    config holds it) with 408: the test waits for it."""
+    limit = request_received_timeout(stack)
     key = stack.api_key("user")
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {stack.api_key('loadtest')}"}) as session:
         decisions, upstream = len(picker_decisions(stack)), await envoy_upstream_requests(session, stack)
-        for i in range(50):
-            reader, writer = await asyncio.open_connection("127.0.0.1", stack.llm_port if i % 2 else stack.http_port)
-            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n".encode())
-            await writer.drain()
-            slow.append(writer)
-        for _ in range(3):  # keep dribbling header bytes
-            for w in slow:
-                w.write(b"x-slow: a\r\n")
-                await w.drain()
-            await asyncio.sleep(0.5)
+        slow = [asyncio.ensure_future(dribble("127.0.0.1", stack.llm_port if i % 2 else stack.http_port, key,
+                                              every=1.0, give_up=limit + 30)) for i in range(50)]
+        await asyncio.sleep(3)
         async with session.post(url(stack, "llm-gw"), json=BODY) as r:
             assert r.status == 200, await r.text()
+        cuts = await asyncio.gather(*slow)
         await asyncio.sleep(0.5)
         assert len(picker_decisions(stack)) == decisions + 1  # only the normal client's request
         after = await envoy_upstream_requests(session, stack)
         assert sum(after.values()) == sum(upstream.values()) + 1
-    open_now = sum(not w.is_closing() for w in slow)
-    for w in slow:
-        w.close()
-    record_property("slowloris", f"50 slow connections open for 1.5 s: {open_now} still open, 0 reached the "
-                                 f"picker or a backend; a normal request served meanwhile")
+    answered, closed = sorted(a for a, _, _ in cuts), sorted(c for _, c, _ in cuts)
+    statuses = Counter(answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"
+                       for _, _, answer in cuts)
+    assert statuses == Counter({"408": 50}), statuses
+    assert limit - 0.5 <= answered[0] and closed[-1] <= limit + 5, (answered, closed)
+    record_property("slowloris", f"50 connections dribbling a header line a second: all answered {dict(statuses)} "
+                                 f"by Envoy after {answered[0]:.1f}-{answered[-1]:.1f} s (requestReceivedTimeout "
+                                 f"{limit:g} s) and closed by {closed[-1]:.1f} s; 0 reached the picker or a backend; "
+                                 f"a normal request served meanwhile")

@@ -114,8 +114,10 @@ async def _ext_proc_tls(stack) -> dict[str, int]:
 async def test_a_deleted_api_key_secret_fails_closed(stack):
     """The key Secret removed from a running Gateway (as if nobody had created it): Envoy Gateway marks
     the SecurityPolicy invalid and Envoy answers 500 on both listeners, for every key, and no request
-    reaches a backend. (On 8081 the picker still decides: its ext_proc filter runs before the route's
-    direct 500.) With the Secret back, the same key works again."""
+    reaches a backend. (This stack has no components/token-budget, so on 8081 the picker still decides:
+    its ext_proc filter runs before the route's direct 500. overlays/a10 has the budget, whose filter
+    refuses those requests before the picker: test_e2e_token_budget.py.) With the Secret back, the
+    same key works again."""
     import aiohttp
 
     from local import dataplane

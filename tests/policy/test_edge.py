@@ -52,6 +52,14 @@ def test_endpoint_header_kept_is_caught():
     assert len(problems) == 2 and all("can choose its backend" in p for p in problems)
 
 
+def test_client_id_kept_is_caught():
+    objs = rendered(OVERLAY)
+    find(objs, "ClientTrafficPolicy")["spec"]["headers"]["earlyRequestHeaders"]["remove"].remove("x-client-id")
+    problems = edge.listeners_strip_client_id(objs)
+    assert len(problems) == 2 and all("'x-client-id'" in p and "can name itself" in p for p in problems), problems
+    assert edge.listeners_strip_client_id(rendered(OVERLAY)) == []
+
+
 def test_no_connection_limit_is_caught():
     objs = rendered(OVERLAY)
     del find(objs, "ClientTrafficPolicy")["spec"]["connection"]["connectionLimit"]
