@@ -96,6 +96,15 @@ def test_the_agreed_endpoint_is_skipped_when_far_more_loaded():
     assert first_endpoint(r, 0) != agreed
 
 
+def test_the_tolerance_lets_the_agreed_endpoint_win_though_a_little_busier():
+    agreed = first_endpoint(router(1), 0)
+    busier = metrics_text(waiting=1, running=1, block_size=BS, num_blocks=4000, kv=0.15)
+    for tolerance, wins in ((0.0, False), (7.0, True)):
+        r = router(1, ColdPrefixSettings(tolerance, 4))
+        r.on_scrape_ok(agreed, busier)
+        assert (first_endpoint(r, 0) == agreed) is wins
+
+
 def test_weights_are_stable_and_the_key_names_the_leading_blocks():
     assert weight(7, "10.0.0.1:8000") == weight(7, "10.0.0.1:8000")
     assert weight(7, "10.0.0.1:8000") != weight(8, "10.0.0.1:8000")
