@@ -390,3 +390,14 @@ def test_holdback_flags_and_the_default_at_bound():
             parse_args(base + bad)
     with pytest.raises(ValueError):
         FlowSettings(at_bound="later")
+
+
+def test_a_newcomer_is_tried_at_once_only_if_it_may_use_the_reserve_the_head_leaves():
+    router, flow, clock, _ = flow_router(waiting=3)
+    served = []
+    flow.submit(info(prompt="first", client="heavy"), lambda o: served.append("first"))
+    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.75), clock())  # no pump yet
+    flow.submit(info(prompt="second", client="heavy"), lambda o: served.append("second"))
+    assert served == []   # one client: nothing holds back, the queue waits for the next pump
+    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
+    assert served == ["light"]   # the heavy head leaves the reserve, the light request takes it

@@ -113,8 +113,8 @@ class FlowControl:
         held.notify = notify
         if self.metrics is not None:
             self.metrics.flow_held.labels(str(priority)).inc()
-        if not first and (self.queue.peek() is held or not self._holds_back(held, now)):
-            self.pump()   # ahead of the others, or it may use the reserve they leave: try it now
+        if not first and (self.queue.peek() is held or self._may_pass_head(held, now)):
+            self.pump()   # ahead of the others, or it may use the reserve the head leaves
         self.publish()
         return held
 
@@ -174,6 +174,10 @@ class FlowControl:
 
     def _holds_back(self, h: Held, now: float) -> bool:
         return self.arrivals.must_hold_back(now, h.priority, h.client)
+
+    def _may_pass_head(self, h: Held, now: float) -> bool:
+        head = self.queue.peek()
+        return self._holds_back(head, now) and not self._holds_back(h, now)
 
     def _reserve_user(self, now: float) -> Held | None:
         """The first waiting request, in dispatch order, that may use the reserve."""
