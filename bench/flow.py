@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from bench.common import load_average, save, stamp
+from picker import defaults
 from lab.stats import mean
 
 LIGHT, HEAVY = 0.15, 1.5               # fractions of capacity: 10x the rate, 1.65x in all
@@ -62,7 +63,7 @@ def _requests(seed: int, streams: list[tuple[str, str | None, float, int]]):
 
 def _policies(priorities: bool = False):
     """The picker without and with flow control; for priorities also with `--flow-at-bound
-    reject` (a held request is refused at its age bound instead of joining an engine's queue)."""
+    reject` (a held request is always refused at its age bound)."""
     from lab.picker_policy import PickerPolicy
     from picker.discovery.objects import Objective
     from picker.flowcontrol.controller import FlowSettings
@@ -71,7 +72,7 @@ def _policies(priorities: bool = False):
            "picker-flow": lambda: PickerPolicy("default", flow=True, objectives=objectives)}
     if priorities:
         out["picker-flow, reject at bound"] = lambda: PickerPolicy(
-            "default", objectives=objectives, flow_settings=FlowSettings(dispatch_at_bound=False))
+            "default", objectives=objectives, flow_settings=FlowSettings(at_bound="reject"))
     return out
 
 
@@ -138,8 +139,11 @@ def report(d: dict) -> list[str]:
     lines = [f"Command: `{d['command']}` (lab, seeds {' '.join(map(str, d['seeds']))}, 3 A10 groups, open "
              f"loop, the article's prompts; capacity = least request's closed-loop request throughput). "
              "Means over seeds; TTFT over completed requests. The picker's flow-control defaults: 30 s age "
-             "bound, then `--flow-at-bound dispatch` (the request goes to an engine's queue, so none fail); "
-             "`reject at bound`: refused with 503 there instead.", "",
+             f"bound, then `--flow-at-bound {defaults.FLOW_AT_BOUND}` (dispatch-uncontested: sent to an engine's "
+             "queue when no other band or client is active, else refused with 503); a "
+             f"{defaults.FLOW_HOLDBACK:g} KV reserve (`--flow-holdback`) left free by a "
+             "lower band while a higher one is active and by a client over its share of its band. `reject at "
+             "bound`: always refused with 503 there.", "",
              f"**Fairness**: a light client ({LIGHT:g}x capacity) and a heavy one ({HEAVY:g}x), same priority. Target: the "
              "light client's mean TTFT within 1.5x of what it gets alone.", "",
              "| policy | light alone: mean TTFT ms | light with heavy | ratio | heavy mean TTFT | "

@@ -8,8 +8,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (autoscale, coldstart, crosscheck, demo, flow, kv_http, kv_suites, lab_suites, phases,
-                   robustness, validation_time, vllm_engine)
+from bench import (autoscale, coldstart, crosscheck, demo, flow, keda_chain, kv_http, kv_suites, lab_suites,
+                   phases, robustness, validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -53,6 +53,10 @@ BENCHMARKS = [
               lambda a: autoscale.run_autoscale(a.seeds, name="autoscale-day", hours=24, pools=(5, 6)),
               titled("Autoscaling over a whole 24 h day: 5 and 6 fixed groups vs the shipped scaler",
                      autoscale.report)),
+    Benchmark("keda-chain", "tests/autoscaling/test_keda_chain.py: Prometheus -> KEDA -> HPA -> LeaderWorkerSet "
+              "-> simulated groups -> the picker on loopback, the timeline up, without Prometheus and down "
+              "(needs make autoscaling-tools)", lambda a: keda_chain.run(),
+              titled("Autoscaling chain on the real KEDA, HPA controller and Prometheus", keda_chain.report)),
     Benchmark("crosscheck", "python -m local.stack demo and the same workload in the lab, side by side",
               lambda a: crosscheck.main(a.seed, a.seeds, a.speedup),
               titled("Scaled HTTP comparison and the lab cross-check", crosscheck.section_lines)),

@@ -85,7 +85,7 @@ def make_policy(name: str, **options) -> Policy:
     if name == "picker-flow-reject":  # --flow-at-bound reject: refused at the age bound
         from lab.picker_policy import PickerPolicy
         from picker.flowcontrol.controller import FlowSettings
-        policy = PickerPolicy("default", flow_settings=FlowSettings(dispatch_at_bound=False), **options)
+        policy = PickerPolicy("default", flow_settings=FlowSettings(at_bound="reject"), **options)
         policy.name = name
         return policy
     if name == "picker-flow" or name.startswith("picker-flow:"):

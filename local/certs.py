@@ -67,8 +67,10 @@ def new_ca(common_name: str = "local-stack throw-away CA"):
     return key, cert
 
 
-def issue(ca_key, ca_cert, dns_names: list[str], ips: list[str]) -> tuple[bytes, bytes]:
-    """(key PEM, certificate PEM) of a server certificate signed by the CA."""
+def issue(ca_key, ca_cert, dns_names: list[str], ips: list[str],
+          usages: tuple = (ExtendedKeyUsageOID.SERVER_AUTH,)) -> tuple[bytes, bytes]:
+    """(key PEM, certificate PEM) of a certificate signed by the CA, for `usages` (server by
+    default; the first DNS name is its common name)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     sans = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
@@ -77,7 +79,7 @@ def issue(ca_key, ca_cert, dns_names: list[str], ips: list[str]) -> tuple[bytes,
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALIDITY)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return _pem_key(key), _pem(cert)
 

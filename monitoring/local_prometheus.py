@@ -99,6 +99,59 @@ def scrape_jobs(monitor: dict, targets: list[Target], interval: str, listeners: 
     return jobs
 
 
+def _label_name(label: str) -> str:
+    """A Kubernetes label as Prometheus' pod discovery names it (`__meta_kubernetes_pod_label_<...>`)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+def pod_discovery_jobs(monitor: dict, targets_file: str, interval: str) -> list[dict]:
+    """The monitor's scrape jobs over discovered pods instead of static targets, with the
+    selection the Prometheus Operator writes: the pods its selector picks, on the named port,
+    Failed and Succeeded pods dropped. The targets come from `targets_file` (file_sd), in which
+    each pod carries the `__meta_kubernetes_*` labels of Prometheus' pod discovery (Debian's
+    Prometheus is built without kubernetes_sd_configs)."""
+    selector = monitor["spec"]["selector"].get("matchLabels", {})
+    jobs = scrape_jobs(monitor, [], interval)
+    for job, ep in zip(jobs, monitor["spec"]["podMetricsEndpoints"]):
+        del job["static_configs"]
+        job["file_sd_configs"] = [{"files": [targets_file]}]
+        keep = [{"action": "keep", "regex": f"{value};true",
+                 "source_labels": [f"__meta_kubernetes_pod_label_{_label_name(key)}",
+                                   f"__meta_kubernetes_pod_labelpresent_{_label_name(key)}"]}
+                for key, value in sorted(selector.items())]
+        keep.append({"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"})
+        if ep.get("port"):
+            keep.append({"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                         "regex": ep["port"]})
+        job["relabel_configs"] = keep + job["relabel_configs"]
+    return jobs
+
+
+def pod_discovery_targets(pods: list[dict]) -> list[dict]:
+    """file_sd groups for pods (API objects), labelled as Prometheus' pod discovery labels them:
+    one target per declared container port of each pod that has an IP."""
+    groups = []
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if not status.get("podIP"):
+            continue
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        labels = {"__meta_kubernetes_namespace": meta["namespace"], "__meta_kubernetes_pod_name": meta["name"],
+                  "__meta_kubernetes_pod_phase": status.get("phase", ""),
+                  "__meta_kubernetes_pod_ready": str(ready).lower(),
+                  "__meta_kubernetes_pod_ip": status["podIP"]}
+        for key, value in (meta.get("labels") or {}).items():
+            labels[f"__meta_kubernetes_pod_label_{_label_name(key)}"] = value
+            labels[f"__meta_kubernetes_pod_labelpresent_{_label_name(key)}"] = "true"
+        for container in pod["spec"]["containers"]:
+            for port in container.get("ports") or []:
+                groups.append({"targets": [f"{status['podIP']}:{port['containerPort']}"], "labels": {
+                    **labels, "__meta_kubernetes_pod_container_name": container["name"],
+                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}})
+    return groups
+
+
 def stack_targets(stack: Stack) -> dict[str, list[Target]]:
     """Monitor name -> the local processes standing in for the pods it selects."""
     config, index, sims = stack.config, {}, []

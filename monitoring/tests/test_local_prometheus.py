@@ -48,3 +48,26 @@ def test_a_running_stack_becomes_targets_named_like_the_pods(tmp_path):
 def test_no_running_stack_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="make up"):
         local_prometheus.running_stack("absent", tmp_path)
+
+
+def test_discovered_pods_carry_the_pod_discovery_labels_the_operator_rules_select_on():
+    monitor = {"metadata": {"name": "vllm-leaders", "namespace": "llm"},
+               "spec": {"selector": {"matchLabels": {"app": "distributed-serving", "role": "leader"}},
+                        "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]}}
+    (job,) = local_prometheus.pod_discovery_jobs(monitor, "/tmp/pods.json", "1s")
+    assert job["file_sd_configs"] == [{"files": ["/tmp/pods.json"]}] and "static_configs" not in job
+    keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    assert [r["regex"] for r in keeps] == ["distributed-serving;true", "leader;true", "http"]
+    pod = {"metadata": {"name": "qwq-dist-v1-0", "namespace": "llm",
+                        "labels": {"app": "distributed-serving", "leaderworkerset.sigs.k8s.io/name": "qwq-dist-v1"}},
+           "spec": {"containers": [{"name": "vllm", "ports": [{"name": "http", "containerPort": 8000},
+                                                              {"name": "kv-events", "containerPort": 5557}]}]},
+           "status": {"phase": "Running", "podIP": "10.1.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+    no_ip = {"metadata": {"name": "new", "namespace": "llm"}, "spec": pod["spec"], "status": {"phase": "Pending"}}
+    groups = local_prometheus.pod_discovery_targets([pod, no_ip])
+    assert [g["targets"] for g in groups] == [["10.1.0.1:8000"], ["10.1.0.1:5557"]]
+    labels = groups[0]["labels"]
+    assert labels["__meta_kubernetes_pod_label_leaderworkerset_sigs_k8s_io_name"] == "qwq-dist-v1"
+    assert labels["__meta_kubernetes_pod_labelpresent_app"] == "true"
+    assert labels["__meta_kubernetes_pod_container_port_name"] == "http"
+    assert labels["__meta_kubernetes_pod_ready"] == "true" and labels["__meta_kubernetes_pod_name"] == "qwq-dist-v1-0"

@@ -3,12 +3,15 @@ a fake vLLM server (/metrics and /v1/models) on 127.0.0.1, free ports."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import random
 import socket
 
 from aiohttp import web
 
+from picker.app import App
+from picker.config import parse_args
 from picker.core import Router, RouterSettings
 from picker.scheduling.profile import load_profile
 
@@ -104,12 +107,19 @@ class FakeVllm:
         await self.runner.cleanup()
 
 
-async def until(pred, timeout=5.0):
+async def until(pred, timeout=5.0, every=0.01):
+    """Poll `pred` (a function, or a coroutine function for checks that do I/O) until it holds;
+    fail the test after `timeout` seconds."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
-    while not pred():
+    while True:
+        ok = pred()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
         assert loop.time() < end
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(every)
 
 
 def free_ports(n: int) -> list[int]:
@@ -122,3 +132,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+async def start_app(extra: list[str], endpoints: list[str],
+                    scrape_interval: float = 0.05) -> tuple[App, int, asyncio.Task]:
+    """The whole service in this process (`python -m picker` with static discovery, plaintext
+    gRPC on a free port): the App, its metrics port and its maintain() task."""
+    metrics_port, = free_ports(1)
+    args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port",
+                       str(metrics_port), "--bind", "127.0.0.1", "--no-secure-serving",
+                       "--discovery", "static", "--endpoints", ",".join(endpoints),
+                       "--scrape-interval", str(scrape_interval), *extra])
+    app = App(args)
+    await app.start()
+    return app, metrics_port, asyncio.create_task(app.maintain())

@@ -93,13 +93,13 @@ def test_removed_request_leaves_at_once():
 
 # ---- the controller on a real Router ----------------------------------------------------------
 
-def flow_router(waiting=1, kv=0.5, running=0, dispatch_at_bound=False, **limits):
+def flow_router(waiting=1, kv=0.5, running=0, at_bound="reject", **limits):
     clock = FakeClock()
     metrics = PickerMetrics()
     router = make_router(profile="default", n=2, clock=clock, objectives=OBJECTIVES,
                          metrics=metrics, waiting=waiting, kv=kv, running=running)
     flow = FlowControl(router, FlowSettings(QueueLimits(**limits), RoomRule(),
-                                            dispatch_at_bound=dispatch_at_bound))
+                                            at_bound=at_bound))
     return router, flow, clock, metrics
 
 
@@ -282,7 +282,7 @@ def test_dispatch_at_bound_sends_normal_requests_early_and_still_refuses_sheddab
     router = make_router(profile="default", n=2, clock=clock, objectives=OBJECTIVES,
                          metrics=metrics, waiting=3, kv=0.5)
     flow = FlowControl(router, FlowSettings(QueueLimits(max_wait=10.0, max_wait_sheddable=2.0),
-                                            RoomRule(), dispatch_at_bound=True))
+                                            RoomRule(), at_bound="dispatch"))
     outcomes = {}
     flow.submit(info(), lambda o: outcomes.setdefault("normal", o))
     flow.submit(info(objective="batch"), lambda o: outcomes.setdefault("batch", o))
@@ -292,3 +292,112 @@ def test_dispatch_at_bound_sends_normal_requests_early_and_still_refuses_sheddab
     assert outcomes["batch"].status == 429
     assert outcomes["normal"].endpoint in router.endpoints  # a decision, not an error
     assert sample(metrics, "picker_flow_evictions_total", reason="bound_dispatch", priority="0") == 1
+
+
+# ---- holdback: room kept for a light client and for a higher band ------------------------------
+
+def test_recent_arrivals_hold_back_a_client_over_its_share_and_a_lower_band():
+    from picker.flowcontrol.activity import RecentArrivals
+    a = RecentArrivals(window=10.0)
+    for t in range(5):
+        a.add(float(t), 0, "heavy")
+    assert not a.must_hold_back(5.0, 0, "heavy")          # alone in its band: nobody to leave room for
+    a.add(5.0, 0, "light")
+    assert a.must_hold_back(5.0, 0, "heavy") and not a.must_hold_back(5.0, 0, "light")
+    a.add(6.0, 10, "other")
+    assert a.must_hold_back(6.0, 0, "light")              # a higher band is active
+    assert not a.must_hold_back(6.0, 10, "other")
+    assert not a.alone(6.0, 10, "other") and not a.alone(6.0, 0, "heavy")
+    assert not a.must_hold_back(16.5, 0, "heavy")         # all of it older than the window
+    assert a.alone(16.5, 0, "heavy")
+    with pytest.raises(ValueError):
+        RecentArrivals(window=0)
+
+
+def test_room_with_holdback_needs_the_reserve_free_beyond_the_request():
+    from picker.scheduling.context import SchedulingContext
+    from picker.flowcontrol.room import has_room
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75)  # 16,000 of 64,000 KV tokens free
+    e = router.endpoints["10.0.0.1:8000"]
+    ctx = SchedulingContext("qwq", 1000, None, 0, clock())
+    rule = RoomRule(holdback_fraction=0.3)                    # 19,200 tokens to leave free
+    assert has_room(e, ctx, rule) and not has_room(e, ctx, rule, holdback=True)
+    assert has_room(e, ctx, RoomRule(holdback_fraction=0.2), holdback=True)
+    with pytest.raises(ValueError):
+        RoomRule(holdback_fraction=1.0)
+
+
+def test_light_client_takes_the_room_a_heavy_one_must_leave():
+    router, flow, clock, _ = flow_router(waiting=3)
+    served = []
+    for i in range(5):
+        flow.submit(info(prompt=f"heavy {i}", client="heavy"), lambda o, i=i: served.append(f"h{i}"))
+    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
+    clock.t += 0.1
+    scrape_all(router, clock, waiting=0, kv=0.75)   # room for a request, not beyond the reserve
+    flow.pump()
+    assert served == ["light"]                      # the heavy head waits, the light one goes
+    clock.t += 0.1
+    scrape_all(router, clock, waiting=0, kv=0.1)    # plenty of room: the heavy backlog goes
+    flow.pump()
+    assert served[1:] == ["h0", "h1", "h2", "h3", "h4"]
+
+
+def test_lower_band_leaves_the_reserve_while_a_higher_band_is_active():
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=300.0)
+    assert isinstance(flow.submit(info(), lambda o: None), Held) is False  # nothing above it yet
+    flow.submit(info(objective="interactive"), lambda o: None)
+    held = flow.submit(info(prompt="standard"), lambda o: None)
+    assert isinstance(held, Held)                   # the interactive band arrived lately
+    d = flow.submit(info(objective="interactive"), lambda o: None)
+    assert not d.queued                             # the reserve is the higher band's: it went
+    assert held.queued
+    clock.t += 200.0                                # the interactive band went quiet
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    assert flow.pump() == 1 and not held.queued
+
+
+@pytest.mark.parametrize("contested", [None, "light", "band"])
+def test_dispatch_uncontested_at_bound_sends_a_lone_client_and_refuses_the_others(contested):
+    router, flow, clock, metrics = flow_router(waiting=3, max_wait=10.0, at_bound="dispatch-uncontested")
+    outcomes = []
+    flow.submit(info(client="heavy"), outcomes.append)
+    flow.submit(info(prompt="again", client="heavy"), outcomes.append)
+    if contested == "light":
+        flow.submit(info(prompt="light", client="light"), lambda o: None)
+    elif contested == "band":   # a lower band: it holds back, the heavy client does not
+        flow.submit(info(prompt="batch", client="heavy", objective="batch"), lambda o: None)
+    clock.t += 10.0
+    scrape_all(router, clock, waiting=3)            # still no room anywhere
+    flow.pump()
+    if contested:   # in an engine's FIFO it would go ahead of the others' later requests
+        assert [o.status for o in outcomes] == [503, 503]
+    else:           # the engine's FIFO serves it as the picker would: no need to refuse it
+        assert all(o.endpoint in router.endpoints for o in outcomes)
+        assert sample(metrics, "picker_flow_evictions_total", reason="bound_dispatch", priority="0") == 2
+
+
+def test_holdback_flags_and_the_default_at_bound():
+    from picker.config import flow_settings, parse_args
+    base = ["--discovery", "static", "--endpoints", "127.0.0.1:8101", "--flow-control"]
+    s = flow_settings(parse_args(base))
+    assert s.at_bound == "dispatch-uncontested" and s.room.holdback_fraction == 0.3
+    s = flow_settings(parse_args(base + ["--flow-holdback", "0", "--flow-activity-window", "5",
+                                         "--flow-at-bound", "reject"]))
+    assert s.room.holdback_fraction == 0.0 and s.activity_window == 5.0 and s.at_bound == "reject"
+    for bad in (["--flow-holdback", "1"], ["--flow-activity-window", "0"], ["--flow-at-bound", "x"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
+    with pytest.raises(ValueError):
+        FlowSettings(at_bound="later")
+
+
+def test_a_newcomer_is_tried_at_once_only_if_it_may_use_the_reserve_the_head_leaves():
+    router, flow, clock, _ = flow_router(waiting=3)
+    served = []
+    flow.submit(info(prompt="first", client="heavy"), lambda o: served.append("first"))
+    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.75), clock())  # no pump yet
+    flow.submit(info(prompt="second", client="heavy"), lambda o: served.append("second"))
+    assert served == []   # one client: nothing holds back, the queue waits for the next pump
+    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
+    assert served == ["light"]   # the heavy head leaves the reserve, the light request takes it

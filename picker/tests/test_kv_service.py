@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 import extproc_client as c
-from helpers import FakeVllm, free_ports, metrics_text, until
+from helpers import FakeVllm, free_ports, metrics_text, start_app, until
 from kvpublisher import StandInPublisher
 from kvsamples import map_payload, stored
 from local.tinymodel.tokenizer import write_tokenizer
@@ -67,17 +67,6 @@ async def route(app: App, body: bytes) -> str:
 
 def metrics_page(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-
-
-async def start_app(extra: list[str], endpoints: list[str]) -> tuple[App, int, asyncio.Task]:
-    metrics_port, = free_ports(1)
-    args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port",
-                       str(metrics_port), "--bind", "127.0.0.1", "--no-secure-serving",
-                       "--discovery", "static", "--endpoints", ",".join(endpoints),
-                       "--scrape-interval", "0.05", *extra])
-    app = App(args)
-    await app.start()
-    return app, metrics_port, asyncio.create_task(app.maintain())
 
 
 async def test_routes_on_the_engines_events_through_the_signals_process(tok_dir):

@@ -7,55 +7,32 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import socket
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
+from helpers import free_ports
+from local import vllm_server
 from picker.kvsubscriber import KVSubscriber, resolve_source
 from picker.scheduling.kvindex import PreciseIndex
 from picker.signals.kvstate import KVTracker, chain_hashes
 from picker.tokenizer import ModelTokenizer
-
-vllm_server = pytest.importorskip("local.vllm_server")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vllm_engines import running, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The built model with the tokenizer the current builder writes (a cache built by an older
-    builder may hold another tokenizer.json; vLLM and the picker both read this directory)."""
-    if not vllm_server.available():
-        pytest.skip("real vLLM is not installed (make vllm)")
-    from local.tinymodel.tokenizer import write_tokenizer
-    out = tmp_path_factory.mktemp("tiny-model")
-    for f in Path(vllm_server.MODEL_DIR).iterdir():
-        if f.name not in ("tokenizer.json", "tokenizer_config.json") and f.is_file():
-            (out / f.name).symlink_to(f.resolve())
-    write_tokenizer(out)
-    return out
+    return tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    server = vllm_server.VllmServer(port=_port(), kv_events_port=_port(), kv_replay_port=_port(),
+    pub, replay, port = free_ports(3)
+    server = vllm_server.VllmServer(port=port, kv_events_port=pub, kv_replay_port=replay,
                                     model_dir=model_dir)
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    proc = vllm_server.start(server, log)
-    try:
-        vllm_server.wait_ready(server, proc, log)
+    with running([server], tmp_path_factory):
         yield server
-    finally:
-        vllm_server.stop(proc)
-        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def _post(server, path: str, body: dict) -> dict:

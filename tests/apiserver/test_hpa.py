@@ -123,6 +123,15 @@ def hpa_from_scaled_object(so: dict, scale_down_window_s: int | None = None) -> 
                          "target": {"type": "AverageValue", "averageValue": trigger["metadata"]["threshold"]}}}]}}
 
 
+def start_hpa_controller(kubeconfig: Path, workdir: Path, sync_s: float) -> subprocess.Popen:
+    """kube-controller-manager running only its HPA controller, every `sync_s` seconds."""
+    return subprocess.Popen([str(KUBE_CONTROLLER_MANAGER), f"--kubeconfig={kubeconfig}",
+                             "--controllers=horizontalpodautoscaling", "--leader-elect=false",
+                             "--secure-port=0", f"--horizontal-pod-autoscaler-sync-period={sync_s}s"],
+                            stdout=(workdir / "kube-controller-manager.log").open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     """API server (loopback Service range, aggregator routing off), the LWS CRD, the metrics
@@ -141,12 +150,7 @@ def chain(tmp_path_factory):
                            else default_crds_dir(ROOT)).resolve() / "lws-v0.10.0")
         standin = MetricsStandIn(workdir)
         standin.register(api)
-        kubeconfig = plane.kubeconfig(workdir / "kubeconfig")
-        kcm = subprocess.Popen([str(KUBE_CONTROLLER_MANAGER), f"--kubeconfig={kubeconfig}",
-                                "--controllers=horizontalpodautoscaling", "--leader-elect=false",
-                                "--secure-port=0", f"--horizontal-pod-autoscaler-sync-period={SYNC_S}s"],
-                               stdout=(workdir / "kube-controller-manager.log").open("wb"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        kcm = start_hpa_controller(plane.kubeconfig(workdir / "kubeconfig"), workdir, SYNC_S)
         yield api, standin, client.CustomObjectsApi(api), client.AutoscalingV2Api(api)
     finally:
         if kcm:

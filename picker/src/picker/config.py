@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from picker import defaults
-from picker.flowcontrol.controller import FlowSettings
+from picker.flowcontrol.controller import AT_BOUND, FlowSettings
 from picker.flowcontrol.queue import QueueLimits
 from picker.flowcontrol.room import RoomRule
 from picker.protocol.limits import ServerLimits
@@ -77,9 +77,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flow-max-wait-sheddable", type=float,
                    default=defaults.FLOW_MAX_WAIT_SHEDDABLE,
                    help="seconds a sheddable request (priority < 0) may be held; then 429")
-    p.add_argument("--flow-at-bound", choices=["reject", "dispatch"], default=defaults.FLOW_AT_BOUND,
-                   help="a request of priority >= 0 at --flow-max-wait: refused (503) or sent to "
-                        "the best endpoint as without flow control (sheddable ones: always 429)")
+    p.add_argument("--flow-at-bound", choices=list(AT_BOUND), default=defaults.FLOW_AT_BOUND,
+                   help="a request of priority >= 0 at --flow-max-wait: refused (503), sent to "
+                        "the best endpoint as without flow control, or sent only if no other band "
+                        "or client is active (dispatch-uncontested; sheddable ones: always 429)")
     p.add_argument("--flow-strict-turns", type=int, default=defaults.FLOW_STRICT_TURNS,
                    help="higher-priority dispatches in a row before a waiting lower-priority "
                         "request goes (the starvation bound)")
@@ -87,6 +88,11 @@ def parser() -> argparse.ArgumentParser:
                    help="an endpoint whose engine has more requests waiting has no room")
     p.add_argument("--flow-output-reserve", type=int, default=defaults.FLOW_OUTPUT_RESERVE,
                    help="KV tokens an endpoint must have free beyond the prompt to have room")
+    p.add_argument("--flow-holdback", type=float, default=defaults.FLOW_HOLDBACK,
+                   help="fraction of an endpoint's KV a request that holds back (lower band while "
+                        "a higher one is active, client over its share) must leave free")
+    p.add_argument("--flow-activity-window", type=float, default=defaults.FLOW_ACTIVITY_WINDOW,
+                   help="seconds of arrivals that make a band or client active for holdback")
     p.add_argument("--precise-prefix", action=argparse.BooleanOptionalAction,
                    default=defaults.PRECISE_PREFIX,
                    help="route on the engines' KV-cache events (needs --tokenizer); off: the "
@@ -138,8 +144,9 @@ def flow_settings(args: argparse.Namespace) -> FlowSettings | None:
                     max_wait_sheddable=args.flow_max_wait_sheddable,
                     strict_turns=args.flow_strict_turns),
         RoomRule(max_engine_waiting=args.flow_max_engine_waiting,
-                 output_reserve_tokens=args.flow_output_reserve),
-        dispatch_at_bound=args.flow_at_bound == "dispatch")
+                 output_reserve_tokens=args.flow_output_reserve,
+                 holdback_fraction=args.flow_holdback),
+        at_bound=args.flow_at_bound, activity_window=args.flow_activity_window)
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

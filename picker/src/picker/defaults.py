@@ -54,13 +54,20 @@ FLOW_CONTROL = False          # the CLI default; base/picker turns it on (see RE
 FLOW_MAX_REQUESTS = 1000       # held at once per worker, all priorities
 FLOW_MAX_WAIT = 30.0           # seconds a request of priority >= 0 may wait
 FLOW_MAX_WAIT_SHEDDABLE = 5.0  # seconds a sheddable request (priority < 0) may wait
-# At the age bound a request of priority >= 0 is sent as without flow control ("dispatch") or
-# refused with 503 ("reject"). The lab (tuning seeds, article and chat-reasoning): "reject"
-# failed up to 8 % of a saturated closed loop's requests at a 30 s bound; "dispatch" none.
-FLOW_AT_BOUND = "dispatch"
+# At the age bound a request of priority >= 0 is sent as without flow control ("dispatch"),
+# refused with 503 ("reject"), or sent only while no other band or client is active
+# ("dispatch-uncontested"). The lab (tuning seeds): "dispatch" puts competing traffic into the
+# engines' FIFO queues, ~45x a light client's TTFT; "reject" fails up to 8 % of a saturated
+# closed loop's requests of one client; "dispatch-uncontested" neither.
+FLOW_AT_BOUND = "dispatch-uncontested"
 FLOW_STRICT_TURNS = 8          # higher-priority dispatches in a row before a lower band's turn
 FLOW_MAX_ENGINE_WAITING = 0    # an engine with more requests waiting has no room
 FLOW_OUTPUT_RESERVE = 256      # KV tokens kept free per dispatched request beyond its prompt
+# Holdback: a request that must leave room for others (a lower band while a higher one arrived in
+# the last FLOW_ACTIVITY_WINDOW seconds, or a client over its share of its band's arrivals in that
+# window) needs this fraction of an endpoint's KV capacity free beyond its own need.
+FLOW_HOLDBACK = 0.3
+FLOW_ACTIVITY_WINDOW = 120.0
 
 # Candidate prefilter for large pools: above PREFILTER_ABOVE candidates, only the endpoints
 # holding the longest prefix match plus PREFILTER_SAMPLE endpoints sampled at random (the

@@ -12,6 +12,11 @@ router.gate set: the gate keeps only the candidates with room (flowcontrol/room.
 Hold; a held request is decided again, from scratch, when it reaches the head of the queue.
 If no candidate has fresh metrics, nothing is known about room and the request is not held
 (the scorers already rank stale endpoints last).
+
+Holdback (activity.py, room.py): a request of a lower band while a higher band is active, or of
+a client over its share of its band, needs a reserve free beyond its own need. When the head of
+the queue waits for that reserve, the first other waiting request that may use it goes instead
+(a light client's or a higher band's), so the reserve is what they find.
 """
 from __future__ import annotations
 
@@ -21,13 +26,15 @@ from typing import Callable, Union
 from picker import defaults
 from picker.core import Decision, RequestInfo, Router
 from picker.errors import PickerError
-from picker.flowcontrol.queue import FlowQueue, Held, QueueLimits
+from picker.flowcontrol.activity import RecentArrivals
+from picker.flowcontrol.queue import DEFAULT_CLIENT, FlowQueue, Held, QueueLimits
 from picker.flowcontrol.room import RoomRule, has_room
 from picker.scheduling.context import SchedulingContext
 from picker.signals.state import EndpointState
 
 CLIENT_HEADER = "x-client-id"   # set by the edge from the API key (components/edge-security)
 Outcome = Union[Decision, PickerError]
+AT_BOUND = ("reject", "dispatch", "dispatch-uncontested")
 
 
 class Hold(Exception):
@@ -38,10 +45,21 @@ class Hold(Exception):
 class FlowSettings:
     limits: QueueLimits = field(default_factory=QueueLimits)
     room: RoomRule = field(default_factory=RoomRule)
-    # At the age bound a request of priority >= 0 is refused (503 queue_timeout), or with
-    # dispatch_at_bound sent to the best endpoint as without flow control (it then waits in an
-    # engine's queue); sheddable requests are always refused (429).
-    dispatch_at_bound: bool = defaults.FLOW_AT_BOUND == "dispatch"
+    # At the age bound a sheddable request is always refused (429); one of priority >= 0 is
+    # refused (503 queue_timeout) with "reject", sent to the best endpoint as without flow control
+    # with "dispatch" (it then waits in an engine's queue), and with "dispatch-uncontested" sent
+    # only if no other band and no other client sent anything in the activity window (an
+    # engine's FIFO then serves it in the order the picker would), else refused: in an engine's
+    # queue it would go ahead of the others' later requests, and its queue closes the engine's
+    # room to all of them.
+    at_bound: str = defaults.FLOW_AT_BOUND
+    activity_window: float = defaults.FLOW_ACTIVITY_WINDOW   # seconds of arrivals for holdback
+
+    def __post_init__(self):
+        if self.at_bound not in AT_BOUND:
+            raise ValueError(f"at_bound must be one of {', '.join(AT_BOUND)}, not {self.at_bound!r}")
+        if self.activity_window <= 0:
+            raise ValueError("the activity window must be positive")
 
 
 def _refusal(priority: int, message: str, code: str) -> PickerError:
@@ -55,12 +73,14 @@ class FlowControl:
         self.settings = settings or FlowSettings()
         self.queue = FlowQueue(self.settings.limits)
         self.metrics = router.metrics
+        self.arrivals = RecentArrivals(self.settings.activity_window)
         router.gate = self._gate
+        self._holdback = False   # for the request being decided: see _decide
         self._published: dict[int, int] = {}
 
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
-        rule = self.settings.room
-        room = [e for e in candidates if has_room(e, ctx, rule)]
+        rule, holdback = self.settings.room, self._holdback
+        room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
         if room:
             return room
         if all(e.stale or e.metrics is None for e in candidates):
@@ -70,15 +90,17 @@ class FlowControl:
     def submit(self, info: RequestInfo, notify: Callable[[Outcome], None]) -> Decision | Held:
         """Decide now if nothing waits ahead and an endpoint has room, else queue. Raises the
         request's own PickerError (bad body, no endpoint...) or a refusal (queue full)."""
+        _, priority = self.router._objective(info.headers)
+        client = info.headers.get(CLIENT_HEADER, "") or DEFAULT_CLIENT
+        now = self.router.clock()
+        self.arrivals.add(now, priority, client)
         first = not len(self.queue)
         if first:
             try:
-                return self.router.decide(info)
+                return self._decide(info, priority, client, now)
             except Hold:
                 pass
-        _, priority = self.router._objective(info.headers)
-        now = self.router.clock()
-        held, evicted = self.queue.push(priority, info.headers.get(CLIENT_HEADER, ""), now, info)
+        held, evicted = self.queue.push(priority, client, now, info)
         if evicted is not None:
             self._leave(evicted, "evicted", _refusal(
                 evicted.priority, "evicted from the endpoint picker's full queue by a request of "
@@ -91,8 +113,8 @@ class FlowControl:
         held.notify = notify
         if self.metrics is not None:
             self.metrics.flow_held.labels(str(priority)).inc()
-        if not first and self.queue.peek() is held:  # ahead of the others (priority): try it now
-            self.pump()
+        if not first and (self.queue.peek() is held or self._may_pass_head(held, now)):
+            self.pump()   # ahead of the others, or it may use the reserve the head leaves
         self.publish()
         return held
 
@@ -108,32 +130,79 @@ class FlowControl:
         request has room. Returns the number dispatched."""
         now = self.router.clock()
         for h in self.queue.expired(now):
-            if self.settings.dispatch_at_bound and h.priority >= 0 and self._dispatch_ungated(h, now):
+            if self._sent_at_bound(h, now):
                 continue
             bound = self.queue.limits.wait_bound(h.priority)
             self._leave(h, "expired", _refusal(
                 h.priority, f"waited {now - h.arrived:.1f}s in the endpoint picker's queue (bound "
                             f"{bound:g}s) without an endpoint able to start it", "queue_timeout"))
         sent = 0
-        while True:
-            h = self.queue.peek()
-            if h is None:
-                break
-            try:
-                decision = self.router.decide(h.payload)
-            except Hold:
-                break
-            except PickerError as err:  # e.g. every endpoint went away while it waited
-                self.queue.pop(h)
-                self._leave(h, "error", err, popped=True)
-                continue
+        while (step := self._next_decision(now)) is not None:
+            h, outcome = step
             self.queue.pop(h)
+            if isinstance(outcome, PickerError):  # e.g. every endpoint went away while it waited
+                self._leave(h, "error", outcome, popped=True)
+                continue
             sent += 1
             if self.metrics is not None:
                 self.metrics.flow_wait.observe(now - h.arrived)
-            h.notify(decision)
+            h.notify(outcome)
         self.publish()
         return sent
+
+    def _next_decision(self, now: float) -> tuple[Held, Outcome] | None:
+        """The head of the queue with its decision; if the head holds back and waits for the
+        reserve, the first waiting request that may use the reserve. None: nothing can go now."""
+        head = self.queue.peek()
+        if head is None:
+            return None
+        try:
+            return head, self._decide_held(head, now)
+        except Hold:
+            pass
+        except PickerError as err:
+            return head, err
+        other = self._reserve_user(now) if self._holds_back(head, now) else None
+        if other is None:
+            return None
+        try:
+            return other, self._decide_held(other, now)
+        except Hold:
+            return None
+        except PickerError as err:
+            return other, err
+
+    def _holds_back(self, h: Held, now: float) -> bool:
+        return self.arrivals.must_hold_back(now, h.priority, h.client)
+
+    def _may_pass_head(self, h: Held, now: float) -> bool:
+        head = self.queue.peek()
+        return self._holds_back(head, now) and not self._holds_back(h, now)
+
+    def _reserve_user(self, now: float) -> Held | None:
+        """The first waiting request, in dispatch order, that may use the reserve."""
+        for h in self.queue.heads():
+            if not self._holds_back(h, now):
+                return h
+        return None
+
+    def _decide(self, info: RequestInfo, priority: int, client: str, now: float) -> Decision:
+        self._holdback = self.arrivals.must_hold_back(now, priority, client)
+        try:
+            return self.router.decide(info)
+        finally:
+            self._holdback = False
+
+    def _decide_held(self, h: Held, now: float) -> Decision:
+        return self._decide(h.payload, h.priority, h.client, now)
+
+    def _sent_at_bound(self, h: Held, now: float) -> bool:
+        mode = self.settings.at_bound
+        if h.priority < 0 or mode == "reject":
+            return False
+        if mode == "dispatch-uncontested" and not self.arrivals.alone(now, h.priority, h.client):
+            return False
+        return self._dispatch_ungated(h, now)
 
     def _dispatch_ungated(self, h: Held, now: float) -> bool:
         """Early binding for a request at its age bound: decided without the room test."""

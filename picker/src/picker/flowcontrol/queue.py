@@ -160,8 +160,12 @@ class FlowQueue:
             return min(lower, key=lambda h: h.seq)
         return self.bands[order[0]].peek()
 
+    def heads(self) -> list[Held]:
+        """Each client's next request: bands from the highest, clients in their turn order."""
+        return [q[0] for p in sorted(self.bands, reverse=True) for q in self.bands[p].clients.values()]
+
     def pop(self, item: Held) -> None:
-        """`item` (from peek) was dispatched."""
+        """`item` (from peek, or one of heads) was dispatched."""
         top = max(p for p, b in self.bands.items() if b.size)
         lower_waiting = any(b.size for p, b in self.bands.items() if p < top)
         if item.priority == top:

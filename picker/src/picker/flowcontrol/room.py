@@ -11,6 +11,13 @@ An endpoint has room for a request when, from the signals the picker has:
 
 Requests sent since the last scrape are counted by their tokens, not their number: short
 requests that finish between two scrapes must not cap an endpoint at a few per interval.
+
+Holdback (`holdback=True`, decided by the controller): a request that must leave room for others
+(a lower priority band while a higher one is active, or a client over its share of its band) needs
+`holdback_fraction` of the endpoint's KV capacity free beyond its own need. In a saturated pool a
+slot frees only when a running request ends; without a reserve the backlog of the heavy client
+or the low band takes every slot the moment it frees, and a light or high-priority request waits
+for the next end however the queue is ordered.
 """
 from __future__ import annotations
 
@@ -26,17 +33,25 @@ class RoomRule:
     max_engine_waiting: int = defaults.FLOW_MAX_ENGINE_WAITING
     output_reserve_tokens: int = defaults.FLOW_OUTPUT_RESERVE
     kv_usage_without_capacity: float = 0.9
+    holdback_fraction: float = defaults.FLOW_HOLDBACK
+
+    def __post_init__(self):
+        if not 0.0 <= self.holdback_fraction < 1.0:
+            raise ValueError("holdback_fraction must be in [0, 1)")
 
 
-def has_room(e: EndpointState, ctx: SchedulingContext, rule: RoomRule) -> bool:
+def has_room(e: EndpointState, ctx: SchedulingContext, rule: RoomRule, holdback: bool = False) -> bool:
     m = e.metrics
     if m is None or e.stale or e.failing:
         return False
     if m.waiting > rule.max_engine_waiting:
         return False
     capacity = m.kv_capacity_tokens
+    reserve = rule.holdback_fraction if holdback else 0.0
     if not capacity:
-        return m.kv_usage < rule.kv_usage_without_capacity
+        return m.kv_usage < rule.kv_usage_without_capacity - reserve
     free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
     need = ctx.prompt_tokens - ctx.cached_tokens(e.address) + rule.output_reserve_tokens
+    if holdback:
+        return need + reserve * capacity <= free
     return need <= free or (m.running == 0 and e.since_scrape == 0)  # an idle engine takes anything
