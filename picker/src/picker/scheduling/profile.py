@@ -24,6 +24,7 @@ from picker.scheduling.context import SchedulingContext
 from picker.scheduling.filters import Filter
 from picker.scheduling.pickers import Picker
 from picker.scheduling.prefilter import PrefilterSettings
+from picker.scheduling.rendezvous import OFF, ColdPrefixSettings, pick_cold
 from picker.scheduling.saturation import SaturationThresholds
 from picker.scheduling.scorers import Scorer
 from picker.signals.state import EndpointState
@@ -48,6 +49,7 @@ class Profile:
     lru_capacity_per_server: int = defaults.PREFIX_LRU_CAPACITY_PER_SERVER
     needs_prefix: bool = False
     prefilter: PrefilterSettings = field(default_factory=PrefilterSettings)
+    cold_prefix: ColdPrefixSettings = OFF
     source: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,6 +66,10 @@ def schedule(profile: Profile, ctx: SchedulingContext, candidates: list[Endpoint
         w = ws.weight
         totals = [t + w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
                   for t, s in zip(totals, ws.fn(ctx, eps))]
+    if profile.cold_prefix.enabled and ctx.hashes:
+        agreed = pick_cold(profile.cold_prefix, ctx, totals, eps)
+        if agreed is not None:
+            return agreed
     return profile.picker(totals, eps, rng)
 
 
@@ -106,6 +112,8 @@ def profile_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Profile:
         prefilter = PrefilterSettings(**{k: int(v) for k, v in pf.items()})
         if prefilter.above < 1 or min(prefilter.sample, prefilter.least, prefilter.owners) < 0:
             raise ValueError("prefilter: 'above' must be >= 1 and the counts >= 0")
+        cold = doc.get("coldPrefix")
+        cold_prefix = OFF if cold is None else _cold_prefix(cold)
         return Profile(
             name=str(doc.get("name", source)),
             filters=filters,
@@ -119,11 +127,24 @@ def profile_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Profile:
             lru_capacity_per_server=int(prefix.get("lruCapacityPerServer", defaults.PREFIX_LRU_CAPACITY_PER_SERVER)),
             needs_prefix=needs_prefix,
             prefilter=prefilter,
+            cold_prefix=cold_prefix,
             source=doc,
         )
     except ValueError as exc:
         msg = str(exc)
         raise ValueError(msg if msg.startswith(source) else f"{source}: {msg}") from None
+
+
+def _cold_prefix(doc: Any) -> ColdPrefixSettings:
+    if not isinstance(doc, dict):
+        raise ValueError("coldPrefix: must be a mapping {tolerance, keyBlocks}")
+    unknown = set(doc) - {"tolerance", "keyBlocks"}
+    if unknown:
+        raise ValueError(f"coldPrefix: unknown keys {sorted(unknown)}")
+    settings = ColdPrefixSettings(float(doc.get("tolerance", 0.0)), int(doc.get("keyBlocks", 4)))
+    if settings.tolerance < 0 or settings.key_blocks < 1:
+        raise ValueError("coldPrefix: 'tolerance' must be >= 0 and 'keyBlocks' >= 1")
+    return settings
 
 
 def builtin_profiles() -> list[str]:
