@@ -4,7 +4,7 @@
   (`python -m lab.kv_rate`), the input of the picker's event-cost benchmark;
 - `cache-pressure`: the lab's cache-pressure scenarios (lab/matrix.py PRESSURE_SCENARIOS), one
   picker and 2 / 4 independent replicas, approximate vs precise vs the oracle;
-- `matrix-precise`: matrix scenarios (the outage among them), the picker approximate vs precise;
+- `matrix-precise`: every scenario of the routing matrix, the picker approximate vs precise;
 - `replicas-precise`: `python -m lab.replicas --precise` on 16 groups, both lab workloads.
 
 Each runs a lab command and turns the JSON it writes into its BENCHMARKS.md section.
@@ -18,15 +18,13 @@ import time
 from bench.common import (PY, REPO, RESULTS, load_average, read_json, run_suite, save, shown,
                           stamp)
 from bench.markdown import md_table, num, versus
+from lab.matrix import SCENARIOS
 
 SEEDS = [0, 1, 2, 3, 4]
 PRESSURE_POLICIES = ["least-request", "picker", "picker+precise", "replicas:2:independent",
                      "replicas:2:independent+precise", "replicas:4:independent",
                      "replicas:4:independent+precise", "oracle"]
-# Tight lists (the lab shares two cores with everything else): the base, the multi-tenant and
-# multi-turn workloads, the smaller KV and the outage of the matrix; the three cache-pressure
-# scenarios.
-MATRIX_SCENARIOS = ["base", "shared-prefix", "multi-turn", "kv-0.8x", "outage"]
+MATRIX_SCENARIOS = [s.name for s in SCENARIOS]          # every scenario of the routing matrix
 PRESSURE_SCENARIOS = ["pressure-8x9000", "pressure-24x3500", "pressure-48x1800"]
 MATRIX_POLICIES = ["least-request", "picker", "picker+precise", "oracle"]
 

@@ -102,7 +102,7 @@ BENCHMARKS = [
               "picker replicas, approximate vs precise (KV-cache events) vs the oracle",
               lambda a: kv_suites.run_pressure(a.seeds),
               titled("Precise prefix routing under cache pressure", kv_suites.pressure_report)),
-    Benchmark("matrix-precise", "python -m lab matrix on matrix scenarios (outage among them): the "
+    Benchmark("matrix-precise", "python -m lab matrix on every matrix scenario: the "
               "picker approximate vs precise", lambda a: kv_suites.run_matrix_precise(a.seeds),
               titled("Precise prefix routing on the scenario matrix", kv_suites.matrix_precise_report)),
     Benchmark("replicas-precise", "python -m lab.replicas --precise on 16 groups: 1, 2, 4 "
