@@ -57,8 +57,10 @@ def apply_role(admin, role):
 
 
 class Picker:
-    def __init__(self, kubeconfig, log_path):
-        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+    def __init__(self, kubeconfig, log_path, ports: tuple[int, int, int] | None = None):
+        """`ports` (gRPC, health, metrics): a restarted picker keeps its predecessor's."""
+        self.kubeconfig = kubeconfig
+        self.grpc_port, self.health_port, self.metrics_port = ports or (free_port(), free_port(), free_port())
         env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
         env["KUBECONFIG"] = str(kubeconfig)
         self.log_path, self.log_file = log_path, log_path.open("wb")

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -149,6 +150,14 @@ class Keda:
                      "service": {"namespace": KEDA_NAMESPACE, "name": ADAPTER_SERVICE, "port": self.adapter_port},
                      "groupPriorityMinimum": 100, "versionPriority": 100}})
 
+    def log_size(self, name: str) -> int:
+        return (self.workdir / f"{name}.log").stat().st_size
+
+    def log_since(self, name: str, offset: int) -> str:
+        with (self.workdir / f"{name}.log").open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+
     def check_running(self) -> None:
         for proc, name in zip(self.processes, ("keda-operator", "keda-adapter")):
             if proc.poll() is not None:
@@ -174,7 +183,8 @@ class PodDiscovery:
     """Stand-in for Prometheus' Kubernetes pod discovery, which Debian's Prometheus is built without
     (its config loader answers `field kubernetes_sd_configs not found in type config.ScrapeConfig`):
     lists the namespace's pods on the API server every `every` seconds and writes them, labelled as
-    that discovery labels them, to a file_sd file that Prometheus watches."""
+    that discovery labels them, to a file_sd file that Prometheus watches. `scrape_at` (pod name ->
+    host:port) points a pod's target elsewhere, e.g. at a `LeaderMetricsStandIn`; its labels stay."""
 
     def __init__(self, api, namespace: str, path: Path, every: float = 0.2):
         from kubernetes import client
@@ -182,11 +192,17 @@ class PodDiscovery:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pod-discovery", daemon=True)
         self.written = None
+        self.scrape_at: dict[str, str] = {}
         self.write([])
 
     def write(self, pods: list[dict]) -> None:
         from monitoring.local_prometheus import pod_discovery_targets
-        text = json.dumps(pod_discovery_targets(pods), sort_keys=True)
+        groups = pod_discovery_targets(pods)
+        for group in groups:
+            elsewhere = self.scrape_at.get(group["labels"]["__meta_kubernetes_pod_name"])
+            if elsewhere:
+                group["targets"] = [elsewhere]
+        text = json.dumps(groups, sort_keys=True)
         if text != self.written:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(text)
@@ -203,6 +219,101 @@ class PodDiscovery:
             self.stop_event.wait(self.every)
 
     def start(self) -> "PodDiscovery":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=5)
+
+
+class LeaderMetricsStandIn:
+    """Stand-in for a leader's /metrics page gone wrong (vLLM's own never serves these): `mode`
+    "error" answers 503 (the scrape fails, Prometheus marks the target's series stale), "nan" and
+    "inf" serve vLLM's two request gauges with NaN or +Inf as the running requests."""
+
+    def __init__(self):
+        self.mode = "error"
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        stand_in = self
+
+        class Page(BaseHTTPRequestHandler):
+            def do_GET(self):
+                value = {"nan": "NaN", "inf": "+Inf"}.get(stand_in.mode)
+                if value is None:
+                    self.send_error(503)
+                    return
+                body = (f'vllm:num_requests_running{{model_name="qwq"}} {value}\n'
+                        'vllm:num_requests_waiting{model_name="qwq"} 0\n').encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Page)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="metrics-stand-in", daemon=True)
+
+    def start(self) -> "LeaderMetricsStandIn":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class StatusLog:
+    """Samples, every `every` seconds, the HPA's ScalingActive condition and the ScaledObject's
+    Fallback condition and health, keeping each change with its time: short states (the HPA fails
+    for ~1-3 s before KEDA's fallback answers) are seen however long a phase lasts."""
+    api: object
+    namespace: str
+    hpa: str
+    scaled_object: str
+    every: float = 0.25
+    changes: list = field(default_factory=list)      # (monotonic time, what, value)
+
+    def __post_init__(self):
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="status-log", daemon=True)
+
+    def sample(self) -> dict:
+        from kubernetes import client
+        hpa = client.AutoscalingV2Api(self.api).read_namespaced_horizontal_pod_autoscaler(self.hpa, self.namespace)
+        so = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+            "keda.sh", "v1alpha1", self.namespace, "scaledobjects", self.scaled_object)
+        active = next((c for c in hpa.status.conditions or [] if c.type == "ScalingActive"), None)
+        status = so.get("status") or {}
+        fallback = next((c for c in status.get("conditions") or [] if c["type"] == "Fallback"), {})
+        return {"hpa": (active.status, active.reason, active.message) if active else None,
+                "fallback": (fallback.get("status"), fallback.get("reason")),
+                "health": json.dumps(status.get("health") or {}, sort_keys=True)}
+
+    def _run(self) -> None:
+        last: dict = {}
+        while not self.stop_event.is_set():
+            try:
+                for what, value in self.sample().items():
+                    if last.get(what) != value:
+                        self.changes.append((time.monotonic(), what, value))
+                        last[what] = value
+            except Exception:   # noqa: BLE001 - a missed sample; the next one counts
+                pass
+            self.stop_event.wait(self.every)
+
+    def seen(self, what: str, after: float, before: float | None = None) -> list:
+        """Values of `what` in force at any time in [after, before]: the one holding at `after` too."""
+        before = time.monotonic() if before is None else before
+        held = [v for t, w, v in self.changes if w == what and t <= after][-1:]
+        return held + [v for t, w, v in self.changes if w == what and after < t <= before]
+
+    def start(self) -> "StatusLog":
         self.thread.start()
         return self
 
@@ -435,8 +546,13 @@ class Load:
 
     async def _main(self) -> None:
         import aiohttp
+        import grpc
         c = _extproc_client()
-        channel = c.channel(self.picker_port, None)
+        # Reconnect within half a second of the picker coming back (gRPC's default backoff grows
+        # to minutes; Envoy's ext_proc cluster reconnects on the next request).
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.picker_port}", options=[
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 500)])
         stub = c.ep_stub(channel)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             await asyncio.gather(*(self._client(i, c, stub, http) for i in range(self.clients)))
@@ -447,7 +563,10 @@ class Load:
             if index >= self.concurrency:
                 await asyncio.sleep(0.05)
                 continue
-            self.outcomes.append(await self._one(c, stub, http))
+            outcome = await self._one(c, stub, http)
+            self.outcomes.append(outcome)
+            if not outcome.ok:     # e.g. the picker restarting: retry, not in a tight loop
+                await asyncio.sleep(0.2)
 
     async def _one(self, c, stub, http) -> Outcome:
         started = time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from monitoring.local_prometheus import Prometheus, pod_discovery_jobs
 from tests.apiserver.conftest import ETCD, KUBE_APISERVER, ROOT, wait_until
 from tests.apiserver.test_hpa import KUBE_CONTROLLER_MANAGER, start_hpa_controller
 from tests.apiserver.test_picker_rbac import NAMESPACE, STARTUP, Picker
-from tests.autoscaling.chain import (KEDA_ADAPTER, KEDA_NAMESPACE, KEDA_OPERATOR, Actuator, Keda, PodDiscovery,
-                                     keda_crds_dir, stop_process, write_certificates)
+from tests.autoscaling.chain import (KEDA_ADAPTER, KEDA_NAMESPACE, KEDA_OPERATOR, Actuator, Keda,
+                                     LeaderMetricsStandIn, PodDiscovery, keda_crds_dir, stop_process,
+                                     write_certificates)
 from validation.apiserver import ControlPlane, ServerSideApply, ensure_namespaces, free_port, install_crds, render_targets
 from validation.cli import default_crds_dir
 
@@ -38,6 +40,18 @@ class Chain:
     actuator: Actuator
     picker: Picker
     workdir: Path
+    discovery: PodDiscovery
+    stand_in: LeaderMetricsStandIn
+
+    def restart_picker(self) -> float:
+        """Kills the picker (SIGKILL: no goodbye) and starts it again on the same ports, as its
+        Deployment would; returns when the kill happened."""
+        ports = (self.picker.grpc_port, self.picker.health_port, self.picker.metrics_port)
+        self.picker.proc.kill()
+        killed = time.monotonic()
+        self.picker.stop()
+        self.picker = Picker(self.picker.kubeconfig, self.workdir / f"picker-{time.time():.0f}.log", ports)
+        return killed
 
     def check_running(self) -> None:
         self.keda.check_running()
@@ -92,7 +106,7 @@ def chain():
     certs = write_certificates(workdir)
     plane = ControlPlane(workdir, KUBE_APISERVER, ETCD, service_cidr="127.0.100.0/24",
                          extra_args=("--enable-aggregator-routing=false", *certs.apiserver_args)).start()
-    kcm = keda = discovery = prometheus = actuator = picker = None
+    kcm = keda = discovery = prometheus = actuator = picker = stand_in = built = None
     try:
         api = plane.api_client()
         install_chain_crds(api)
@@ -111,9 +125,12 @@ def chain():
         actuator = Actuator(api, NAMESPACE, lws, workdir, SIM_ARGS).start()
         picker = Picker(kubeconfig, workdir / "picker.log")
         wait_until(lambda: picker.serving() is not None, STARTUP, "the picker's health server")
-        yield Chain(plane, api, objects, keda, prometheus, actuator, picker, workdir)
+        stand_in = LeaderMetricsStandIn().start()
+        built = Chain(plane, api, objects, keda, prometheus, actuator, picker, workdir, discovery, stand_in)
+        yield built
     finally:
-        for part in (picker, actuator, prometheus, discovery, keda):
+        picker = built.picker if built is not None else picker   # the restarted one, if it was
+        for part in (picker, stand_in, actuator, prometheus, discovery, keda):
             if part is not None:
                 try:
                     part.stop()

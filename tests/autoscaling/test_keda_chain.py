@@ -7,9 +7,12 @@ change (LOCAL_CHANGES). Stand-ins, named: `Actuator` for the LeaderWorkerSet con
 kubelet (simulated vLLM groups, leader pods, the LeaderWorkerSet's status, the leader's preStop
 hook run on scale-down), `Load` for Envoy in front of the picker (ext_proc as Envoy speaks it).
 
-One test, in phases: rise -> a new group serves; Prometheus stopped while the load falls -> the
-count holds (the HPA while the metric fails, then KEDA's fallback); Prometheus back -> down to the
-minimum after the (shortened) window, the removed group drained, no request failed."""
+One test, in phases: rise -> a new group serves; then, each time with the load falling, the signal
+made wrong: Prometheus stopped, no series (every leader's /metrics failing: stale series), NaN then
++Inf (one leader's page, a stand-in) -> the count holds (the HPA while the metric fails, then KEDA's
+fallback), the signal mended; the picker killed and started again -> the count holds, no fallback,
+the picker routes to every group; the load falls with the signal right -> down to the minimum after
+the (shortened) window, the removed group drained; requests failed only while the picker was down."""
 from __future__ import annotations
 
 import copy
@@ -20,7 +23,8 @@ import time
 import pytest
 
 from tests.apiserver.conftest import wait_until
-from tests.autoscaling.chain import group_ip
+from tests.autoscaling.chain import StatusLog, group_ip
+from tests.apiserver.test_picker_rbac import STARTUP
 from tests.autoscaling.conftest import HPA_SYNC_S, NAMESPACE, SCRAPE, Chain
 
 pytestmark = pytest.mark.timeout(600)
@@ -89,7 +93,126 @@ def spec_values(chain: Chain, start: float, end: float) -> list[int]:
     return [int(w[5:]) for t, w, _ in chain.actuator.events if w.startswith("spec-") and start <= t <= end]
 
 
-def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drains_on_the_way_down(chain, load, record_property):
+def query_value(chain: Chain, query: str) -> str | None:
+    """The query's one value as Prometheus writes it ("NaN", "+Inf", "11"), None without a series."""
+    result = chain.prometheus.query(query)
+    return result[0]["value"][1] if result else None
+
+
+def prometheus_answers(chain: Chain, query: str) -> bool:
+    try:
+        chain.prometheus.query(query)
+        return True
+    except OSError:
+        return False
+
+
+def scrape_leaders_at(chain: Chain, groups, mode: str | None) -> None:
+    """Points Prometheus' targets of these groups' leaders at the stand-in /metrics page (in `mode`);
+    the other leaders at their own pages."""
+    chain.stand_in.mode = mode or "error"
+    chain.discovery.scrape_at = {f"{chain.actuator.name}-{g}": chain.stand_in.address for g in groups}
+
+
+def signal_state(chain: Chain) -> str:
+    """What Prometheus has: the ScaledObject's query, its targets, the gauge per leader (for failures)."""
+    query = chain.objects[("ScaledObject", "qwq-dist-v1")]["spec"]["triggers"][0]["metadata"]["query"]
+    targets = [(t["scrapeUrl"], t["health"], t["labels"].get("pod")) for t in chain.prometheus.targets()]
+    running = [(r["metric"].get("pod"), r["value"][1]) for r in chain.prometheus.query("vllm:num_requests_running")]
+    return f"query {chain.prometheus.query(query)}, targets {targets}, running {running}, file_sd {chain.discovery.written}"
+
+
+def hpa_failing(status: StatusLog, after: float) -> list:
+    """The HPA's ScalingActive conditions with status False seen since `after`."""
+    return [v for v in status.seen("hpa", after) if v and v[0] == "False"]
+
+
+def hold_while_signal_is_wrong(chain: Chain, load, status: StatusLog, raised: int, target: float, name: str,
+                               break_signal, mend_signal, signal_is_wrong, keda_error: str, midway=None) -> dict:
+    """The signal goes wrong (`break_signal`, until `signal_is_wrong()`), then the load falls to LOW:
+    the count holds at `raised` for longer than the scale-down window + period, the HPA reported
+    the metric failing, KEDA's operator logged `keda_error` for its query, KEDA's fallback answers
+    `raised` x target. `midway` (action, check, KEDA's error) changes the wrong signal once the
+    fallback is active. Then the signal is mended and the load raised,
+    until KEDA reads the signal again and it asks for `raised` groups."""
+    began = time.monotonic()
+    log_from = chain.keda.log_size("keda-operator")
+    break_signal()
+    try:
+        wait_until(signal_is_wrong, 30, f"{name}: the signal is wrong", interval=0.2)
+    except pytest.fail.Exception:
+        print(f"{name}: after {time.monotonic() - began:.1f} s, {signal_state(chain)}")
+        raise
+    load.concurrency = LOW
+    fell = time.monotonic()
+    t_wrong = fell - began
+    wait_until(lambda: condition(scaled_object(chain), "Fallback").get("status") == "True", 60,
+               f"{name}: KEDA's fallback is active", interval=0.2)
+    t_fallback = time.monotonic() - fell
+    errors = [keda_error]
+    if midway is not None:
+        midway[0]()
+        wait_until(midway[1], 30, f"{name}: the signal changes midway", interval=0.2)
+        errors.append(midway[2])
+    time.sleep(max(0.0, fell + DOWN_WINDOW_S + DOWN_PERIOD_S + 2 - time.monotonic()))
+    held_s = time.monotonic() - fell
+    changes = spec_values(chain, began, time.monotonic())
+    assert chain.actuator.spec_replicas() == raised and changes == [], (name, changes)
+    metric = external_metric(chain)
+    assert metric == raised * target, (name, metric)          # behavior currentReplicas
+    failing = hpa_failing(status, began)
+    assert failing and {v[1] for v in failing} == {"FailedGetExternalMetric"}, (name, status.seen("hpa", began))
+    health = json.loads(status.seen("health", began)[-1])
+    logged = chain.keda.log_since("keda-operator", log_from)
+    assert all(e in logged for e in errors), (name, errors, logged[-2000:])
+    print(f"{name}: query wrong after {t_wrong:.1f} s, KEDA's fallback active {t_fallback:.1f} s later, count "
+          f"held at {raised} for {held_s:.1f} s after the load fell (KEDA answers {metric:g} = {raised} x "
+          f"{target:g}); HPA ScalingActive False {failing[0][1]}: ...{failing[0][2][-160:]}; KEDA health: {health}")
+    mend_signal()
+    load.concurrency = HIGH
+    mended = time.monotonic()
+    wait_until(lambda: condition(scaled_object(chain), "Fallback").get("status") == "False"
+               and (external_metric(chain) or 0) > (raised - 1) * target, 90,
+               f"{name}: KEDA reads the signal again", interval=0.2)
+    assert chain.actuator.spec_replicas() == raised and spec_values(chain, began, time.monotonic()) == []
+    chain.check_running()
+    return {"wrong_s": round(t_wrong, 2), "fallback_s": round(t_fallback, 2), "held_s": round(held_s, 2),
+            "mended_s": round(time.monotonic() - mended, 2), "hpa_reason": failing[0][1]}
+
+
+def hold_through_picker_restart(chain: Chain, load, status: StatusLog, raised: int, query: str) -> dict:
+    """The picker killed and started again under HIGH load: the signal (vLLM's gauges) never
+    fails, so the HPA's metric never fails and KEDA never falls back; the count holds for longer
+    than the window + period; the new picker lists every group and each serves a request."""
+    groups = [f"{group_ip(g)}:8000" for g in range(raised)]
+    killed = chain.restart_picker()
+    wait_until(lambda: chain.picker.serving(), STARTUP, "the restarted picker serves", interval=0.2)
+    serving = time.monotonic()
+    wait_until(lambda: chain.picker.endpoints() == groups, 60, "the restarted picker lists every group",
+               interval=0.2)
+    listed = time.monotonic()
+    values = []
+    while time.monotonic() < killed + DOWN_WINDOW_S + DOWN_PERIOD_S + 2:
+        values.append(query_value(chain, query))
+        time.sleep(0.5)
+    for g in range(raised):
+        wait_until(lambda: served_by(load, group_ip(g), listed), 30, f"group {g} serves after the restart",
+                   interval=0.2)
+    changes = spec_values(chain, killed, time.monotonic())
+    assert chain.actuator.spec_replicas() == raised and changes == [], changes
+    assert None not in values and all(math.isfinite(float(v)) for v in values), values
+    fallback = [v for v in status.seen("fallback", killed) if v[0] == "True"]
+    assert fallback == [] and hpa_failing(status, killed) == [], (fallback, status.seen("hpa", killed))
+    low_signal = min(float(v) for v in values)
+    print(f"picker restart: serving {serving - killed:.1f} s after the kill, every group listed after "
+          f"{listed - killed:.1f} s; count held at {raised} for {time.monotonic() - killed:.1f} s; the query "
+          f"answered throughout (lowest {low_signal:g} in flight), no fallback, the HPA's metric never failed")
+    chain.check_running()
+    return {"outage": (killed, serving), "serving_s": round(serving - killed, 2),
+            "listed_s": round(listed - killed, 2), "lowest_signal": low_signal}
+
+
+def test_the_chain_scales_groups_with_the_load_holds_when_the_signal_is_wrong_and_drains_on_the_way_down(chain, load, record_property):
     shipped = chain.objects[("ScaledObject", "qwq-dist-v1")]
     low, high = shipped["spec"]["minReplicaCount"], shipped["spec"]["maxReplicaCount"]
     target = float(shipped["spec"]["triggers"][0]["metadata"]["threshold"])
@@ -141,24 +264,31 @@ def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drai
           f"(KEDA's metric {external_metric(chain)})")
     chain.check_running()
 
-    # Signal gone: Prometheus stopped and the load falls; the count holds, KEDA falls back.
-    chain.prometheus.stop()
-    load.concurrency = LOW
-    gone = time.monotonic()
-    wait_until(lambda: condition(scaled_object(chain), "Fallback").get("status") == "True", 60,
-               "KEDA's fallback is active")
-    t_fallback = time.monotonic() - gone
-    time.sleep(DOWN_WINDOW_S + DOWN_PERIOD_S + 2)
-    held = spec_values(chain, gone, time.monotonic())
-    assert chain.actuator.spec_replicas() == raised and held == [], held
-    fallback_metric = external_metric(chain)
-    assert fallback_metric == raised * target, fallback_metric   # behavior currentReplicas
-    print(f"Prometheus stopped: fallback after {t_fallback:.1f} s, count held at {raised} for "
-          f"{time.monotonic() - gone:.1f} s (KEDA answers {fallback_metric} = {raised} x {target:g})")
+    status = StatusLog(chain.api, NAMESPACE, HPA, "qwq-dist-v1").start()
+    try:
+        timeline = {}
+        # Each case below: the signal goes wrong, then the load falls; the count must hold at
+        # `raised` for longer than the scale-down window + period, KEDA's fallback answering with
+        # the current count; then the signal is mended and the load raised again (the count stays).
+        timeline["prometheus_stopped"] = hold_while_signal_is_wrong(
+            chain, load, status, raised, target, "Prometheus stopped", chain.prometheus.stop,
+            chain.prometheus.start, lambda: not prometheus_answers(chain, query), "connection refused")
+        timeline["no_series"] = hold_while_signal_is_wrong(
+            chain, load, status, raised, target, "every leader's /metrics failing (no series)",
+            lambda: scrape_leaders_at(chain, range(raised), "error"), lambda: scrape_leaders_at(chain, [], None),
+            lambda: chain.prometheus.query(query) == [], "the result is empty")
+        timeline["nan_then_inf"] = hold_while_signal_is_wrong(
+            chain, load, status, raised, target, "one leader's gauge NaN, then +Inf",
+            lambda: scrape_leaders_at(chain, [0], "nan"), lambda: scrape_leaders_at(chain, [], None),
+            lambda: query_value(chain, query) == "NaN", "prometheus query returns NaN",
+            midway=(lambda: scrape_leaders_at(chain, [0], "inf"), lambda: query_value(chain, query) == "+Inf",
+                    "prometheus query returns +Inf"))
+        timeline["picker_restart"] = hold_through_picker_restart(chain, load, status, raised, query)
+    finally:
+        status.stop()
 
-    # Signal back, load low: down one group per period to the minimum after the window; drained.
-    restart = time.monotonic()
-    chain.prometheus.start()
+    # Signal right, load low: down one group per period to the minimum after the window; drained.
+    load.concurrency = LOW
     back = time.monotonic()
     wait_until(lambda: chain.actuator.first(f"spec-{low}", after=back) is not None,
                DOWN_WINDOW_S + DOWN_PERIOD_S * (raised - low) + 60, "spec.replicas back at the minimum")
@@ -169,20 +299,25 @@ def test_the_chain_scales_groups_with_the_load_holds_without_prometheus_and_drai
     downs = spec_values(chain, back, time.monotonic())
     assert downs == list(range(raised - 1, low - 1, -1)), downs          # one group at a time
     first_down = chain.actuator.first(f"spec-{raised - 1}", after=back) - back
-    # Not before the window: the HPA's last recommendation for `raised` (KEDA's fallback, every
-    # sync while Prometheus was down) came at most one sync before the restart began.
-    assert first_down + (back - restart) >= DOWN_WINDOW_S - HPA_SYNC_S, (first_down, back - restart)
+    # Not before the window: the HPA recommended `raised` until the load fell (and some seconds
+    # after: the requests in flight end over ~3 s, then a scrape and a poll).
+    assert first_down >= DOWN_WINDOW_S - HPA_SYNC_S, first_down
     time.sleep(3)
     load.stop()
     failed = [o for o in load.outcomes if not o.ok]
-    assert failed == [], failed[:5]
+    outage = timeline["picker_restart"]["outage"]
+    # Only while the picker was down (Envoy answers those with an error as well).
+    assert all(outage[0] - 0.5 <= o.ended <= outage[1] + 2 for o in failed), failed[:5]
     assert sorted(chain.picker.endpoints()) == [f"{group_ip(g)}:8000" for g in range(low)]
     chain.check_running()
-    print(f"Prometheus back: first group removed after {first_down:.1f} s, minimum after {t_down:.1f} s, "
-          f"last removed group gone after {t_gone:.1f} s; {len(load.outcomes)} requests, none failed")
+    print(f"load low, signal right: first group removed after {first_down:.1f} s, minimum after {t_down:.1f} s, "
+          f"last removed group gone after {t_gone:.1f} s; {len(load.outcomes)} requests, {len(failed)} failed, "
+          f"all while the picker was down")
     record_property("timeline", json.dumps({      # `python -m bench keda-chain` reads it
         "spec_up_s": round(t_spec, 2), "listed_s": round(t_listed, 2), "routed_s": round(t_routed, 2), "served_s": round(t_served, 2),
-        "raised_to": raised, "fallback_s": round(t_fallback, 2), "first_down_s": round(first_down, 2),
+        "raised_to": raised, "fallback_s": timeline["prometheus_stopped"]["fallback_s"],
+        "cases": {k: {n: v for n, v in c.items() if n != "outage"} for k, c in timeline.items()},
+        "first_down_s": round(first_down, 2),
         "min_s": round(t_down, 2), "gone_s": round(t_gone, 2), "requests": len(load.outcomes),
         "failed": len(failed), "changes": {k: list(v) for k, v in changes.items()}}))
 
