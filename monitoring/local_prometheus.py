@@ -114,7 +114,8 @@ def pod_discovery_jobs(monitor: dict, targets_file: str, interval: str) -> list[
     jobs = scrape_jobs(monitor, [], interval)
     for job, ep in zip(jobs, monitor["spec"]["podMetricsEndpoints"]):
         del job["static_configs"]
-        job["file_sd_configs"] = [{"files": [targets_file]}]
+        # Prometheus watches the file; the 1 s re-read catches a change whose watch event it missed
+        job["file_sd_configs"] = [{"files": [targets_file], "refresh_interval": "1s"}]
         keep = [{"action": "keep", "regex": f"{value};true",
                  "source_labels": [f"__meta_kubernetes_pod_label_{_label_name(key)}",
                                    f"__meta_kubernetes_pod_labelpresent_{_label_name(key)}"]}

@@ -55,7 +55,7 @@ def test_discovered_pods_carry_the_pod_discovery_labels_the_operator_rules_selec
                "spec": {"selector": {"matchLabels": {"app": "distributed-serving", "role": "leader"}},
                         "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]}}
     (job,) = local_prometheus.pod_discovery_jobs(monitor, "/tmp/pods.json", "1s")
-    assert job["file_sd_configs"] == [{"files": ["/tmp/pods.json"]}] and "static_configs" not in job
+    assert job["file_sd_configs"] == [{"files": ["/tmp/pods.json"], "refresh_interval": "1s"}] and "static_configs" not in job
     keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
     assert [r["regex"] for r in keeps] == ["distributed-serving;true", "leader;true", "http"]
     pod = {"metadata": {"name": "qwq-dist-v1-0", "namespace": "llm",

@@ -116,11 +116,12 @@ def chain():
         kcm = start_hpa_controller(kubeconfig, workdir, HPA_SYNC_S)
         keda = Keda(workdir, kubeconfig, certs).start()
         keda.register(api)
-        discovery = PodDiscovery(api, NAMESPACE, workdir / "pods.json").start()
+        (workdir / "discovery").mkdir()    # a folder of its own: Prometheus watches the file's folder
+        discovery = PodDiscovery(api, NAMESPACE, workdir / "discovery" / "pods.json").start()
         prometheus = Prometheus(workdir, {
             "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE},
             "scrape_configs": pod_discovery_jobs(objects[("PodMonitor", "vllm-leaders")],
-                                                 str(workdir / "pods.json"), SCRAPE)}, free_port()).start()
+                                                 str(workdir / "discovery" / "pods.json"), SCRAPE)}, free_port()).start()
         lws = objects[("LeaderWorkerSet", "qwq-dist-v1")]
         actuator = Actuator(api, NAMESPACE, lws, workdir, SIM_ARGS).start()
         picker = Picker(kubeconfig, workdir / "picker.log")
