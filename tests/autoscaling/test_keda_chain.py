@@ -270,6 +270,9 @@ def test_the_chain_scales_groups_with_the_load_holds_when_the_signal_is_wrong_an
         # Each case below: the signal goes wrong, then the load falls; the count must hold at
         # `raised` for longer than the scale-down window + period, KEDA's fallback answering with
         # the current count; then the signal is mended and the load raised again (the count stays).
+        timeline["prometheus_stopped"] = hold_while_signal_is_wrong(
+            chain, load, status, raised, target, "Prometheus stopped", chain.prometheus.stop,
+            chain.prometheus.start, lambda: not prometheus_answers(chain, query), "connection refused")
         timeline["no_series"] = hold_while_signal_is_wrong(
             chain, load, status, raised, target, "every leader's /metrics failing (no series)",
             lambda: scrape_leaders_at(chain, range(raised), "error"), lambda: scrape_leaders_at(chain, [], None),
@@ -280,12 +283,6 @@ def test_the_chain_scales_groups_with_the_load_holds_when_the_signal_is_wrong_an
             lambda: query_value(chain, query) == "NaN", "prometheus query returns NaN",
             midway=(lambda: scrape_leaders_at(chain, [0], "inf"), lambda: query_value(chain, query) == "+Inf",
                     "prometheus query returns +Inf"))
-        # Last of the three: right after a Prometheus restart, the series of targets moved away were
-        # seen to stay (no staleness markers) for over 30 s in 2 of 9 runs, so the no-series case
-        # runs before it.
-        timeline["prometheus_stopped"] = hold_while_signal_is_wrong(
-            chain, load, status, raised, target, "Prometheus stopped", chain.prometheus.stop,
-            chain.prometheus.start, lambda: not prometheus_answers(chain, query), "connection refused")
         timeline["picker_restart"] = hold_through_picker_restart(chain, load, status, raised, query)
     finally:
         status.stop()
