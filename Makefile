@@ -107,8 +107,8 @@ apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
 # KEDA -> HPA -> LeaderWorkerSet -> simulated groups -> the picker). Not part of `make test`: the
-# KEDA build takes ~17 min on a cold Go cache, and one wrong-signal case of the chain failed 2 of 9
-# runs (README, autoscaling); tests/apiserver/test_hpa.py, in `make test`, runs the HPA controller.
+# KEDA build takes ~17 min on a cold Go cache; tests/apiserver/test_hpa.py, in `make test`, runs
+# the HPA controller.
 autoscaling-tools: apiserver-tools $(KEDA_OPERATOR) $(KEDA_ADAPTER) promtool
 
 test-autoscaling: setup autoscaling-tools ## the whole autoscaling chain on loopback with the real KEDA, HPA controller and Prometheus (~3 min; builds KEDA first)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import time
+from datetime import datetime
 
 import pytest
 
@@ -105,6 +107,26 @@ def prometheus_answers(chain: Chain, query: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def scraped_since(target: dict, since: float) -> bool:
+    """The target is up and was scraped after `since` (epoch seconds)."""
+    # RFC 3339 with nanoseconds, which datetime does not read: the fraction is added apart
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", target.get("lastScrape", ""))
+    if not m or target.get("health") != "up":
+        return False
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    return datetime.fromisoformat(m.group(1) + zone).timestamp() + float(m.group(2) or 0) > since
+
+
+def restart_prometheus(chain: Chain, leaders: int) -> None:
+    """Prometheus started again, and mended only once it has scraped every leader itself: until then
+    its query answers from the samples of before the stop (its WAL keeps them and a stop writes no
+    staleness markers), and a target moved away before its first scrape leaves them for 5 minutes."""
+    chain.prometheus.start()
+    started = time.time()
+    wait_until(lambda: sum(scraped_since(t, started) for t in chain.prometheus.targets()) >= leaders, 30,
+               "Prometheus scraped every leader after its restart", interval=0.2)
 
 
 def scrape_leaders_at(chain: Chain, groups, mode: str | None) -> None:
@@ -272,7 +294,8 @@ def test_the_chain_scales_groups_with_the_load_holds_when_the_signal_is_wrong_an
         # the current count; then the signal is mended and the load raised again (the count stays).
         timeline["prometheus_stopped"] = hold_while_signal_is_wrong(
             chain, load, status, raised, target, "Prometheus stopped", chain.prometheus.stop,
-            chain.prometheus.start, lambda: not prometheus_answers(chain, query), "connection refused")
+            lambda: restart_prometheus(chain, raised), lambda: not prometheus_answers(chain, query),
+            "connection refused")
         timeline["no_series"] = hold_while_signal_is_wrong(
             chain, load, status, raised, target, "every leader's /metrics failing (no series)",
             lambda: scrape_leaders_at(chain, range(raised), "error"), lambda: scrape_leaders_at(chain, [], None),
