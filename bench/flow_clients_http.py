@@ -19,6 +19,10 @@ client with its own key, so the edge names them apart in `x-client-id`.
   key `loadtest`) at 0.75 x capacity each. Target: interactive's P99 TTFT at most half of
   standard's.
 
+Beside it, the lab on the same scale (`python -m bench flow`'s experiment on the demo workload and
+the demo's engines: KV / 6), same seeds, the picker without and with flow control: through HTTP
+and in the lab the figures should agree.
+
 The `user` key has the edge's per-client rate limit (120 requests a minute); the light and the
 interactive client stay under it (a 429 `local_rate_limited` would show in the failures).
 """
@@ -124,6 +128,15 @@ def run_mode(mode: str, seed: int, capacity: float | None) -> tuple[dict, float 
     return out, capacity
 
 
+def lab_same_scale(seeds: list[int]) -> dict:
+    """bench flow's lab experiment on the stack's scale: the demo workload on the demo's engines."""
+    from bench import flow
+    from local.stack.demo import demo_config
+    from local.stack.plan import sim_engine_model
+    return flow.run(seeds, workload=WORKLOAD, engine=sim_engine_model(demo_config()),
+                    policies=("picker", "picker-flow"))
+
+
 def main(seeds: list[int] | None = None) -> dict:
     seeds = seeds or [0]
     started, load_start = time.monotonic(), load_average()
@@ -133,9 +146,10 @@ def main(seeds: list[int] | None = None) -> dict:
         for mode in ("off", "on"):
             modes[mode], capacity = run_mode(mode, seed, capacity)
         runs.append({"seed": seed, "capacity_rps": capacity, "modes": modes})
+    lab = lab_same_scale(seeds)
     data = {"command": f"python -m bench {NAME}", "workload": WORKLOAD, "speedup": 5.0, "seeds": seeds,
             "light": LIGHT, "heavy": HEAVY, "priority_load": PRIORITY_LOAD, "heavy_prompts": HEAVY_PROMPTS,
-            "light_prompts": LIGHT_PROMPTS, "priority_prompts": PRIORITY_PROMPTS, "runs": runs,
+            "light_prompts": LIGHT_PROMPTS, "priority_prompts": PRIORITY_PROMPTS, "runs": runs, "lab": lab,
             "wall_s": time.monotonic() - started, "load_average_start": load_start, **stamp()}
     save(NAME, data)
     return data
@@ -191,4 +205,25 @@ def report(d: dict) -> list[str]:
                          f"{lo['mean_ttft_ms']:,.0f} | {hi['completed']} / {lo['completed']} | {_failed(hi)} | "
                          f"{_failed(lo)} |")
         lines.append("")
+    if d.get("lab"):
+        lines += _lab_lines(d["lab"])
     return lines[:-1]
+
+
+def _lab_lines(lab: dict) -> list[str]:
+    """The lab on the same scale, per seed: the two targets' ratios and the refused requests."""
+    lines = ["The lab on the same scale (the demo workload on 3 simulated groups with the demo's KV, "
+             "`python -m bench flow`'s experiment: 150 heavy, 15 light, 112 requests per priority class), "
+             "capacity measured there per seed:", "",
+             "| seed | policy | capacity req/s (model) | light with heavy / alone, mean TTFT | failed heavy | "
+             "interactive / standard P99 TTFT | failed standard |", "|---|---|---|---|---|---|---|"]
+    for name, rows in lab["fairness"].items():
+        for f, p in zip(rows, lab["priorities"][name]):
+            seed = f["seed"]
+            capacity = lab["capacity_rps"].get(str(seed), lab["capacity_rps"].get(seed))  # JSON keys are strings
+            lines.append(f"| {seed} | {name} | {capacity:.2f} | "
+                         f"{_ratio(f['mixed']['light']['mean_ttft_ms'], f['alone']['mean_ttft_ms'])}x | "
+                         f"{f['mixed']['heavy']['failed']} | "
+                         f"{_ratio(p['interactive']['p99_ttft_ms'], p['standard']['p99_ttft_ms'])} | "
+                         f"{p['standard']['failed']} |")
+    return lines + [""]

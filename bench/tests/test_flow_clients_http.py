@@ -38,3 +38,14 @@ def test_report_shows_both_targets_per_flow_control_mode():
     assert "| on | 200 | 260 | 1.30x | 400 / 520 | 900 / 5,000 | 15% / 85% (15 / 85) | 0 | " \
            "65 (65 HTTP 503 (queue_timeout)) |" in text
     assert "| off | 3,000 | 4,000 | 0.75 |" in text and "| on | 1,000 | 4,000 | 0.25 |" in text
+
+
+def test_the_lab_on_the_same_scale_runs_and_is_reported():
+    lab = fch.lab_same_scale([0])
+    assert set(lab["fairness"]) == set(lab["priorities"]) == {"picker", "picker-flow"}
+    import json
+    lines = fch._lab_lines(json.loads(json.dumps(lab)))  # as read back from the results JSON
+    flow_row = next(line for line in lines if line.startswith("| 0 | picker-flow |"))
+    light_ratio = float(flow_row.split("|")[4].strip().rstrip("x"))
+    assert 0.5 < light_ratio < 3   # flow control keeps the light client near what it gets alone
+    assert float(lab["capacity_rps"][0]) > 0
