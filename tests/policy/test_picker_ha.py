@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.policy.conftest import OVERLAYS, find, rendered
+from tests.policy.conftest import OVERLAYS, ROOT, find, rendered
 from validation import picker_ha, rules
 
 OVERLAY = "overlays/a10"
@@ -136,3 +136,22 @@ def test_a_budget_that_pins_the_leader_fails(budget):
     spec.update(budget)
     found = picker_ha.picker_leader_election_works(objs)
     assert len(found) == 1 and "drain waits on it forever" in found[0], found
+
+
+def test_the_shared_view_component_runs_active_active_on_purpose(tmp_path):
+    """components/picker-shared-view (in no overlay now): active-active with Redis, and the rule
+    holds on it (annotation, leader election off, a budget that keeps one replica)."""
+    import os
+    import subprocess
+
+    import yaml
+    rel = os.path.relpath(ROOT, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/base/picker]\ncomponents: [{rel}/components/picker-shared-view]\n")
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout
+    objs = [o for o in yaml.safe_load_all(out) if o]
+    assert problems(objs) == []
+    assert not picker_ha.leader_election_on(args(objs)) and "--peer-store" in args(objs)
+    assert find(objs, "PodDisruptionBudget", PICKER)["spec"]["maxUnavailable"] == 1
