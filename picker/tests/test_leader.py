@@ -309,3 +309,18 @@ async def test_readiness_is_the_leaders_and_liveness_everyones(monkeypatch):
         await app.stop()
         await vllm.stop()
 
+
+
+def test_a_failing_request_is_logged_once_per_kind(caplog):
+    api, clock = FakeLeases(), FakeClock()
+    a = elector(api, clock, "a")
+    api.down = True
+    with caplog.at_level("INFO", logger="picker.leader"):
+        for _ in range(10):
+            a.step()
+            clock.t += 0.5
+        api.down = False
+        a.step()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.count("lease request failed") == 1
+    assert messages.count("lease requests work again") == 1 and a.is_leader()

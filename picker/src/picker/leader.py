@@ -101,6 +101,7 @@ class LeaseElector:
         self._observed_at = float("-inf")
         self._lock = threading.Lock()
         self.transitions = {"acquired": 0, "lost": 0, "released": 0}
+        self._last_error: str | None = None
 
     # --- state, read by the event loop
 
@@ -125,6 +126,7 @@ class LeaseElector:
         from kubernetes.client.exceptions import ApiException
         try:
             if self.leading and self._lease is not None and self._try_renew():
+                self._failing(None)
                 return
             lease = self._read()
             if lease is None:
@@ -133,16 +135,29 @@ class LeaseElector:
                 self._write(lease)
             elif self.leading:
                 self._set_leading(False, "lost")
+            self._failing(None)
         except ApiException as exc:
-            if exc.status != 409:
-                log.warning("lease request failed", extra={"status": exc.status,
-                                                           "error": exc.reason})
+            if exc.status != 409:  # 409: another candidate wrote first
+                self._failing(f"{exc.status} {exc.reason}", status=exc.status)
             self._lease = None
         except Exception as exc:  # noqa: BLE001 - API server unreachable, timeouts: retry
-            log.warning("lease request failed", extra={"error": repr(exc)})
+            self._failing(type(exc).__name__, detail=repr(exc))
             self._lease = None
         if self.leading and self.clock() - self.renewed_at > self.s.renew_deadline:
             self._set_leading(False, "lost")
+
+    def _failing(self, error: str | None, status: int | None = None,
+                 detail: str | None = None) -> None:
+        """Log a failing Lease request once per kind of failure (every retry period would flood
+        the log while, say, the Role lacks the Lease rules), and once when requests work again."""
+        if error == self._last_error:
+            return
+        if error is None:
+            log.info("lease requests work again")
+        else:
+            log.warning("lease request failed", extra={"status": status,
+                                                       "error": detail or error})
+        self._last_error = error
 
     def release(self) -> bool:
         """Give the Lease up at once (holderIdentity "" lets a standby take it without waiting
@@ -267,10 +282,14 @@ class LeaseElector:
 def start_elector(settings: LeaseSettings, on_change: Callable[[bool], None],
                   stop: threading.Event) -> tuple[LeaseElector, threading.Thread]:
     """An elector on the in-cluster (else KUBECONFIG) credentials, running in its own thread."""
-    from kubernetes import client
+    from kubernetes import client, config
 
     from picker.discovery.kubernetes import load_config
-    load_config()
+    try:
+        load_config()
+    except config.ConfigException as exc:
+        raise ValueError(f"--leader-election needs Kubernetes credentials (in-cluster or "
+                         f"KUBECONFIG): {exc}") from exc
     elector = LeaseElector(client.CoordinationV1Api(), settings, on_change)
     thread = threading.Thread(target=elector.run, args=(stop,), name="picker-leader-election",
                               daemon=True)
