@@ -113,7 +113,7 @@ BENCHMARKS = [
               "picker approximate vs precise", lambda a: kv_suites.run_matrix_precise(a.seeds),
               titled("Precise prefix routing on the scenario matrix", kv_suites.matrix_precise_report)),
     Benchmark("replicas-precise", "python -m lab.replicas --precise on 16 groups: 1, 2, 4 "
-              "independent replicas with and without KV-cache events",
+              "independent replicas with and without KV-cache events, 2 and 4 active-passive",
               lambda a: kv_suites.run_replicas_precise(a.seeds),
               titled("Picker replicas with precise prefix routing", kv_suites.replicas_precise_report)),
     Benchmark("precise-http", "make demo with the picker on KV-cache events and on its approximate "
