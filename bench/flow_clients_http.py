@@ -103,16 +103,19 @@ class StackRuns:
         return {name: kept(s) for name, s in self.compare(label, self.stack.llm_port, args)["by_client"].items()}
 
 
-def run_mode(mode: str, seed: int, capacity: float | None) -> tuple[dict, float | None]:
-    """One stack, the picker with (`on`) or without (`off`) flow control: calibration when no
-    capacity is known yet, then fairness (both clients, the light alone) and priorities."""
+def run_mode(mode: str, seed: int, capacity: float | None, picker_args: tuple[str, ...] = (),
+             tag: str = "") -> tuple[dict, float | None]:
+    """One stack, the picker with (`on`) or without (`off`) flow control (and `picker_args`):
+    calibration when no capacity is known yet, then fairness (both clients, the light alone) and
+    priorities. Runs in results/bench/flow-fairness-http/seed<seed>-<mode><tag>/."""
     from local.stack.demo import DEMO_SPEEDUP, demo_config
     from local.stack.launcher import Stack
     flag = ["--flow-control", *flow_bounds(DEMO_SPEEDUP)] if mode == "on" else ["--no-flow-control"]
+    flag += list(picker_args)
     config = demo_config(name=f"bench-fairness-{mode}", seed=seed, picker_args=flag)
     out: dict = {"picker_args": flag}
     with Stack(config) as stack:
-        runs = StackRuns(stack, seed, RESULTS / NAME / f"seed{seed}-{mode}")
+        runs = StackRuns(stack, seed, RESULTS / NAME / f"seed{seed}-{mode}{tag}")
         if capacity is None:
             out["calibration"] = runs.capacity()
             capacity = out["calibration"]["request_throughput"]
