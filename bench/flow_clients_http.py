@@ -4,7 +4,8 @@ plane, the picker with and without flow control.
     flock /tmp/local-stack.lock python -m bench flow-fairness-http [--seeds 0]
 
 `make demo`'s stack (3 simulators at speedup 5 with the demo's KV / 6, the picker, Envoy Gateway
-+ Envoy, the edge's API keys) twice: the picker with `--no-flow-control`, then `--flow-control`.
++ Envoy, the edge's API keys) three times: the picker with `--no-flow-control`, with
+`--flow-control`, and with `--flow-control --workers 2` (base/picker's worker count).
 The picker's flow-control bounds are its defaults in model time (30 s, 5 s, 120 s divided by the
 speedup), as the stack does for its scrape interval. Every run starts cold (`python -m local.stack
 reset`) and goes through listener llm-gw (the picker); `loadtest compare --client` sends each
@@ -40,6 +41,10 @@ HEAVY_PROMPTS = 150                       # the lab's count
 LIGHT_PROMPTS = max(10, round(HEAVY_PROMPTS * LIGHT / HEAVY))
 PRIORITY_PROMPTS = 100                    # each class: stays under the `user` key's 120 a minute
 CALIBRATION_PROMPTS = 150
+# Each stack: the results' label -> (flow control off/on, more picker arguments). The local stack's
+# picker runs one worker; base/picker runs 2, each with its own queue and its own view of who sent
+# what lately (flowcontrol/activity.py), so flow control is also measured as deployed.
+MODES = {"off": ("off", ()), "on": ("on", ()), "on-workers2": ("on", ("--workers", "2"))}
 KEY_ENV = {"loadtest": "BENCH_KEY_LOADTEST", "user": "BENCH_KEY_USER"}
 KEPT = ("completed", "failed", "errors_by_kind", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
         "mean_tpot_ms", "total_output_tokens", "output_throughput", "request_throughput", "duration")
@@ -125,7 +130,7 @@ def run_mode(mode: str, seed: int, capacity: float | None, picker_args: tuple[st
         out["priorities"] = runs.clients("priorities", priority_clients(capacity))
         out["wall_s"] = runs.walls
     f, p = out["fairness"], out["priorities"]
-    print(f"flow control {mode}: light alone {f['alone']['mean_ttft_ms']:,.0f} ms, with heavy "
+    print(f"flow control {mode} {' '.join(picker_args)}: light alone {f['alone']['mean_ttft_ms']:,.0f} ms, with heavy "
           f"{f['mixed']['light']['mean_ttft_ms']:,.0f} ms; P99 interactive {p['interactive']['p99_ttft_ms']:,.0f} ms, "
           f"standard {p['standard']['p99_ttft_ms']:,.0f} ms", flush=True)
     return out, capacity
@@ -146,8 +151,8 @@ def main(seeds: list[int] | None = None) -> dict:
     runs = []
     for seed in seeds:
         capacity, modes = None, {}
-        for mode in ("off", "on"):
-            modes[mode], capacity = run_mode(mode, seed, capacity)
+        for label, (mode, picker_args) in MODES.items():
+            modes[label], capacity = run_mode(mode, seed, capacity, picker_args, tag=label[len(mode):])
         runs.append({"seed": seed, "capacity_rps": capacity, "modes": modes})
     lab = lab_same_scale(seeds)
     data = {"command": f"python -m bench {NAME}", "workload": WORKLOAD, "speedup": 5.0, "seeds": seeds,
@@ -172,8 +177,9 @@ def _ratio(a, b) -> str:
 def report(d: dict) -> list[str]:
     lines = [f"Command: `{d['command']}` (under `flock /tmp/local-stack.lock`; {d['wall_s'] / 60:.1f} min wall): "
              f"`make demo`'s stack (3 simulator processes at speedup {d['speedup']:g} with the demo's KV, the "
-             "picker with one worker, Envoy Gateway + Envoy, the edge's API keys) twice, the picker without and "
-             "with `--flow-control` (its time bounds in model time: 30 s, 5 s and 120 s / the speedup). Clients "
+             "picker with one worker, Envoy Gateway + Envoy, the edge's API keys) three times: the picker without "
+             "and with `--flow-control`, and with it and `--workers 2` (`on-workers2`, as base/picker runs it: "
+             "each worker holds its own queue) (its time bounds in model time: 30 s, 5 s and 120 s / the speedup). Clients "
              "sent by `loadtest compare --client` with their own API keys (the edge sets `x-client-id` from "
              "them), open loop, Poisson, through listener llm-gw, the `demo` workload; every run starts cold. "
              "Capacity = least request's closed-loop (30) request throughput on listener http, measured first. "

@@ -95,7 +95,8 @@ BENCHMARKS = [
               "open-loop arrivals on both listeners (run under flock /tmp/local-stack.lock)",
               lambda a: flow.run_http(),
               titled("Flow control through HTTP: bursty arrivals on the real data plane", flow.http_report)),
-    Benchmark("flow-fairness-http", "make demo's stack twice, the picker with and without flow control: two "
+    Benchmark("flow-fairness-http", "make demo's stack three times, the picker without flow control, with it, with it "
+              "and 2 workers: two "
               "clients with their own API keys, a light one next to a 10x heavier one and interactive next to "
               "standard, open loop into a saturated pool (run under flock /tmp/local-stack.lock; --seeds: the "
               "first only)",
