@@ -204,7 +204,7 @@ async def test_a_standby_follows_the_events_and_routes_on_them_the_moment_it_lea
 
     elector = Standby()
 
-    def start_elector(settings, on_change, stop):
+    def start_elector(settings, on_change, stop, candidate=True):
         thread = threading.Thread(target=stop.wait)
         thread.start()
         return elector, thread
