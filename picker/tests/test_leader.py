@@ -247,8 +247,9 @@ async def test_readiness_is_the_leaders_and_liveness_everyones(monkeypatch):
     switch = Switch()
     stopped = []
 
-    def fake_start(settings, on_change, stop):
+    def fake_start(settings, on_change, stop, candidate=True):
         switch.on_change = on_change
+        switch.candidate = candidate
         t = threading.Thread(target=lambda: (stop.wait(), stopped.append(True)))
         t.start()
         return switch, t
@@ -277,9 +278,11 @@ async def test_readiness_is_the_leaders_and_liveness_everyones(monkeypatch):
             async def not_ready():
                 return not await ready()
 
-            # A standby gets warm (scraped) but stays not ready.
+            # A standby gets warm (scraped) but stays not ready; it competes once warm.
+            assert switch.candidate is False
             await until(lambda: app.warm())
             await asyncio.sleep(3 * app_module.READINESS_EVERY)
+            assert switch.candidate is True
             assert await status("readiness") != SERVING
             assert await status("liveness") == SERVING
             page = await asyncio.to_thread(lambda: urllib.request.urlopen(
@@ -324,3 +327,22 @@ def test_a_failing_request_is_logged_once_per_kind(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert messages.count("lease request failed") == 1
     assert messages.count("lease requests work again") == 1 and a.is_leader()
+
+
+def test_a_cold_replica_does_not_compete_a_leader_keeps_renewing():
+    api, clock = FakeLeases(), FakeClock()
+    cold = LeaseElector(api, LeaseSettings("l", "ns", "cold"), clock=clock, wall=wall,
+                        candidate=False)
+    warm = elector(api, clock, "warm")
+    cold.step()
+    assert api.stored == {} and api.calls == 0       # not even a read
+    warm.step()
+    warm.release()
+    cold.step()                                      # released, but still cold
+    assert api.lease().holder_identity == ""
+    warm.step()
+    assert warm.is_leader()
+    warm.candidate = False                           # a leader that goes cold keeps the Lease
+    clock.t += 0.5
+    warm.step()
+    assert warm.is_leader() and api.lease().holder_identity == "warm"

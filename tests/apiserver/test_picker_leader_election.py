@@ -68,7 +68,7 @@ class Engine:
 class Candidate:
     """One picker process with --leader-election, identity `name` (POD_NAME)."""
 
-    def __init__(self, name, kubeconfig, endpoint, log_path):
+    def __init__(self, name, kubeconfig, endpoint, log_path, extra=()):
         self.name = name
         self.health_port, self.metrics_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
@@ -79,7 +79,7 @@ class Candidate:
              "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
              "--grpc-port", str(free_port()), "--health-port", str(self.health_port),
              "--metrics-port", str(self.metrics_port), "--scrape-interval", "0.1",
-             "--leader-election"],
+             "--leader-election", *extra],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -142,10 +142,10 @@ def pool(control_plane, deployed, picker_token, tmp_path):  # noqa: F811
     kubeconfig = control_plane.kubeconfig(tmp_path / "kubeconfig", picker_token, NAMESPACE)
     started: list[Candidate] = []
 
-    def start(n: int) -> list[Candidate]:
+    def start(n: int, extra=()) -> list[Candidate]:
         for i in range(n):
             started.append(Candidate(f"picker-{len(started)}", kubeconfig, engine.address,
-                                     tmp_path / f"picker-{len(started)}.log"))
+                                     tmp_path / f"picker-{len(started)}.log", extra))
         return started[-n:]
 
     start.engine, start.coordination = engine, coordination
@@ -172,9 +172,10 @@ def settle(candidates, engine) -> Candidate:
     return exactly_one_ready(candidates)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_exactly_one_is_ready_and_the_standbys_are_warm(pool, n):
-    candidates = pool(n)
+@pytest.mark.parametrize("n,workers", [(2, 2), (3, 1)])
+def test_exactly_one_is_ready_and_the_standbys_are_warm(pool, n, workers):
+    """2 as base/picker runs them (2 worker processes each: /metrics sums the workers), and 3."""
+    candidates = pool(n, ["--workers", str(workers)])
     leader = settle(candidates, pool.engine)
     assert holder(pool.coordination) == leader.name
     # For three lease durations (renews every retry period): the same one, the only one.

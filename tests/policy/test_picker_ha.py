@@ -155,3 +155,19 @@ def test_the_shared_view_component_runs_active_active_on_purpose(tmp_path):
     assert problems(objs) == []
     assert not picker_ha.leader_election_on(args(objs)) and "--peer-store" in args(objs)
     assert find(objs, "PodDisruptionBudget", PICKER)["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_deployed_flags_parse_and_name_the_lease_the_rule_checks(overlay, monkeypatch):
+    """The picker's own parser accepts the Deployment's arguments, and the Lease it would compete
+    for is the one validation/picker_ha.py checks the Role against."""
+    from picker.config import lease_settings, parse_args
+    objs = rendered(overlay)
+    d = deployment(objs)
+    container = d["spec"]["template"]["spec"]["containers"][0]
+    namespace = d["metadata"]["namespace"]
+    argv = [a.replace("$(POD_NAMESPACE)", namespace) for a in container["args"]]
+    monkeypatch.setenv("POD_NAME", "picker-0")
+    settings = lease_settings(parse_args(argv))
+    assert settings is not None
+    assert (settings.namespace, settings.name) == picker_ha.lease_of(d, container)

@@ -114,14 +114,14 @@ class App:
 
     def _start_election(self) -> None:
         """With --leader-election: compete for the Lease in a thread of its own (blocking API
-        calls); a change of leadership wakes the readiness loop."""
+        calls), once warm; a change of leadership wakes the readiness loop."""
         if self.lease is None:
             return
         from picker.leader import start_elector
         loop = asyncio.get_running_loop()
         self.elector, self._election = start_elector(
             self.lease, lambda leading: loop.call_soon_threadsafe(self._wake.set),
-            self._stop_election)
+            self._stop_election, candidate=self.warm())
 
     def leading(self) -> bool:
         """This replica may serve Envoy: it holds the Lease, or runs without leader election."""
@@ -141,6 +141,8 @@ class App:
         next_reap = loop.time() + REAP_EVERY
         while not self._stopped.is_set():
             warm, leading = self.warm(), self.leading()
+            if self.elector is not None:
+                self.elector.candidate = warm  # competes for the Lease only once warm
             now_ready = warm and leading
             if now_ready != ready:
                 await self.servers.set_ready(now_ready)

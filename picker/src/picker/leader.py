@@ -17,7 +17,11 @@ leaseTransitions. The rules below are client-go's (k8s.io/client-go/tools/leader
 - the leader renews every retry period, and counts itself a leader only until
   renew deadline after its last successful renew (is_leader(), checked by the readiness loop,
   so a renew that hangs in the API call still ends the leadership on time);
-- release: holderIdentity "" and leaseDurationSeconds 1.
+- release: holderIdentity "" and leaseDurationSeconds 1;
+- a replica competes only while it is warm (`candidate`, set by the readiness loop: discovery
+  synced, endpoints scraped): a pod that has just started never wins a released Lease against a
+  warm standby, which would leave the route without a ready picker until it warmed up. A leader
+  keeps renewing whatever its warmth (every replica sees the same pool).
 
 Blocking API calls run in the elector's own thread (run()); the event loop only reads the
 state and is told of changes through `on_change`.
@@ -86,7 +90,7 @@ class LeaseElector:
     def __init__(self, api: Any, settings: LeaseSettings,
                  on_change: Callable[[bool], None] = lambda leading: None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], datetime] = _utcnow):
+                 wall: Callable[[], datetime] = _utcnow, candidate: bool = True):
         settings.check()
         self.api = api
         self.s = settings
@@ -94,6 +98,7 @@ class LeaseElector:
         self.clock = clock
         self.wall = wall
         self.leading = False
+        self.candidate = candidate       # may acquire (set from the event loop)
         self.renewed_at = float("-inf")  # clock() of the last successful acquire or renew
         self.holder: str | None = None   # last holder seen
         self._lease: Any = None          # the Lease as last read or written
@@ -127,6 +132,8 @@ class LeaseElector:
         try:
             if self.leading and self._lease is not None and self._try_renew():
                 self._failing(None)
+                return
+            if not self.leading and not self.candidate:
                 return
             lease = self._read()
             if lease is None:
@@ -280,7 +287,8 @@ class LeaseElector:
 
 
 def start_elector(settings: LeaseSettings, on_change: Callable[[bool], None],
-                  stop: threading.Event) -> tuple[LeaseElector, threading.Thread]:
+                  stop: threading.Event, candidate: bool = True
+                  ) -> tuple[LeaseElector, threading.Thread]:
     """An elector on the in-cluster (else KUBECONFIG) credentials, running in its own thread."""
     from kubernetes import client, config
 
@@ -290,7 +298,7 @@ def start_elector(settings: LeaseSettings, on_change: Callable[[bool], None],
     except config.ConfigException as exc:
         raise ValueError(f"--leader-election needs Kubernetes credentials (in-cluster or "
                          f"KUBECONFIG): {exc}") from exc
-    elector = LeaseElector(client.CoordinationV1Api(), settings, on_change)
+    elector = LeaseElector(client.CoordinationV1Api(), settings, on_change, candidate=candidate)
     thread = threading.Thread(target=elector.run, args=(stop,), name="picker-leader-election",
                               daemon=True)
     thread.start()
