@@ -444,3 +444,23 @@ async def test_server_stop_answers_a_held_stream_with_an_endpoint_not_an_error()
                       priority="0") == 1
     finally:
         await ch.close()
+
+
+async def test_server_stop_ends_an_answered_stream_cleanly_at_once():
+    """Envoy keeps the stream of a routed request open until its response ends; a stop must end
+    it with OK (Envoy finishes the request) rather than cut it after the grace (Envoy: 503)."""
+    router = make_router(profile="default", n=2, waiting=0, kv=0.1)
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+    await servers.set_ready(True)
+    ch = c.channel(servers.grpc_port, None)
+    try:
+        call, answers = await c.send_buffered(c.ep_stub(ch), c.post_headers(), body(prompt="hi"))
+        assert c.lb_destination(answers[-1]) in router.endpoints
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stopping = asyncio.ensure_future(servers.stop(10.0))
+        assert await asyncio.wait_for(call.code(), 5.0) == __import__("grpc").StatusCode.OK
+        assert loop.time() - started < 2.0  # not the 10 s grace
+        await asyncio.wait_for(stopping, 5.0)
+    finally:
+        await ch.close()
