@@ -449,14 +449,3 @@ def test_affinity_flag_builds_the_room_rule_and_refuses_a_negative_value():
     assert flow_settings(parse_args(base + ["--flow-affinity-tokens", "0"])).room.affinity_tokens == 0
     with pytest.raises(SystemExit):
         parse_args(base + ["--flow-affinity-tokens", "-1"])
-
-
-def test_room_needs_the_uncached_prompt_alone_unless_an_output_reserve_is_set():
-    def decide(reserve=None):
-        clock = FakeClock()
-        router = make_router(profile="default", n=1, clock=clock, waiting=0, kv=0.99, running=4)
-        rule = RoomRule() if reserve is None else RoomRule(output_reserve_tokens=reserve)
-        flow = FlowControl(router, FlowSettings(room=rule))
-        return flow.submit(info(prompt="x" * 4 * 500), lambda o: None)   # ~500 of 640 free tokens
-    assert not isinstance(decide(), Held)      # the default: the engine would start it now
-    assert isinstance(decide(256), Held)
