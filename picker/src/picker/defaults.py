@@ -62,8 +62,7 @@ FLOW_MAX_WAIT_SHEDDABLE = 5.0  # seconds a sheddable request (priority < 0) may 
 FLOW_AT_BOUND = "dispatch-uncontested"
 FLOW_STRICT_TURNS = 8          # higher-priority dispatches in a row before a lower band's turn
 FLOW_MAX_ENGINE_WAITING = 0    # an engine with more requests waiting has no room
-FLOW_OUTPUT_RESERVE = 0        # KV tokens an endpoint must have free beyond the prompt (the engine
-#                                admits on the prompt alone; a reserve held what it would start)
+FLOW_OUTPUT_RESERVE = 256      # KV tokens kept free per dispatched request beyond its prompt
 # An endpoint without room stays a candidate when its prefix cache holds at least this many more
 # of the prompt's tokens than any endpoint with room (prefix affinity beats an empty slot).
 FLOW_AFFINITY_TOKENS = 1024
