@@ -169,7 +169,6 @@ def picker_proc(config: StackConfig, topo: Topology) -> Proc:
            "--objects", str(objects_file(c)), "--profile", c.profile,
            "--request-body-mode", topo.body_mode, "--bind", c.host, "--tokenizer", str(tokenizer_dir(c)),
            "--precise-prefix" if c.precise_prefix else "--no-precise-prefix", *picker_timing_args(c),
-           "--flow-control",   # as base/picker; `--picker-arg=--no-flow-control` turns it off
            # the certificate the gateway verifies (components/picker-tls), else a self-signed one
            *(["--cert-path", str(c.certs_dir / "picker")] if c.tls else []), *c.picker_args]
     return Proc("picker", cmd, str(c.run_dir / "picker.log"), f"grpc:{c.host}:{c.picker_health_port}")

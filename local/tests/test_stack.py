@@ -300,16 +300,3 @@ def test_reset_restarts_the_cold_start_processes_and_keeps_their_cpu(tmp_path):
         assert set(after.retired_cpu_s) == {"sim-1"}
     finally:
         stop_groups([p.pid for p in RunState.read(run).procs] + [server.pid, other.pid])
-
-
-def test_flow_control_is_on_as_in_base_picker_and_a_picker_arg_turns_it_off(tmp_path):
-    from picker.config import flow_settings, parse_args
-    from local.stack.plan import plan
-
-    def picker_flow(**overrides):
-        config = StackConfig(name="flow", run_root=tmp_path, groups=2, sim_ports=[1001, 1002], **overrides)
-        picker = next(p for p in plan(config, topology(config)) if p.name == "picker")
-        return flow_settings(parse_args(picker.cmd[picker.cmd.index("picker") + 1:]))
-
-    assert picker_flow() is not None
-    assert picker_flow(picker_args=["--no-flow-control"]) is None
