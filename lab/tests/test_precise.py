@@ -72,3 +72,23 @@ def test_a_restarted_group_starts_empty_in_the_index(requests):
 def test_bad_precise_names_are_refused():
     with pytest.raises(ValueError, match="precise"):
         make_policy("picker+precise=soon")
+
+
+def test_active_passive_replicas_decide_as_one_picker_with_warm_standbys(requests):
+    one = run_lab(requests, make_policy("picker+precise"), LabConfig(concurrency=8, seed=1))
+    policy = make_policy("replicas:2:active-passive+precise")
+    assert policy.name == "replicas:2:active-passive+precise"
+    leader, standby = policy.parts
+
+    def standby_picks(request):
+        raise AssertionError("a standby decided")
+
+    standby.pick = standby_picks
+    run = run_lab(requests, policy, LabConfig(concurrency=8, seed=1))
+    assert run.summary["completed"] == len(requests)
+    drain(leader)
+    drain(standby)
+    # ...but followed every engine: its index is the leader's, ready for a takeover
+    assert dict(standby.router.precise.index.counts) == dict(leader.router.precise.index.counts)
+    assert sum(leader.router.precise.index.counts.values()) > 0
+    assert run.summary["mean_ttft_ms"] == one.summary["mean_ttft_ms"]
