@@ -72,3 +72,19 @@ def test_a_restarted_group_starts_empty_in_the_index(requests):
 def test_bad_precise_names_are_refused():
     with pytest.raises(ValueError, match="precise"):
         make_policy("picker+precise=soon")
+
+
+def test_each_group_is_scraped_with_its_own_kv_capacity(requests):
+    """A pool with one small-KV group: the picker sees each group's own num_gpu_blocks (a scrape
+    page rendered for one group is never reused for another), so its tracker caps no group's
+    blocks at another group's capacity."""
+    base = LabConfig().engine_model
+    models = [base.with_overrides(num_gpu_blocks=150)] + [base.with_overrides(num_gpu_blocks=400)] * 2
+    policy = make_policy("picker+precise=0")
+    run_lab(requests, policy, LabConfig(concurrency=8, seed=1, num_engines=3, engine_models=models))
+    drain(policy)
+    router, tracker = policy.router, policy.router.precise.tracker
+    for ep, model in zip(policy.endpoints, models):
+        assert router.endpoints[ep.address].metrics.num_gpu_blocks == model.num_gpu_blocks
+        assert tracker.endpoints[ep.address].capacity == model.num_gpu_blocks
+        assert tracker.endpoints[ep.address].stats.overflow == 0
