@@ -207,7 +207,10 @@ class PrecisePrefix:
         return alive
 
     def apply_to(self, ctx: SchedulingContext, prep: Prepared) -> None:
-        ctx.precise = prep.cached
+        """The cached share of the prompt per in-sync endpoint, in the units of ctx.prompt_tokens
+        (the picker's own estimate, which every load term and the profile's constants use)."""
+        scale = ctx.prompt_tokens / prep.prompt_tokens if prep.prompt_tokens else 0.0
+        ctx.precise = {a: round(n * scale) for a, n in prep.cached.items()}
         ctx.sync = self.index.reason
 
     def after_decision(self, prep: Prepared, address: str, now: float) -> None:
