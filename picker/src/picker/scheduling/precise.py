@@ -4,6 +4,7 @@ as the fallback for every endpoint whose events are not in sync.
 
     prep = precise.prepare(path, parsed, lora, now)  # tokenized and matched, or None (fall back)
     precise.apply_to(ctx, prep)                  # ctx.precise / ctx.sync for the scorers
+                                                 # (cached share x ctx.prompt_tokens)
     precise.after_decision(prep, address, now)   # in-flight entries; the tokenizer check
 
 The index is fed either by the signals process (deltas, `apply`) or, in process, by a
