@@ -313,12 +313,13 @@ def test_precise_changes_only_what_is_believed_cached(tok):
 
 
 def test_precise_cached_share_is_scaled_to_the_prompt_estimate(tok):
-    """The engines' cached tokens become the same share of the picker's own prompt estimate."""
+    """The engines' cached tokens become the same share of the picker's own prompt estimate, in
+    whole blocks of the approximate index (64 tokens)."""
     from picker.scheduling.context import SchedulingContext
     from picker.scheduling.precise import Prepared
     r = build(tok)
     r.on_kv_events(A, [])
-    ctx = SchedulingContext("qwq", 1250, None, 0, 0.0)
-    r.precise.apply_to(ctx, Prepared(prompt_tokens=1000, cached={A: 800}, first={}))
-    assert ctx.precise == {A: 1000}
-    assert ctx.cached_tokens(A) == 1000 and ctx.cached_tokens(B) == 0
+    ctx = SchedulingContext("qwq", 1250, None, 0, 0.0, block_size_tokens=64)
+    r.precise.apply_to(ctx, Prepared(prompt_tokens=1000, cached={A: 800, B: 40}, first={}))
+    assert ctx.precise == {A: 960, B: 0}          # 1,000 and 50 estimated tokens, in whole blocks
+    assert ctx.cached_tokens(A) == 960 and ctx.cached_tokens(B) == 0

@@ -442,9 +442,8 @@ class Router:
         out_body = body if target == model else rewrite_model(parsed, target)
         if target != model and self.metrics is not None:
             self.metrics.rewrites.labels(self.metric_label(model), target).inc()
-        if prep is not None and prompt_tokens:   # reported in the tokenizer's exact units
-            cached = round(cached * prep.prompt_tokens / prompt_tokens)
-            prompt_tokens = prep.prompt_tokens
+        if prep is not None:   # reported in the tokenizer's units
+            prompt_tokens, cached = precise.reported(prep, ctx, chosen.address, cached)
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
                         prompt_tokens, cached, client_id)
 

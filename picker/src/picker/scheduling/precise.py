@@ -209,10 +209,23 @@ class PrecisePrefix:
 
     def apply_to(self, ctx: SchedulingContext, prep: Prepared) -> None:
         """The cached share of the prompt per in-sync endpoint, in the units of ctx.prompt_tokens
-        (the picker's own estimate, which every load term and the profile's constants use)."""
+        (the picker's own estimate, which every load term and the profile's constants use), in
+        whole blocks of the approximate index (ctx.block_size_tokens): where both indexes know
+        the same, the scores are the same, and only what the engines tell beyond that changes a
+        decision."""
         scale = ctx.prompt_tokens / prep.prompt_tokens if prep.prompt_tokens else 0.0
-        ctx.precise = {a: round(n * scale) for a, n in prep.cached.items()}
+        bs = ctx.block_size_tokens
+        ctx.precise = {a: int(n * scale) // bs * bs for a, n in prep.cached.items()}
         ctx.sync = self.index.reason
+
+    def reported(self, prep: Prepared, ctx: SchedulingContext, address: str,
+                 cached: int) -> tuple[int, int]:
+        """(prompt tokens, cached tokens) of the decision in the tokenizer's units: the engine's
+        own figure for an in-sync endpoint, else the approximate one converted."""
+        if ctx.sync.get(address) == "":
+            return prep.prompt_tokens, min(prep.prompt_tokens, prep.cached.get(address, 0))
+        scale = prep.prompt_tokens / ctx.prompt_tokens if ctx.prompt_tokens else 0.0
+        return prep.prompt_tokens, min(prep.prompt_tokens, round(cached * scale))
 
     def after_decision(self, prep: Prepared, address: str, now: float) -> None:
         """Remember this request's first block on its endpoint; settle the oldest checks: a
