@@ -35,21 +35,26 @@ def _arrivals(rate: float, n: int, gen) -> list[float]:
     return np.cumsum(gen.exponential(1.0 / rate, size=n)).tolist()
 
 
-def _capacity(seed: int) -> float:
+def _engine(engine):
+    from local.sim.engines import A10_QWQ32B
+    return engine or A10_QWQ32B
+
+
+def _capacity(seed: int, workload: str = "article", engine=None) -> float:
     from lab.experiment import named_workload, run_policies
     from lab.simulation import LabConfig
-    runs = run_policies(named_workload("article", num_prompts=150), ["least-request"], [seed],
-                        LabConfig(concurrency=30))
+    runs = run_policies(named_workload(workload, num_prompts=150), ["least-request"], [seed],
+                        LabConfig(concurrency=30, engine_model=_engine(engine)))
     return runs["least-request"][0].summary["request_throughput"]
 
 
-def _requests(seed: int, streams: list[tuple[str, str | None, float, int]]):
+def _requests(seed: int, streams: list[tuple[str, str | None, float, int]], workload: str = "article",
+              engine=None):
     """Requests of several open-loop streams (client, objective, rate, count), merged by time."""
     from lab.simulation import prepare_requests
     from loadtest.workloads import build_workload
-    from local.sim.engines import A10_QWQ32B
     total = sum(n for *_, n in streams)
-    reqs = prepare_requests(build_workload("article", seed=seed, num_prompts=total), A10_QWQ32B.block_size)
+    reqs = prepare_requests(build_workload(workload, seed=seed, num_prompts=total), _engine(engine).block_size)
     gen = np.random.default_rng(seed)
     i = 0
     for client, objective, rate, n in streams:
@@ -89,17 +94,24 @@ def _by_group(run) -> dict:
     return out
 
 
-def run(seeds: list[int]) -> dict:
+def run(seeds: list[int], workload: str = "article", engine=None, policies=None) -> dict:
+    """Fairness and priorities per seed on `workload` and 3 groups of `engine` (default: the
+    article's on A10s); `policies`: the names of _policies() to run (default: all)."""
     from lab.simulation import LabConfig, run_lab
     out = {"fairness": {}, "priorities": {}, "capacity_rps": {}}
     for seed in seeds:
-        cap = _capacity(seed)
+        cap = _capacity(seed, workload, engine)
         out["capacity_rps"][seed] = cap
         n_heavy = DURATION_REQUESTS
         n_light = max(10, round(n_heavy * LIGHT / HEAVY))
-        config = LabConfig(concurrency=None, seed=seed)
+        config = LabConfig(concurrency=None, seed=seed, engine_model=_engine(engine))
+
+        def streams(*s):
+            return _requests(seed, list(s), workload, engine)
         for name, make in _policies().items():
-            both = _requests(seed, [("heavy", None, HEAVY * cap, n_heavy), ("light", None, LIGHT * cap, n_light)])
+            if policies and name not in policies:
+                continue
+            both = streams(("heavy", None, HEAVY * cap, n_heavy), ("light", None, LIGHT * cap, n_light))
             alone = [r for r in both if r.client == "light"]   # same requests, same times
             mixed = _by_group(run_lab(both, make(), config))
             solo = _by_group(run_lab(alone, make(), config))["light"]
@@ -107,9 +119,11 @@ def run(seeds: list[int]) -> dict:
             print(f"seed {seed} {name:12} light alone {solo['mean_ttft_ms'] or 0:8,.0f} ms, with heavy "
                   f"{mixed['light']['mean_ttft_ms'] or 0:8,.0f} ms", flush=True)
         for name, make in _policies(priorities=True).items():
+            if policies and name not in policies:
+                continue
             n = round(DURATION_REQUESTS * PRIORITY_LOAD)
-            prio = _requests(seed, [("interactive", "interactive", PRIORITY_LOAD * cap, n),
-                                    ("standard", "standard", PRIORITY_LOAD * cap, n)])
+            prio = streams(("interactive", "interactive", PRIORITY_LOAD * cap, n),
+                           ("standard", "standard", PRIORITY_LOAD * cap, n))
             out["priorities"].setdefault(name, []).append({"seed": seed, **_by_group(run_lab(prio, make(), config))})
     return out
 

@@ -157,7 +157,8 @@ def pressure_report(d: dict) -> list[str]:
         p = s["policies"]
         if "picker+precise" in p:
             one = p["picker+precise"]["mean_ttft_ms"]["mean"]
-            for n in ("replicas:2:independent+precise", "replicas:4:independent+precise"):
+            for n in ("replicas:2:independent+precise", "replicas:4:independent+precise",
+                  "replicas:2:active-passive+precise", "replicas:4:active-passive+precise"):
                 if n in p:
                     keep.append(f"{s['name']} {n.split(':')[1]} replicas {versus(p[n]['mean_ttft_ms']['mean'], one)}")
     return out + ["", "Target: precise never worse than approximate (mean TTFT): "
@@ -188,7 +189,9 @@ def replicas_precise_report(d: dict) -> list[str]:
     out = ["Command: `python -m bench replicas-precise` (`python -m lab.replicas --precise`, "
            "lab/README.md): the lab's workloads on 16 simulated groups at concurrency 160; each "
            "request goes to one picker replica drawn at random; replicas share nothing (no Redis). "
-           "`+precise`: every replica follows every engine's KV-cache events. Mean TTFT, mean ± std "
+           "`+precise`: every replica follows every engine's KV-cache events. `active-passive`: "
+           "one leader decides every request, the standbys only follow the events (base/picker's "
+           "`--leader-election`; no failover modelled). Mean TTFT, mean ± std "
            "over the seeds, change against one picker with the same signals (for `picker+precise`: "
            "against `picker`).", ""]
     rows = []
@@ -211,10 +214,12 @@ def replicas_precise_report(d: dict) -> list[str]:
     for workload, run in d["runs"].items():
         p = run["policies"]
         one = p["picker+precise"]["mean_ttft_ms"]["mean"]
-        for n in ("replicas:2:independent+precise", "replicas:4:independent+precise"):
+        for n in ("replicas:2:independent+precise", "replicas:4:independent+precise",
+                  "replicas:2:active-passive+precise", "replicas:4:active-passive+precise"):
             if n in p:
                 change = (p[n]["mean_ttft_ms"]["mean"] / one - 1) * 100
-                verdict.append(f"{workload} {n.split(':')[1]} replicas {change:+.1f} % "
+                verdict.append(f"{workload} {n.split(':')[1]} replicas {n.split(':')[2].split('+')[0]} "
+                               f"{change:+.1f} % "
                                f"({'met' if change <= 3 else 'not met'})")
     return out + ["", "Target: with precise routing, 2 and 4 replicas within +3 % mean TTFT of one "
                   "picker: " + "; ".join(verdict) + "."]

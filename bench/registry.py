@@ -8,8 +8,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (autoscale, coldstart, crosscheck, demo, flow, keda_chain, kv_http, kv_suites, lab_suites,
-                   phases, robustness, validation_time, vllm_engine)
+from bench import (autoscale, coldstart, crosscheck, demo, flow, flow_clients_http, keda_chain, kv_http,
+                   kv_suites, lab_suites, phases, robustness, validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -95,6 +95,14 @@ BENCHMARKS = [
               "open-loop arrivals on both listeners (run under flock /tmp/local-stack.lock)",
               lambda a: flow.run_http(),
               titled("Flow control through HTTP: bursty arrivals on the real data plane", flow.http_report)),
+    Benchmark("flow-fairness-http", "make demo's stack three times, the picker without flow control, with it, with it "
+              "and 2 workers: two "
+              "clients with their own API keys, a light one next to a 10x heavier one and interactive next to "
+              "standard, open loop into a saturated pool (run under flock /tmp/local-stack.lock; --seeds: the "
+              "first only)",
+              lambda a: flow_clients_http.main(a.seeds[:1] if a.seeds else None),
+              titled("Flow control through HTTP: fairness and priorities between two clients",
+                     flow_clients_http.report)),
     Benchmark("kv-rate", "python -m lab.kv_rate: KV-cache events the simulator's engine publishes "
               "under the demo workload", lambda a: kv_suites.run_kv_rate(a.seeds),
               titled("KV-cache events: the simulator's event rate", kv_suites.kv_rate_report)),
@@ -106,7 +114,7 @@ BENCHMARKS = [
               "picker approximate vs precise", lambda a: kv_suites.run_matrix_precise(a.seeds),
               titled("Precise prefix routing on the scenario matrix", kv_suites.matrix_precise_report)),
     Benchmark("replicas-precise", "python -m lab.replicas --precise on 16 groups: 1, 2, 4 "
-              "independent replicas with and without KV-cache events",
+              "independent replicas with and without KV-cache events, 2 and 4 active-passive",
               lambda a: kv_suites.run_replicas_precise(a.seeds),
               titled("Picker replicas with precise prefix routing", kv_suites.replicas_precise_report)),
     Benchmark("precise-http", "make demo with the picker on KV-cache events and on its approximate "

@@ -101,4 +101,4 @@ def make_policy(name: str, **options) -> Policy:
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, oracle, "
                      f"oracle-late, picker[:PROFILE], picker-flow[:PROFILE], picker-flow-reject, "
                      f"picker-upstream, "
-                     f"replicas:N[:independent], each picker or replicas name with +precise[=SECONDS]")
+                     f"replicas:N[:independent|:active-passive], each picker or replicas name with +precise[=SECONDS]")

@@ -8,7 +8,9 @@ only that replica sees it. The replicas run independent or shared (the policy
                            [--replicas 1 2 4] [--precise] [--json FILE]
 
 `--precise`: the replicas route on the engines' KV-cache events, each subscribed on its own
-(`+precise` policies): one picker, then 2 and 4 independent replicas, with and without events.
+(`+precise` policies): one picker, then 2 and 4 independent replicas, with and without events,
+and 2 and 4 replicas active-passive with events (`replicas:N:active-passive+precise`: one
+leader decides, the standbys follow the events; base/picker's --leader-election).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 
 def precise_policies_for(replicas: list[int]) -> list[str]:
-    """One picker and N independent replicas, approximate and precise (`+precise`)."""
+    """One picker and N independent replicas, approximate and precise (`+precise`), and N
+    replicas active-passive, precise (what base/picker deploys)."""
     out = []
     for n in replicas:
         name = "picker" if n == 1 else f"replicas:{n}:independent"
         out += [name, f"{name}+precise"]
+    out += [f"replicas:{n}:active-passive+precise" for n in replicas if n > 1]
     return out
 
 

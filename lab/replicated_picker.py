@@ -3,6 +3,12 @@ by one replica drawn at random (Envoy spreads ext_proc streams over the picker's
 
 - independent: nothing shared; each replica learns prefix affinity from its share of the
   traffic and counts only its own in-flight requests (`replicas:N:independent`);
+- active-passive (`replicas:N:active-passive`, what base/picker runs with --leader-election):
+  one leader decides every request, the N-1 standbys follow the engines' KV-cache events too but
+  decide nothing (they are not Ready, so Envoy sends them no stream). The decisions are the
+  leader's alone, so by construction this is one picker; no failover is modelled (in the
+  deployment a failover is a gap of 5xx under FailClose, not a routing change:
+  picker/README.md "High availability");
 - shared (`replicas:N`): every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S`
   sets it; the picker itself sends changes as they happen and the whole table every
   PEER_SYNC_INTERVAL, so `sync=0` and the default bound it from both sides) the replicas exchange
@@ -29,7 +35,7 @@ from lab.policy_api import Policy
 class ReplicatedPicker(Policy):
     def __init__(self, replicas: int, shared: bool = True, profile: str = "default",
                  sync_interval: float = defaults.PEER_SYNC_INTERVAL, precise: bool = False,
-                 kv_delay: float | None = None):
+                 kv_delay: float | None = None, active_passive: bool = False):
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         # Precise: every replica subscribes to every engine on its own (same batches, same delay).
@@ -37,22 +43,27 @@ class ReplicatedPicker(Policy):
                       for _ in range(replicas)]
         self.kv_events = precise
         self.scrape_interval = self.parts[0].scrape_interval  # the lab records engine history
-        self.shared = shared and replicas > 1
+        self.active_passive = active_passive
+        self.shared = shared and replicas > 1 and not active_passive
         self.sync_interval = sync_interval
-        self.name = f"replicas:{replicas}" + ("" if shared else ":independent")
+        self.name = f"replicas:{replicas}" + (":active-passive" if active_passive else
+                                              "" if shared else ":independent")
         if precise:
             self.name += self.parts[0].name[len("picker"):]
 
     @classmethod
     def from_name(cls, name: str, **options) -> "ReplicatedPicker":
         """`replicas:N` (shared view, exchanged every PEER_SYNC_INTERVAL), `replicas:N:sync=S`
-        (every S seconds; 0 = before every decision) or `replicas:N:independent`."""
+        (every S seconds; 0 = before every decision), `replicas:N:independent` or
+        `replicas:N:active-passive`."""
         parts = name.split(":")
         if len(parts) not in (2, 3) or not parts[1].isdigit():
-            raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+            raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:active-passive|:sync=SECONDS]")
         option = parts[2] if len(parts) == 3 else ""
         if option == "independent":
             return cls(int(parts[1]), shared=False, **options)
+        if option == "active-passive":
+            return cls(int(parts[1]), shared=False, active_passive=True, **options)
         if option.startswith("sync="):
             try:
                 return cls(int(parts[1]), sync_interval=float(option[5:]), **options)
@@ -60,7 +71,7 @@ class ReplicatedPicker(Policy):
                 pass
         elif not option:
             return cls(int(parts[1]), **options)
-        raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:sync=SECONDS]")
+        raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:active-passive|:sync=SECONDS]")
 
     def on_kv_events(self, endpoint, seq, events, at):
         converted = picker_events(events)
@@ -98,7 +109,7 @@ class ReplicatedPicker(Policy):
     def pick(self, request):
         if self.shared:
             self._sync()
-        i = self.rng.randrange(len(self.parts))
+        i = 0 if self.active_passive else self.rng.randrange(len(self.parts))
         endpoint = self.parts[i].pick(request)
         self.replica_of[id(request)] = i
         return endpoint

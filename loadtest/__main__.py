@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--request-rate", type=float, default=0.0,
                    help="req/s with gamma gaps (0 = no pacing, as vLLM's inf)")
     c.add_argument("--out", default=None, help="results folder (default results/compare-<time>)")
+    c.add_argument("--client", dest="clients", action="append", default=[], metavar="FIELDS",
+                   help="a client of its own (repeat for several, all at once, open loop): "
+                        "name=N,rate=REQ_S,prompts=K[,key_env=VAR][,objective=O][,burstiness=B]; its "
+                        "API key from $VAR (else the run's), its objective (else --objective); result "
+                        "files then hold each client's statistics (by_client). Not with --request-rate "
+                        "or --num-prompts")
     c.add_argument("--before-each-run", metavar="CMD",
                    help="shell command run before every run, e.g. one that restarts the servers and the router "
                         "so no run starts with another run's caches (`python -m local.stack reset` locally)")
@@ -92,6 +98,9 @@ def check_args(args) -> None:
         raise ValueError("--repetitions and --concurrency must be >= 1")
     if getattr(args, "rates", None) is not None and any(r <= 0 for r in args.rates):
         raise ValueError("--rates must be > 0 req/s")
+    if getattr(args, "clients", None):
+        from loadtest.clients import parse_client
+        args.clients = tuple(parse_client(c) for c in args.clients)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import gevent
@@ -24,7 +24,7 @@ from locust import events
 from locust.env import Environment
 
 from loadtest import locustfile
-from loadtest.metrics import (DEFAULT_PERCENTILES, RequestSample, error_counts, run_duration,
+from loadtest.metrics import (DEFAULT_PERCENTILES, RequestSample, by_client, error_counts, run_duration,
                               save_run, summarize)
 from loadtest.plan import RunOptions
 from loadtest.report import comparison_table, headline, load_folder, spread, write_report
@@ -110,8 +110,8 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
     `before_each_run`: a shell command run before every run (e.g. one that restarts the servers and
     the router, so that no run inherits the caches and prefix state of the one before)."""
     settings = options.settings()
-    if concurrency is None:
-        concurrency = settings.get("concurrency") or int(settings["num_prompts"])
+    if concurrency is None:  # clients are open loop: no cap unless one is asked for
+        concurrency = (not options.clients and settings.get("concurrency")) or int(settings["num_prompts"])
     endpoints = DEFAULT_METRICS_ENDPOINTS if metrics_endpoints is None else metrics_endpoints
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress()
@@ -122,6 +122,7 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
             "percentiles": list(percentiles), "goodput": goodput or {}, "label": label,
             "speedup": speedup, "metrics_endpoints": endpoints,
             "routing": routing_names(host, ports), "before_each_run": before_each_run,
+            "clients": [asdict(c) for c in options.clients],
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     stats = {"percentiles": percentiles, "goodput": goodput}
     by_port: dict[int, list[list[RequestSample]]] = {p: [] for p in ports}
@@ -154,6 +155,9 @@ def compare(*, host: str, ports: list[int], out: Path, options: RunOptions,
                                duration=sum(run_duration(run) for run in runs), **stats,
                                **_run_meta(meta, port, concurrency), unfinished=unfinished[port])
             result["errors_by_reason"] = error_counts([s for run in runs for s in run])
+            clients = by_client([s for run in runs for s in run], **stats)
+            if clients:
+                result["by_client"] = clients
             (out / f"{port}.json").write_text(json.dumps(result, indent=2) + "\n",
                                               encoding="utf-8")
     meta["scrape_errors"] = scrape_errors
@@ -177,7 +181,8 @@ def options_from_args(args) -> RunOptions:
                       endpoint=args.endpoint, objective=args.objective,
                       num_prompts=args.num_prompts, request_rate=args.request_rate,
                       burstiness=args.burstiness, request_timeout=args.request_timeout,
-                      workload_args=parse_workload_args(args.workload_args))
+                      workload_args=parse_workload_args(args.workload_args),
+                      clients=tuple(getattr(args, "clients", ()) or ()))
 
 
 def resolve_stack(args) -> tuple[list[str] | None, float | None]:

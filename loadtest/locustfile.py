@@ -28,6 +28,7 @@ from locust import FastHttpUser, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
+from loadtest.clients import client_headers
 from loadtest.metrics import (RequestSample, StreamTimer, parse_goodput, parse_percentiles,
                               save_run)
 from loadtest.openai_api import (DONE, ENDPOINTS, OBJECTIVE_HEADER, SSEDecoder, SSEError,
@@ -128,6 +129,8 @@ class OpenAIUser(FastHttpUser):
         if options.objective:
             self.headers[OBJECTIVE_HEADER] = options.objective
         key = _api_key(self.environment.host or self.host, tuple(options.ports))
+        self.client_headers = client_headers(options.clients, self.headers, key, options.objective,
+                                             OBJECTIVE_HEADER)
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
 
@@ -152,9 +155,11 @@ class OpenAIUser(FastHttpUser):
         url = target_url(self.host, port, self.path)
         row = f"{port} {self.path}" if port else self.path
         timer = StreamTimer(time.time(), time.perf_counter(), prompt_tokens=spec.prompt_tokens,
-                            target=str(port or ""), endpoint=self.path, group=spec.group)
+                            target=str(port or ""), endpoint=self.path, group=spec.group,
+                            client=spec.client)
+        headers = self.client_headers.get(spec.client, self.headers)
         error, size = "", 0
-        with self.client.post(url, json=body, headers=self.headers, stream=True,
+        with self.client.post(url, json=body, headers=headers, stream=True,
                               catch_response=True, name=row) as resp:
             try:
                 with gevent.Timeout(options.request_timeout,

@@ -20,6 +20,7 @@ processes line up), the durations are measured with a monotonic clock.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -110,6 +111,7 @@ class RequestSample:
     target: str = ""             # e.g. "8080" (the port the request went to)
     endpoint: str = ""           # "/v1/completions" or "/v1/chat/completions"
     group: str = ""              # workload group / tenant
+    client: str = ""             # the client that sent it (loadtest/clients.py)
 
     @property
     def tpot(self) -> float | None:
@@ -125,11 +127,11 @@ class StreamTimer:
     """
 
     def __init__(self, start_wall: float, start_mono: float, *, prompt_tokens: int = 0,
-                 target: str = "", endpoint: str = "", group: str = ""):
+                 target: str = "", endpoint: str = "", group: str = "", client: str = ""):
         self.start_wall = start_wall
         self.start_mono = start_mono
         self.sample = RequestSample(start=start_wall, success=False, prompt_tokens=prompt_tokens,
-                                    target=target, endpoint=endpoint, group=group)
+                                    target=target, endpoint=endpoint, group=group, client=client)
         self.chunks = 0
         self._last: float | None = None
         self._usage: dict | None = None
@@ -251,6 +253,37 @@ def error_counts(samples: Iterable[RequestSample]) -> dict[str, int]:
     return counts
 
 
+def error_kind(reason: str) -> str:
+    """A failure reason without its details: `HTTP 503 (queue_timeout)` of `HTTP 503
+    (queue_timeout): waited 6.1s ...`; other reasons with the numbers of their message replaced
+    by N (`HTTP 429: local_rate_limited`, `timeout after Ns`)."""
+    head, sep, message = reason.partition(": ")
+    if head.startswith("HTTP ") and "(" in head:
+        return head
+    if not head.startswith("HTTP "):
+        head, sep, message = "", "", reason
+    return (head + sep + re.sub(r"\d+(\.\d+)?", "N", message))[:80]
+
+
+def error_kinds(samples: Iterable[RequestSample]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in samples:
+        if not s.success:
+            kind = error_kind(s.error)
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def by_client(samples: list[RequestSample], **stats) -> dict[str, dict]:
+    """Each client's own summary and failures by kind ({} when no sample names a client)."""
+    clients = sorted({s.client for s in samples if s.client})
+    out = {}
+    for c in clients:
+        own = [s for s in samples if s.client == c]
+        out[c] = summarize(own, **stats) | {"errors_by_kind": error_kinds(own)}
+    return out
+
+
 def write_samples(path: str | Path, samples: Iterable[RequestSample]) -> None:
     """Raw samples, one JSON object per line (JSONL)."""
     with open(path, "w", encoding="utf-8") as f:
@@ -276,6 +309,9 @@ def save_run(stem: str | Path, samples: list[RequestSample], duration: float | N
     if len(targets) > 1:  # one run over several ports: each port's own numbers too
         result["by_target"] = {t: summarize([s for s in samples if s.target == t], **stats)
                                for t in targets}
+    clients = by_client(samples, **stats)
+    if clients:
+        result["by_client"] = clients
     text = json.dumps(result, indent=2) + "\n"
     (stem.parent / (stem.name + ".json")).write_text(text, encoding="utf-8")
     write_samples(stem.parent / (stem.name + ".samples.jsonl"), samples)

@@ -78,14 +78,18 @@ class SSEDecoder:
 
 
 def error_reason(status: int, body: bytes | str | None) -> str:
-    """Short failure reason for a non-200 answer: status plus the server's message."""
+    """Short failure reason for a non-200 answer: status, the error's code when it names one
+    (the picker's `queue_timeout`...: `HTTP 503 (queue_timeout): ...`), the server's message."""
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else (body or "")
+    code = ""
     try:
         parsed = json.loads(text)
         if isinstance(parsed, dict):
             err = parsed.get("error", parsed.get("message", parsed))
             text = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            if isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"]:
+                code = f" ({err['code']})"
     except json.JSONDecodeError:
         pass
     text = " ".join(text.split())[:200]
-    return f"HTTP {status}: {text}" if text else f"HTTP {status}"
+    return f"HTTP {status}{code}: {text}" if text else f"HTTP {status}{code}"

@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from loadtest.clients import client_specs
 from loadtest.metrics import RequestSample
 from loadtest.openai_api import ENDPOINTS
 from loadtest.prompts import PromptSpec
@@ -67,6 +68,7 @@ class RunOptions:
     request_timeout: float = 900.0                  # s, whole request including the stream
     workload_args: dict = field(default_factory=dict)
     mode: str = "parallel"                          # "ab": one port after the other, same prompts
+    clients: tuple = ()                             # ClientStreams (loadtest/clients.py): their own rates
 
     def __post_init__(self):
         if self.endpoint not in ENDPOINTS:
@@ -77,13 +79,26 @@ class RunOptions:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.mode == "ab" and self.cycle:
             raise ValueError("--cycle-prompts never ends a phase: use it with --mode parallel")
+        if self.clients and (self.request_rate or self.num_prompts or self.cycle):
+            raise ValueError("clients bring their own rates and prompt counts: no --request-rate, "
+                             "--num-prompts or --cycle-prompts with --client")
+
+    @property
+    def total_prompts(self) -> int | None:
+        """The clients' prompts in all (None without clients: the workload's or num_prompts)."""
+        return sum(c.prompts for c in self.clients) if self.clients else None
 
     def settings(self) -> dict:
-        return workload_settings(self.workload, num_prompts=self.num_prompts, **self.workload_args)
+        return workload_settings(self.workload, num_prompts=self.num_prompts or self.total_prompts,
+                                 **self.workload_args)
 
     def build(self) -> list[PromptSpec]:
-        return build_workload(self.workload, seed=self.seed, num_prompts=self.num_prompts,
-                              **self.workload_args)
+        if self.clients:
+            return client_specs(self.clients, self._build, arrival_offsets, self.seed)
+        return self._build(self.seed, self.num_prompts)
+
+    def _build(self, seed: int, num_prompts: int | None) -> list[PromptSpec]:
+        return build_workload(self.workload, seed=seed, num_prompts=num_prompts, **self.workload_args)
 
     def phases(self) -> list[list[int]]:
         """Ports of each phase: A/B runs one port per phase, parallel all at once."""

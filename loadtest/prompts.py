@@ -23,6 +23,7 @@ class PromptSpec:
     group: str = ""        # shared-prefix group / tenant id ("" if none)
     messages: list | None = None  # for chat: OpenAI messages (None: one user message = prompt)
     arrival: float | None = None  # send time in s from the start (traces); None: the run decides
+    client: str = ""       # the client that sends it (loadtest/clients.py; "" = the run's only one)
 
     def chat_messages(self) -> list:
         return self.messages if self.messages is not None else [

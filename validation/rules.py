@@ -5,7 +5,9 @@
   node, Secret references in the workload namespace, isolation (validation/isolation.py), the
   KV-cache events' flags, ports and policies (validation/kv_events.py), every `vllm serve` flag
   known to the CLI of the pinned vLLM (validation/vllm_cli.py) and autoscaling
-  (validation/autoscaling.py: rules only a ScaledObject triggers);
+  (validation/autoscaling.py: rules only a ScaledObject triggers), picker replicas routing as
+  one (validation/picker_ha.py: --leader-election with its Lease RBAC, rollout and budget, or the
+  active-active annotation);
 - every overlay but the explicitly open ones (`overlays/*-open-gateway`): the edge rules
   (validation/edge.py: API keys, rate limits, TLS, the picker hop verified);
 - Argo CD folders: every Helm chart source resolves without undeclared repository Secrets, and
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from validation import autoscaling, edge, isolation, kv_events, policy, vllm_cli
+from validation import autoscaling, edge, isolation, kv_events, picker_ha, policy, vllm_cli
 from validation.problems import Problem
 from validation.render import argo_app_sources
 
@@ -30,7 +32,7 @@ def rules_for(target: str) -> list:
         rules = [*policy.ALL_CHECKS, policy.gpu_pods_fit_node, *isolation.ISOLATION_CHECKS,
                  *kv_events.KV_EVENTS_CHECKS, *vllm_cli.VLLM_CLI_CHECKS, *edge.HEALTH_CHECKS,
                  partial(policy.secret_refs_in_namespace, namespace=WORKLOAD_NAMESPACE),
-                 *autoscaling.AUTOSCALING_CHECKS]
+                 *autoscaling.AUTOSCALING_CHECKS, *picker_ha.PICKER_HA_CHECKS]
         if not target.endswith(OPEN_SUFFIX):
             rules += edge.EDGE_CHECKS
         return rules

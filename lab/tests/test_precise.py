@@ -88,3 +88,23 @@ def test_each_group_is_scraped_with_its_own_kv_capacity(requests):
         assert router.endpoints[ep.address].metrics.num_gpu_blocks == model.num_gpu_blocks
         assert tracker.endpoints[ep.address].capacity == model.num_gpu_blocks
         assert tracker.endpoints[ep.address].stats.overflow == 0
+
+
+def test_active_passive_replicas_decide_as_one_picker_with_warm_standbys(requests):
+    one = run_lab(requests, make_policy("picker+precise"), LabConfig(concurrency=8, seed=1))
+    policy = make_policy("replicas:2:active-passive+precise")
+    assert policy.name == "replicas:2:active-passive+precise"
+    leader, standby = policy.parts
+
+    def standby_picks(request):
+        raise AssertionError("a standby decided")
+
+    standby.pick = standby_picks
+    run = run_lab(requests, policy, LabConfig(concurrency=8, seed=1))
+    assert run.summary["completed"] == len(requests)
+    drain(leader)
+    drain(standby)
+    # ...but followed every engine: its index is the leader's, ready for a takeover
+    assert dict(standby.router.precise.index.counts) == dict(leader.router.precise.index.counts)
+    assert sum(leader.router.precise.index.counts.values()) > 0
+    assert run.summary["mean_ttft_ms"] == one.summary["mean_ttft_ms"]

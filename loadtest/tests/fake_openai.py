@@ -18,12 +18,15 @@ from aiohttp import web
 
 
 def make_app(ttft: float, itl: float, fail_every: int, broken_every: int,
-             api_key: str = "") -> web.Application:
+             api_keys: list[str] | None = None, refuse_objective: str = "") -> web.Application:
     state = {"count": 0, "running": 0}
 
     async def stream(request: web.Request) -> web.StreamResponse:
-        if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
+        if api_keys and request.headers.get("Authorization") not in [f"Bearer {k}" for k in api_keys]:
             return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+        if refuse_objective and request.headers.get("x-gateway-inference-objective") == refuse_objective:
+            return web.json_response({"error": {"message": "refused for 1.5s", "code": "queue_timeout"}},
+                                     status=503)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         body = await request.json()
@@ -72,7 +75,8 @@ def make_app(ttft: float, itl: float, fail_every: int, broken_every: int,
 
 
 async def serve(args) -> None:
-    runner = web.AppRunner(make_app(args.ttft, args.itl, args.fail_every, args.broken_every, args.api_key))
+    runner = web.AppRunner(make_app(args.ttft, args.itl, args.fail_every, args.broken_every, args.api_key,
+                                          args.refuse_objective))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -87,5 +91,8 @@ if __name__ == "__main__":
     p.add_argument("--itl", type=float, default=0.01)
     p.add_argument("--fail-every", type=int, default=0)
     p.add_argument("--broken-every", type=int, default=0)
-    p.add_argument("--api-key", default="", help="answer 401 unless `Authorization: Bearer <key>`")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="answer 401 unless `Authorization: Bearer <key>` with one of these keys (repeat)")
+    p.add_argument("--refuse-objective", default="",
+                   help="answer 503 (code queue_timeout) to requests with this objective header")
     asyncio.run(serve(p.parse_args()))

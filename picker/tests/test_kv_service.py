@@ -185,3 +185,64 @@ def test_every_worker_applies_the_signals_process_deltas(tok_dir):
     link._handle(("kv", [], None))            # no new status: the last one stays
     assert router.precise.status[addr][2] == 2
     theirs.close()
+
+
+async def test_a_standby_follows_the_events_and_routes_on_them_the_moment_it_leads(tok_dir,
+                                                                                 monkeypatch):
+    """--leader-election: a standby (not ready) subscribes and keeps its precise index like a
+    leader; taking over, its first decision already uses what the engines published before."""
+    import threading
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+
+    class Standby:
+        leader = False
+        transitions = {"acquired": 0, "lost": 0, "released": 0}
+
+        def is_leader(self):
+            return self.leader
+
+    elector = Standby()
+
+    def start_elector(settings, on_change, stop, candidate=True):
+        thread = threading.Thread(target=stop.wait)
+        thread.start()
+        return elector, thread
+
+    monkeypatch.setattr("picker.leader.start_elector", start_elector)
+    tok = ModelTokenizer(tok_dir)
+    pubs = [StandInPublisher(), StandInPublisher()]
+    servers = [await VllmWithEvents(p).start() for p in pubs]
+    a, b = (s.address for s in servers)
+    app, metrics_port, maintain = await start_app(["--tokenizer", str(tok_dir), "--leader-election"],
+                                                  [a, b])
+    try:
+        index = app.router.precise.index
+        await until(lambda: index.in_sync(a) and index.in_sync(b), timeout=15)
+        rng = random.Random(7)
+        for system, pub in (("alpha " * 400, pubs[1]), ("beta " * 400, pubs[0])):
+            tokens = tok.request_tokens("/v1/chat/completions", json.loads(chat_body(system, "q")))
+            n = len(tokens) // BS
+            pub.publish(map_payload([stored([rng.getrandbits(64) for _ in range(n)], None,
+                                            tokens[:n * BS], BS)]))
+        await until(lambda: index.size(a) > 0 and index.size(b) > 0, timeout=10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.servers.health_port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            async def ready():
+                r = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
+                return r.status == health_pb2.HealthCheckResponse.SERVING
+
+            assert app.warm() and not await ready()
+            elector.leader = True
+            await until(ready, timeout=5)
+        assert await route(app, chat_body("alpha " * 400, "first question after the takeover")) == b
+        assert await route(app, chat_body("beta " * 400, "first question after the takeover")) == a
+    finally:
+        app.request_stop()
+        await maintain
+        await app.stop()
+        for s in servers:
+            await s.stop()
+        for p in pubs:
+            p.close()

@@ -1,7 +1,8 @@
 """The picker as deployed (`python -m picker --discovery kubernetes`) with a ServiceAccount token bound
 to exactly the Role in base/picker, on an API server with RBAC authorization: it syncs and its
 readiness and endpoint set follow the leader pods; without one of the Role's rules it never gets
-ready; and the token can do nothing beyond reading what discovery watches."""
+ready; and the token can do nothing beyond reading what discovery watches and holding its Lease
+(tests/apiserver/test_picker_leader_election.py runs the pickers with --leader-election)."""
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,7 @@ from validation.cli import default_crds_dir
 NAMESPACE = "llm"
 PICKER = "inference-gateway-ext-proc"
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+LEASE = "reasoning-pool-picker"   # --leader-election's Lease (base/picker/rbac.yaml)
 STARTUP = 60.0   # seconds for the picker process to start (imports; slow on a busy machine)
 
 
@@ -166,6 +168,7 @@ def test_the_token_can_do_nothing_more(control_plane, deployed, picker_token):
     assert granted == role
 
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    coordination = client.CoordinationV1Api(api)
     assert core.list_namespaced_pod(NAMESPACE).items is not None           # what it needs works
     custom.get_namespaced_custom_object("inference.networking.k8s.io", "v1", NAMESPACE, "inferencepools", POOL)
     forbidden = {
@@ -185,6 +188,14 @@ def test_the_token_can_do_nothing_more(control_plane, deployed, picker_token):
                                                                          "inferencepools"),
         "read its Role": lambda: client.RbacAuthorizationV1Api(api).read_namespaced_role(PICKER, NAMESPACE),
         "mint tokens": lambda: core.create_namespaced_service_account_token(PICKER, NAMESPACE, {"spec": {}}),
+        # the Lease of --leader-election: its own only (create cannot be limited by name)
+        "read another Lease": lambda: coordination.read_namespaced_lease("other", NAMESPACE),
+        "update another Lease": lambda: coordination.replace_namespaced_lease("other", NAMESPACE, {
+            "metadata": {"name": "other"}, "spec": {}}),
+        "delete its Lease": lambda: coordination.delete_namespaced_lease(LEASE, NAMESPACE),
+        "list Leases": lambda: coordination.list_namespaced_lease(NAMESPACE),
+        "Leases in another namespace": lambda: coordination.create_namespaced_lease("default", {
+            "metadata": {"name": LEASE}, "spec": {}}),
     }
     allowed = []
     for what, call in forbidden.items():

@@ -16,6 +16,7 @@ from argparse import Namespace
 from prometheus_client import CollectorRegistry, start_http_server
 
 from picker import defaults
+from picker.config import lease_settings
 from picker.core import Router
 from picker.discovery.objects import Objective, Rewrite, load_objects
 from picker.protocol.server import Servers
@@ -56,7 +57,12 @@ class App:
         self.servers: Servers | None = None
         self.metrics_server = None
         self.stop_watches = threading.Event()
+        self.lease = lease_settings(args)
+        self.elector = None
+        self._election: threading.Thread | None = None
+        self._stop_election = threading.Event()
         self._stopped = asyncio.Event()
+        self._wake = asyncio.Event()  # readiness to be checked now (a leadership change, stop)
 
     def apply(self, endpoints: list[str], objectives: list[Objective], rewrites: list[Rewrite]) -> None:
         changed = apply_objects(self.router, endpoints, objectives, rewrites)
@@ -96,35 +102,62 @@ class App:
             self.worker_procs = start_workers(a, self.servers.grpc_port, conns[1:])
         host = a.bind.strip("[]") if a.bind not in ("[::]", "0.0.0.0") else ""
         self.metrics_server, _ = start_http_server(a.metrics_port, addr=host or "::",
-                                                   registry=self._metrics_registry())
+                                                   registry=self._watch_leader(
+                                                       self._metrics_registry()))
         self._start_discovery()
+        self._start_election()
         log.info("started", extra={"grpc_port": self.servers.grpc_port,
                                    "health_port": self.servers.health_port,
                                    "metrics_port": a.metrics_port, "tls": a.secure_serving,
                                    "profile": self.router.profile.name,
                                    "discovery": a.discovery})
 
+    def _start_election(self) -> None:
+        """With --leader-election: compete for the Lease in a thread of its own (blocking API
+        calls), once warm; a change of leadership wakes the readiness loop."""
+        if self.lease is None:
+            return
+        from picker.leader import start_elector
+        loop = asyncio.get_running_loop()
+        self.elector, self._election = start_elector(
+            self.lease, lambda leading: loop.call_soon_threadsafe(self._wake.set),
+            self._stop_election, candidate=self.warm())
+
+    def leading(self) -> bool:
+        """This replica may serve Envoy: it holds the Lease, or runs without leader election."""
+        return self.elector is None and self.lease is None or (
+            self.elector is not None and self.elector.is_leader())
+
+    def warm(self) -> bool:
+        """Discovery synced, an endpoint known, and scraped (see _scraped): what a standby keeps
+        up too, so that it can serve the moment it leads."""
+        return self.synced and bool(self.router.endpoints) and self._scraped()
+
     async def maintain(self) -> None:
-        """Readiness follows discovery sync, the endpoint set and the first scrapes; lost
-        requests are reaped."""
+        """Readiness follows discovery sync, the endpoint set, the first scrapes and, with
+        --leader-election, the Lease; lost requests are reaped."""
         loop = asyncio.get_running_loop()
         ready = None
         next_reap = loop.time() + REAP_EVERY
         while not self._stopped.is_set():
-            now_ready = self.synced and bool(self.router.endpoints) and self._scraped()
+            warm, leading = self.warm(), self.leading()
+            if self.elector is not None:
+                self.elector.candidate = warm  # competes for the Lease only once warm
+            now_ready = warm and leading
             if now_ready != ready:
                 await self.servers.set_ready(now_ready)
                 ready = now_ready
-                log.info("readiness", extra={"ready": ready})
+                log.info("readiness", extra={"ready": ready, "warm": warm, "leader": leading})
             if loop.time() >= next_reap:
                 lost = self.router.reap()
                 if lost:
                     log.warning("reaped lost in-flight requests", extra={"count": lost})
                 next_reap = loop.time() + REAP_EVERY
             try:
-                await asyncio.wait_for(self._stopped.wait(), READINESS_EVERY)
+                await asyncio.wait_for(self._wake.wait(), READINESS_EVERY)
             except asyncio.TimeoutError:
                 pass
+            self._wake.clear()
 
     def _scraped(self) -> bool:
         """An endpoint is ready, or every endpoint has been scraped once (failures included): the
@@ -135,6 +168,7 @@ class App:
 
     def request_stop(self) -> None:
         self._stopped.set()
+        self._wake.set()
 
     def _share_self_signed_certificate(self) -> None:
         """Every worker must present the same certificate: make one, hand them its directory."""
@@ -158,7 +192,24 @@ class App:
         self.metrics.watch_router(self.router, registry)
         return registry
 
+    def _watch_leader(self, registry: CollectorRegistry) -> CollectorRegistry:
+        if self.lease is not None:
+            from picker.observability.metrics import LeaderCollector
+            registry.register(LeaderCollector(lambda: self.elector))
+        return registry
+
+    async def release_lease(self) -> None:
+        """Not ready, and the Lease given up at once, so a standby takes over within one retry
+        period while this replica finishes the streams it has."""
+        if self._election is None:
+            return
+        if self.servers is not None:
+            await self.servers.set_ready(False)
+        self._stop_election.set()
+        await asyncio.to_thread(self._election.join, 2 * self.lease.request_timeout + 1)
+
     async def stop(self) -> None:
+        await self.release_lease()
         self.stop_watches.set()
         if self.link is not None:
             self.link.closing = True

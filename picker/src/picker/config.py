@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from picker import defaults
+from picker import defaults, leader
 from picker.flowcontrol.controller import AT_BOUND, FlowSettings
 from picker.flowcontrol.queue import QueueLimits
 from picker.flowcontrol.room import RoomRule
@@ -105,6 +105,25 @@ def parser() -> argparse.ArgumentParser:
                         "does not say")
     p.add_argument("--kv-replay-port", type=int, default=defaults.KV_REPLAY_PORT,
                    help="each leader's KV-events replay port (0: none)")
+    p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=False,
+                   help="active-passive replicas: only the holder of a coordination.k8s.io Lease "
+                        "is ready (serves Envoy); the others stay warm standbys (see README)")
+    p.add_argument("--leader-election-lease-name",
+                   help="the Lease's name (default: <pool-name>-picker)")
+    p.add_argument("--leader-election-namespace",
+                   help="the Lease's namespace (default: --pool-namespace)")
+    p.add_argument("--leader-election-lease-duration", type=int, default=leader.LEASE_DURATION,
+                   help="seconds a standby waits after the Lease last changed before it takes "
+                        "it from a leader that stopped renewing (a killed or cut-off leader: "
+                        "the failover time)")
+    p.add_argument("--leader-election-renew-deadline", type=float,
+                   default=leader.RENEW_DEADLINE,
+                   help="seconds a leader goes on without a successful renew before it turns "
+                        "not-ready (below the lease duration: it gives up before anyone takes "
+                        "over)")
+    p.add_argument("--leader-election-retry-period", type=float, default=leader.RETRY_PERIOD,
+                   help="seconds between a leader's renews and a standby's tries (a released "
+                        "Lease is taken within this)")
     p.add_argument("--bind", default="[::]", help="address the servers listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -128,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         server_limits(args)
         flow_settings(args)
+        lease_settings(args)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -163,3 +183,18 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
                         grpc_max_concurrent_streams=args.grpc_max_concurrent_streams,
                         grpc_max_pending_requests=args.grpc_max_pending_requests,
                         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)
+
+
+def lease_settings(args: argparse.Namespace) -> leader.LeaseSettings | None:
+    """The Lease this replica competes for, None without --leader-election."""
+    if not getattr(args, "leader_election", False):
+        return None
+    settings = leader.LeaseSettings(
+        name=args.leader_election_lease_name or f"{args.pool_name}-picker",
+        namespace=args.leader_election_namespace or args.pool_namespace,
+        identity=leader.default_identity(),
+        lease_duration=args.leader_election_lease_duration,
+        renew_deadline=args.leader_election_renew_deadline,
+        retry_period=args.leader_election_retry_period)
+    settings.check()
+    return settings

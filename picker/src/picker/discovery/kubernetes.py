@@ -190,17 +190,23 @@ class ResourceWatch:
                 stop.wait(backoff)
 
 
-def api_watches(state: PoolState, namespace: str, timeout_seconds: int = 300) -> list[ResourceWatch]:
-    """The four list+watch loops against the real API server (in-cluster config or kubeconfig)."""
-    import json
-
-    from kubernetes import client, config, watch
-
+def load_config() -> None:
+    """The client's credentials: in-cluster, else the kubeconfig."""
+    from kubernetes import config
     try:
         config.load_incluster_config()
     except config.ConfigException:
         # $KUBECONFIG read now: the client reads it once at import time otherwise.
         config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+
+
+def api_watches(state: PoolState, namespace: str, timeout_seconds: int = 300) -> list[ResourceWatch]:
+    """The four list+watch loops against the real API server (in-cluster config or kubeconfig)."""
+    import json
+
+    from kubernetes import client, watch
+
+    load_config()
     core, custom = client.CoreV1Api(), client.CustomObjectsApi()
 
     def custom_list(group: str, version: str, plural: str) -> ListFn:

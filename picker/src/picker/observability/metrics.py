@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from picker.core import Decision, PickerError, Router
@@ -115,3 +115,24 @@ class _RouterCollector:
         sat.add_metric([], self.router.pool_saturation())
         return [queue, running, kv, inflight, ready, sat]
 
+
+
+class LeaderCollector:
+    """With --leader-election: whether this replica leads (ready for Envoy) and how often its
+    leadership changed (acquired; lost: a renew failed or the Lease was taken; released: on
+    shutdown). Read from the elector (`elector()`, None before it starts) when Prometheus
+    scrapes."""
+
+    def __init__(self, elector: Callable[[], Any]):
+        self.elector = elector
+
+    def collect(self):
+        elector = self.elector()
+        leader = GaugeMetricFamily("picker_leader",
+                                   "1 if this replica holds the pool's Lease and serves Envoy")
+        leader.add_metric([], 1.0 if elector is not None and elector.is_leader() else 0.0)
+        changes = CounterMetricFamily("picker_leader_transitions",
+                                      "Changes of this replica's leadership", labels=["change"])
+        for change, count in (elector.transitions.items() if elector is not None else ()):
+            changes.add_metric([change], count)
+        return [leader, changes]

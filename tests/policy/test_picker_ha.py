@@ -1,0 +1,173 @@
+"""Picker replicas route as one (validation/picker_ha.py): every overlay holds, and each check
+fails on a fixture broken the way it guards."""
+from __future__ import annotations
+
+import pytest
+
+from tests.policy.conftest import OVERLAYS, ROOT, find, rendered
+from validation import picker_ha, rules
+
+OVERLAY = "overlays/a10"
+PICKER = "inference-gateway-ext-proc"
+
+
+def deployment(objs):
+    return find(objs, "Deployment", PICKER)
+
+
+def args(objs):
+    return deployment(objs)["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def role(objs):
+    return find(objs, "Role", PICKER)
+
+
+def problems(objs):
+    return [p for check in picker_ha.PICKER_HA_CHECKS for p in check(objs)]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_routes_as_one(overlay):
+    assert problems(rendered(overlay)) == []
+
+
+def test_the_rules_run_on_overlays():
+    assert set(picker_ha.PICKER_HA_CHECKS) <= set(rules.rules_for(OVERLAY))
+
+
+def test_base_runs_two_replicas_active_passive():
+    objs = rendered(OVERLAY)
+    assert deployment(objs)["spec"]["replicas"] == 2
+    assert picker_ha.leader_election_on(args(objs))
+    assert picker_ha.lease_of(deployment(objs), deployment(objs)["spec"]["template"]["spec"]
+                              ["containers"][0]) == ("llm", "reasoning-pool-picker")
+
+
+def test_replicas_without_leader_election_fail():
+    objs = rendered(OVERLAY)
+    args(objs).remove("--leader-election")
+    found = picker_ha.picker_replicas_route_as_one(objs)
+    assert len(found) == 1 and "spec.replicas 2 without --leader-election" in found[0], found
+
+
+def test_no_leader_election_after_it_fails_too():
+    objs = rendered(OVERLAY)
+    args(objs).append("--no-leader-election")
+    assert picker_ha.picker_replicas_route_as_one(objs) != []
+
+
+def test_active_active_on_purpose_passes():
+    objs = rendered(OVERLAY)
+    args(objs).remove("--leader-election")
+    deployment(objs)["metadata"].setdefault("annotations", {})[picker_ha.HA_MODE_ANNOTATION] = "active-active"
+    assert problems(objs) == []
+
+
+def test_one_replica_needs_nothing():
+    objs = rendered(OVERLAY)
+    args(objs).remove("--leader-election")
+    deployment(objs)["spec"]["replicas"] = 1
+    assert problems(objs) == []
+
+
+@pytest.mark.parametrize("mode,elected", [("active-active", True), ("active-passive", False),
+                                          ("hot-standby", True)])
+def test_the_annotation_must_say_what_runs(mode, elected):
+    objs = rendered(OVERLAY)
+    if not elected:
+        args(objs).remove("--leader-election")
+    deployment(objs)["metadata"].setdefault("annotations", {})[picker_ha.HA_MODE_ANNOTATION] = mode
+    found = picker_ha.picker_replicas_route_as_one(objs)
+    assert len(found) == 1 and picker_ha.HA_MODE_ANNOTATION in found[0], found
+
+
+def _without_lease_rules(objs):
+    role(objs)["rules"] = [r for r in role(objs)["rules"] if "leases" not in r["resources"]]
+
+
+@pytest.mark.parametrize("break_it,missing", [
+    (_without_lease_rules, "get/update/create"),
+    (lambda objs: [r.update(resourceNames=["other-lease"]) for r in role(objs)["rules"]
+                   if r["resources"] == ["leases"] and "get" in r["verbs"]], "get/update"),
+    (lambda objs: [r["verbs"].remove("update") for r in role(objs)["rules"]
+                   if r["resources"] == ["leases"] and "update" in r["verbs"]], "update"),
+    # create with resourceNames is never granted by the API server (no name is known yet)
+    (lambda objs: [r.update(resourceNames=["reasoning-pool-picker"]) for r in role(objs)["rules"]
+                   if r["verbs"] == ["create"]], "create"),
+    (lambda objs: args(objs).extend(["--leader-election-lease-name", "renamed"]), "get/update"),
+], ids=["no-lease-rules", "other-resource-name", "no-update", "create-by-name", "renamed-lease"])
+def test_a_role_short_of_the_lease_verbs_fails(break_it, missing):
+    objs = rendered(OVERLAY)
+    break_it(objs)
+    found = picker_ha.picker_leader_election_works(objs)
+    assert len(found) == 1 and f"may not {missing} the Lease" in found[0], found
+
+
+def test_the_role_must_be_bound_to_the_pickers_service_account():
+    objs = rendered(OVERLAY)
+    find(objs, "RoleBinding", PICKER)["subjects"][0]["name"] = "someone-else"
+    found = picker_ha.picker_leader_election_works(objs)
+    assert len(found) == 1 and "ServiceAccount inference-gateway-ext-proc may not" in found[0], found
+
+
+@pytest.mark.parametrize("strategy", [None, {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}])
+def test_a_rollout_that_keeps_the_leader_fails(strategy):
+    objs = rendered(OVERLAY)
+    if strategy is None:
+        del deployment(objs)["spec"]["strategy"]     # the default: maxUnavailable 25%
+    else:
+        deployment(objs)["spec"]["strategy"] = strategy
+    found = picker_ha.picker_leader_election_works(objs)
+    assert len(found) == 1 and "maxUnavailable" in found[0] and "stuck" in found[0], found
+
+
+def test_recreate_passes():
+    objs = rendered(OVERLAY)
+    deployment(objs)["spec"]["strategy"] = {"type": "Recreate"}
+    assert picker_ha.picker_leader_election_works(objs) == []
+
+
+@pytest.mark.parametrize("budget", [{"minAvailable": 1}, {"maxUnavailable": 1}, {"maxUnavailable": "50%"}])
+def test_a_budget_that_pins_the_leader_fails(budget):
+    objs = rendered(OVERLAY)
+    spec = find(objs, "PodDisruptionBudget", PICKER)["spec"]
+    spec.pop("maxUnavailable", None)
+    spec.update(budget)
+    found = picker_ha.picker_leader_election_works(objs)
+    assert len(found) == 1 and "drain waits on it forever" in found[0], found
+
+
+def test_the_shared_view_component_runs_active_active_on_purpose(tmp_path):
+    """components/picker-shared-view (in no overlay now): active-active with Redis, and the rule
+    holds on it (annotation, leader election off, a budget that keeps one replica)."""
+    import os
+    import subprocess
+
+    import yaml
+    rel = os.path.relpath(ROOT, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/base/picker]\ncomponents: [{rel}/components/picker-shared-view]\n")
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout
+    objs = [o for o in yaml.safe_load_all(out) if o]
+    assert problems(objs) == []
+    assert not picker_ha.leader_election_on(args(objs)) and "--peer-store" in args(objs)
+    assert find(objs, "PodDisruptionBudget", PICKER)["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_deployed_flags_parse_and_name_the_lease_the_rule_checks(overlay, monkeypatch):
+    """The picker's own parser accepts the Deployment's arguments, and the Lease it would compete
+    for is the one validation/picker_ha.py checks the Role against."""
+    from picker.config import lease_settings, parse_args
+    objs = rendered(overlay)
+    d = deployment(objs)
+    container = d["spec"]["template"]["spec"]["containers"][0]
+    namespace = d["metadata"]["namespace"]
+    argv = [a.replace("$(POD_NAMESPACE)", namespace) for a in container["args"]]
+    monkeypatch.setenv("POD_NAME", "picker-0")
+    settings = lease_settings(parse_args(argv))
+    assert settings is not None
+    assert (settings.namespace, settings.name) == picker_ha.lease_of(d, container)
