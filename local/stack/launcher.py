@@ -186,9 +186,10 @@ class Stack:
             self._start(fresh[-1])
         wait_healthy(fresh, self.config.startup_timeout, self.auth_headers(), self.config.run_dir)
 
-    def kill_process(self, name: str) -> None:
+    def kill_process(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send sig to the process's group and wait for it to exit."""
         p = self.proc(name)
-        os.killpg(p.pid, signal.SIGKILL)
+        os.killpg(p.pid, sig)
         if p.popen is not None:
             p.popen.wait(timeout=10)
 

@@ -215,6 +215,25 @@ def test_a_heavy_client_does_not_delay_a_light_one():
     assert served[:2] == ["h0", "light"]
 
 
+def test_shutdown_sends_every_held_request_in_order_and_holds_nothing_after():
+    router, flow, clock, metrics = flow_router(waiting=3)
+    sent = []
+    for name in ("first", "second"):
+        flow.submit(info(prompt=name), lambda o, name=name: sent.append((name, o)))
+    flow.submit(info(prompt="urgent", objective="interactive"),
+                lambda o: sent.append(("urgent", o)))
+    assert sent == [] and len(flow.queue) == 3
+    assert flow.release_all() == 3
+    assert [name for name, _ in sent] == ["urgent", "first", "second"]  # the queue's order
+    assert all(o.endpoint in router.endpoints for _, o in sent)
+    assert len(flow.queue) == 0
+    assert sample(metrics, "picker_flow_evictions_total", reason="shutdown_dispatch",
+                  priority="0") == 2
+    assert sample(metrics, "picker_flow_queued_requests", priority="0") == 0
+    late = flow.submit(info(prompt="late"), lambda o: None)  # still no room, but closing
+    assert not isinstance(late, Held) and late.endpoint in router.endpoints
+
+
 # ---- the ext_proc server ----------------------------------------------------------------------
 
 @pytest.fixture
@@ -401,3 +420,47 @@ def test_a_newcomer_is_tried_at_once_only_if_it_may_use_the_reserve_the_head_lea
     assert served == []   # one client: nothing holds back, the queue waits for the next pump
     flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
     assert served == ["light"]   # the heavy head leaves the reserve, the light request takes it
+
+
+async def test_server_stop_answers_a_held_stream_with_an_endpoint_not_an_error():
+    metrics = PickerMetrics()
+    router = make_router(profile="default", n=2, metrics=metrics, objectives=OBJECTIVES,
+                         waiting=3, kv=0.5)
+    router.clock = __import__("time").monotonic
+    for a in router.endpoints:
+        router.on_scrape_ok(a, metrics_text(waiting=3, kv=0.5))
+    flow = FlowControl(router, FlowSettings(QueueLimits(max_wait=30.0)))
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", flow=flow)
+    await servers.set_ready(True)
+    ch = c.channel(servers.grpc_port, None)
+    try:
+        task = asyncio.ensure_future(
+            c.send_buffered(c.ep_stub(ch), c.post_headers(), body(prompt="held at shutdown")))
+        await until(lambda: len(flow.queue) == 1)
+        await servers.stop(1.0)  # what SIGTERM runs
+        call, answers = await asyncio.wait_for(task, 5.0)
+        assert c.lb_destination(answers[-1]) in router.endpoints
+        assert sample(metrics, "picker_flow_evictions_total", reason="shutdown_dispatch",
+                      priority="0") == 1
+    finally:
+        await ch.close()
+
+
+async def test_server_stop_ends_an_answered_stream_cleanly_at_once():
+    """Envoy keeps the stream of a routed request open until its response ends; a stop must end
+    it with OK (Envoy finishes the request) rather than cut it after the grace (Envoy: 503)."""
+    router = make_router(profile="default", n=2, waiting=0, kv=0.1)
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+    await servers.set_ready(True)
+    ch = c.channel(servers.grpc_port, None)
+    try:
+        call, answers = await c.send_buffered(c.ep_stub(ch), c.post_headers(), body(prompt="hi"))
+        assert c.lb_destination(answers[-1]) in router.endpoints
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stopping = asyncio.ensure_future(servers.stop(10.0))
+        assert await asyncio.wait_for(call.code(), 5.0) == __import__("grpc").StatusCode.OK
+        assert loop.time() - started < 2.0  # not the 10 s grace
+        await asyncio.wait_for(stopping, 5.0)
+    finally:
+        await ch.close()

@@ -5,6 +5,7 @@
     flow.pump()                                      # on new signals and at the next deadline:
                                                      #   dispatch heads that have room, expire old
     flow.cancel(held)                                # the client went away
+    flow.release_all()                               # shutting down: send every held request
 
 Synchronous and clock-injected like the Router: the ext_proc server (protocol/extproc.py,
 FlowDriver) and the routing lab drive the same code. A request is decided by Router.decide with
@@ -77,8 +78,11 @@ class FlowControl:
         router.gate = self._gate
         self._holdback = False   # for the request being decided: see _decide
         self._published: dict[int, int] = {}
+        self._closing = False   # release_all ran: nothing is held any more
 
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        if self._closing:
+            return candidates
         rule, holdback = self.settings.room, self._holdback
         room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
         if room:
@@ -124,6 +128,27 @@ class FlowControl:
             self.queue.remove(held)
             self._count("cancelled", held.priority)
             self.publish()
+
+    def release_all(self) -> int:
+        """The replica is shutting down: every held request is decided at once without the room
+        test (early binding, as without flow control), in the queue's order, so its client is
+        served from an engine's queue instead of losing the request with the picker's stream.
+        Returns the number sent. Requests that arrive after it are not held either (their
+        streams have only the server's grace left)."""
+        self._closing = True
+        now = self.router.clock()
+        sent = 0
+        while (h := self.queue.peek()) is not None:
+            self.queue.pop(h)
+            try:
+                decision = self._decide_ungated(h)
+            except PickerError as err:  # e.g. no endpoint left: the request's own error
+                self._leave(h, "error", err, popped=True)
+                continue
+            self._send(h, decision, now, "shutdown_dispatch")
+            sent += 1
+        self.publish()
+        return sent
 
     def pump(self) -> int:
         """Expire requests past their age bound, then dispatch from the head while the head's
@@ -206,18 +231,25 @@ class FlowControl:
 
     def _dispatch_ungated(self, h: Held, now: float) -> bool:
         """Early binding for a request at its age bound: decided without the room test."""
-        gate, self.router.gate = self.router.gate, None
         try:
-            decision = self.router.decide(h.payload)
+            decision = self._decide_ungated(h)
         except PickerError:
             return False
+        self._send(h, decision, now, "bound_dispatch")
+        return True
+
+    def _decide_ungated(self, h: Held) -> Decision:
+        gate, self.router.gate = self.router.gate, None
+        try:
+            return self.router.decide(h.payload)
         finally:
             self.router.gate = gate
-        self._count("bound_dispatch", h.priority)
+
+    def _send(self, h: Held, decision: Decision, now: float, reason: str) -> None:
+        self._count(reason, h.priority)
         if self.metrics is not None:
             self.metrics.flow_wait.observe(now - h.arrived)
         h.notify(decision)
-        return True
 
     def publish(self) -> None:
         """The queue length per priority into the metrics (only the bands that changed)."""

@@ -262,6 +262,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self.default_body_mode = BODY_MODES[default_body_mode]
         self.max_body_bytes = max_body_bytes or router.settings.max_body_bytes
         self.budget = Budget(limits or ServerLimits(max_body_bytes=self.max_body_bytes))
+        self.closing: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def _count_refusal(self, err: PickerError) -> None:
         if self.router.metrics is not None:
@@ -279,8 +280,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             return
         stream = RequestStream(self.router, self.default_body_mode, self.max_body_bytes,
                                self.budget, self.flow)
+        messages = request_iterator.__aiter__()
         try:
-            async for req in request_iterator:
+            while True:
+                if stream.routed:
+                    req = await self._next_unless_closing(messages)
+                else:
+                    req = await anext(messages, None)
+                if req is None:
+                    return
                 for resp in stream.handle(req):
                     yield resp
                 if stream.waiting is not None:
@@ -293,3 +301,25 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             stream.cancel_hold()
             self.budget.close_stream()
             stream.finish()
+
+    async def _next_unless_closing(self, messages) -> ep.ProcessingRequest | None:
+        """The next message of an answered stream (a response phase, or the stream's end), or
+        None once the replica closes: Envoy keeps the stream open for the whole HTTP request,
+        and a stream the server cancels fails a request still waiting for its response (503,
+        statusOnError), whereas one it ends cleanly leaves Envoy to finish the request alone."""
+        if self.closing.done():
+            return None
+        following = asyncio.ensure_future(anext(messages, None))
+        await asyncio.wait((following, self.closing), return_when=asyncio.FIRST_COMPLETED)
+        if following.done():
+            return following.result()
+        following.cancel()
+        return None
+
+    def close_answered_streams(self) -> None:
+        """Shutting down: every held request is sent now, and every stream whose request is
+        answered ends now, cleanly (and each one answered later, as soon as it is)."""
+        if self.flow is not None:
+            self.flow.flow.release_all()
+        if not self.closing.done():
+            self.closing.set_result(None)

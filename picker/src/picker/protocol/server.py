@@ -28,13 +28,21 @@ class Servers:
     health_port: int
     certificate: bytes | None  # PEM, when TLS is on
     budget: Budget | None = None  # the ext_proc streams' live stream and body-byte counts
+    servicer: ExtProcServicer | None = None
 
     async def set_ready(self, ready: bool) -> None:
         for name in READY_SERVICES:
             await self.health.set(name, SERVING if ready else NOT_SERVING)
 
     async def stop(self, grace: float = 1.0) -> None:
+        """Stop taking streams and end the open ones without failing their requests: held
+        requests are sent now (FlowControl.release_all: they cannot wait for room within the
+        grace), and streams whose request is answered end cleanly at once (Envoy keeps them open
+        until the response ends, and answers 503 to a request whose stream the server cuts while
+        it waits for its response). Only streams still receiving a request body use the grace."""
         await self.health.enter_graceful_shutdown()
+        if self.servicer is not None:
+            self.servicer.close_answered_streams()
         await self.grpc_server.stop(grace)
         await self.health_server.stop(grace)
 
@@ -64,4 +72,4 @@ async def start_servers(router: Router, grpc_port: int, health_port: int, secure
         await hs.set(name, NOT_SERVING)
     await server.start()
     await health_server.start()
-    return Servers(server, health_server, hs, port, hport, cert, servicer.budget)
+    return Servers(server, health_server, hs, port, hport, cert, servicer.budget, servicer)
