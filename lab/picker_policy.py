@@ -148,7 +148,7 @@ class PickerPolicy(Policy):
                 del hist[:j]
             else:
                 running, waiting, kv = 0, 0, 0.0
-            key = (ep.model_name, running, waiting, kv)
+            key = (i, running, waiting, kv)   # per endpoint: each has its own cache config
             text = self.texts.get(key)
             if text is None:
                 text = render_gauges(ep.model_name, running, waiting, kv, self.cache_config[i])

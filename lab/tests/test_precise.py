@@ -74,6 +74,22 @@ def test_bad_precise_names_are_refused():
         make_policy("picker+precise=soon")
 
 
+def test_each_group_is_scraped_with_its_own_kv_capacity(requests):
+    """A pool with one small-KV group: the picker sees each group's own num_gpu_blocks (a scrape
+    page rendered for one group is never reused for another), so its tracker caps no group's
+    blocks at another group's capacity."""
+    base = LabConfig().engine_model
+    models = [base.with_overrides(num_gpu_blocks=150)] + [base.with_overrides(num_gpu_blocks=400)] * 2
+    policy = make_policy("picker+precise=0")
+    run_lab(requests, policy, LabConfig(concurrency=8, seed=1, num_engines=3, engine_models=models))
+    drain(policy)
+    router, tracker = policy.router, policy.router.precise.tracker
+    for ep, model in zip(policy.endpoints, models):
+        assert router.endpoints[ep.address].metrics.num_gpu_blocks == model.num_gpu_blocks
+        assert tracker.endpoints[ep.address].capacity == model.num_gpu_blocks
+        assert tracker.endpoints[ep.address].stats.overflow == 0
+
+
 def test_active_passive_replicas_decide_as_one_picker_with_warm_standbys(requests):
     one = run_lab(requests, make_policy("picker+precise"), LabConfig(concurrency=8, seed=1))
     policy = make_policy("replicas:2:active-passive+precise")

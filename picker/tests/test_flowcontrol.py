@@ -422,6 +422,54 @@ def test_a_newcomer_is_tried_at_once_only_if_it_may_use_the_reserve_the_head_lea
     assert served == ["light"]   # the heavy head leaves the reserve, the light request takes it
 
 
+def affinity_setup(affinity_tokens):
+    clock = FakeClock()
+    router = make_router(profile="default", n=2, clock=clock, waiting=0, kv=0.1)
+    flow = FlowControl(router, FlowSettings(room=RoomRule(affinity_tokens=affinity_tokens)))
+    prompt = "tenant system prompt " * 400            # ~2,000 tokens
+    first = flow.submit(info(prompt=prompt), lambda o: None)
+    assert not isinstance(first, Held)
+    other = next(a for a in router.endpoints if a != first.endpoint)
+    clock.t += 1.0
+    router.on_scrape_ok(first.endpoint, metrics_text(waiting=1, kv=0.5), clock())  # no room
+    router.on_scrape_ok(other, metrics_text(waiting=0, kv=0.1), clock())
+    return flow, prompt, first.endpoint, other
+
+
+def test_a_cached_prefix_keeps_its_endpoint_without_room_as_a_candidate():
+    flow, prompt, cached, _ = affinity_setup(affinity_tokens=1024)
+    d = flow.submit(info(prompt=prompt + " question"), lambda o: None)
+    assert not isinstance(d, Held) and d.endpoint == cached and d.cached_tokens >= 1024
+
+
+def test_a_prefix_below_the_affinity_threshold_goes_to_the_endpoint_with_room():
+    flow, prompt, _, other = affinity_setup(affinity_tokens=10 ** 6)
+    d = flow.submit(info(prompt=prompt + " question"), lambda o: None)
+    assert not isinstance(d, Held) and d.endpoint == other
+
+
+def test_a_request_that_holds_back_leaves_an_affine_endpoint_without_room_alone():
+    flow, prompt, _, other = affinity_setup(affinity_tokens=1024)
+    flow.arrivals.add(flow.router.clock(), 10, "")     # a higher band is active: hold back
+    d = flow.submit(info(prompt=prompt + " question"), lambda o: None)
+    assert not isinstance(d, Held) and d.endpoint == other
+
+
+def test_no_endpoint_with_room_holds_even_with_a_cached_prefix():
+    flow, prompt, cached, other = affinity_setup(affinity_tokens=1024)
+    flow.router.on_scrape_ok(other, metrics_text(waiting=2, kv=0.5), flow.router.clock())
+    assert isinstance(flow.submit(info(prompt=prompt + " question"), lambda o: None), Held)
+
+
+def test_affinity_flag_builds_the_room_rule_and_refuses_a_negative_value():
+    from picker.config import flow_settings, parse_args
+    base = ["--discovery", "static", "--endpoints", "127.0.0.1:8101", "--flow-control"]
+    assert flow_settings(parse_args(base)).room.affinity_tokens == 1024
+    assert flow_settings(parse_args(base + ["--flow-affinity-tokens", "0"])).room.affinity_tokens == 0
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--flow-affinity-tokens", "-1"])
+
+
 async def test_server_stop_answers_a_held_stream_with_an_endpoint_not_an_error():
     metrics = PickerMetrics()
     router = make_router(profile="default", n=2, metrics=metrics, objectives=OBJECTIVES,

@@ -280,3 +280,46 @@ def test_lora_adapter_blocks_match_only_requests_for_that_adapter(tok):
     assert r.precise.prepare("/v1/chat/completions", for_base, None).cached == {}
     d = r.decide(RequestInfo("/v1/chat/completions", {}, json.dumps({**body, "model": "adapter"}).encode()))
     assert d.endpoint == A and d.cached_tokens == min(n * BS, d.prompt_tokens)
+
+
+def test_precise_changes_only_what_is_believed_cached(tok):
+    """Endpoints in sync that hold none of the prompts: the precise picker decides as the
+    approximate one and counts the same prompt tokens in its load terms (the profile's units),
+    though its tokenizer counts the prompts differently."""
+    def routers():
+        out = []
+        for t in (False, tok):
+            r = build(t, endpoints=(A, B, C))
+            for e, (waiting, kv) in zip((A, B, C), ((1, 0.7), (0, 0.5), (3, 0.2))):
+                r.on_scrape_ok(e, metrics_text(waiting=waiting, running=4, kv=kv,
+                                               block_size=BS, num_blocks=400))
+                if t:
+                    r.on_kv_events(e, [])
+            out.append(r)
+        return out
+    plain, precise = routers()
+    rng = random.Random(3)
+    counted_apart = 0
+    for i in range(24):
+        words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randrange(20, 900)))
+        body = chat(f"tenant {i} " + words, f"question {i}")
+        a, b = decide(plain, body), decide(precise, body)
+        assert a.endpoint == b.endpoint
+        counted_apart += a.prompt_tokens != b.prompt_tokens   # reported: the tokenizer's count
+        for e in (A, B, C):
+            assert plain.endpoints[e].since_scrape_tokens == precise.endpoints[e].since_scrape_tokens
+    assert counted_apart == 24
+    assert plain.avg_prompt_tokens == precise.avg_prompt_tokens
+
+
+def test_precise_cached_share_is_scaled_to_the_prompt_estimate(tok):
+    """The engines' cached tokens become the same share of the picker's own prompt estimate, in
+    whole blocks of the approximate index (64 tokens)."""
+    from picker.scheduling.context import SchedulingContext
+    from picker.scheduling.precise import Prepared
+    r = build(tok)
+    r.on_kv_events(A, [])
+    ctx = SchedulingContext("qwq", 1250, None, 0, 0.0, block_size_tokens=64)
+    r.precise.apply_to(ctx, Prepared(prompt_tokens=1000, cached={A: 800, B: 40}, first={}))
+    assert ctx.precise == {A: 960, B: 0}          # 1,000 and 50 estimated tokens, in whole blocks
+    assert ctx.cached_tokens(A) == 960 and ctx.cached_tokens(B) == 0

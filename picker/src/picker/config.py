@@ -88,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
                    help="an endpoint whose engine has more requests waiting has no room")
     p.add_argument("--flow-output-reserve", type=int, default=defaults.FLOW_OUTPUT_RESERVE,
                    help="KV tokens an endpoint must have free beyond the prompt to have room")
+    p.add_argument("--flow-affinity-tokens", type=int, default=defaults.FLOW_AFFINITY_TOKENS,
+                   help="an endpoint without room stays a candidate when its prefix cache holds "
+                        "this many more of the prompt's tokens than any endpoint with room")
     p.add_argument("--flow-holdback", type=float, default=defaults.FLOW_HOLDBACK,
                    help="fraction of an endpoint's KV a request that holds back (lower band while "
                         "a higher one is active, client over its share) must leave free")
@@ -157,14 +160,16 @@ def flow_settings(args: argparse.Namespace) -> FlowSettings | None:
     """The flow-control settings of the command line, None when it is off."""
     if not getattr(args, "flow_control", False):
         return None
-    if args.flow_max_engine_waiting < 0 or args.flow_output_reserve < 0:
-        raise ValueError("--flow-max-engine-waiting and --flow-output-reserve must be >= 0")
+    if min(args.flow_max_engine_waiting, args.flow_output_reserve, args.flow_affinity_tokens) < 0:
+        raise ValueError("--flow-max-engine-waiting, --flow-output-reserve and "
+                         "--flow-affinity-tokens must be >= 0")
     return FlowSettings(
         QueueLimits(max_requests=args.flow_max_requests, max_wait=args.flow_max_wait,
                     max_wait_sheddable=args.flow_max_wait_sheddable,
                     strict_turns=args.flow_strict_turns),
         RoomRule(max_engine_waiting=args.flow_max_engine_waiting,
                  output_reserve_tokens=args.flow_output_reserve,
+                 affinity_tokens=args.flow_affinity_tokens,
                  holdback_fraction=args.flow_holdback),
         at_bound=args.flow_at_bound, activity_window=args.flow_activity_window)
 

@@ -407,7 +407,9 @@ class Router:
             m = candidates[0].metrics
             prep = precise.prepare(info.path, parsed,
                                    None if m is None or target in m.models else target, now)
-        prompt_tokens = parsed.prompt_tokens if prep is None else prep.prompt_tokens
+        # Scheduling counts the prompt as the approximate picker does (the profile's constants are
+        # tuned in those units); precise routing changes only what is believed cached.
+        prompt_tokens = parsed.prompt_tokens
         ctx = SchedulingContext(target, prompt_tokens, parsed.max_tokens, priority, now,
                                 profile.block_size_tokens,
                                 avg_prompt_tokens=self.avg_prompt_tokens)
@@ -440,6 +442,8 @@ class Router:
         out_body = body if target == model else rewrite_model(parsed, target)
         if target != model and self.metrics is not None:
             self.metrics.rewrites.labels(self.metric_label(model), target).inc()
+        if prep is not None:   # reported in the tokenizer's units
+            prompt_tokens, cached = precise.reported(prep, ctx, chosen.address, cached)
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
                         prompt_tokens, cached, client_id)
 

@@ -63,6 +63,9 @@ FLOW_AT_BOUND = "dispatch-uncontested"
 FLOW_STRICT_TURNS = 8          # higher-priority dispatches in a row before a lower band's turn
 FLOW_MAX_ENGINE_WAITING = 0    # an engine with more requests waiting has no room
 FLOW_OUTPUT_RESERVE = 256      # KV tokens kept free per dispatched request beyond its prompt
+# An endpoint without room stays a candidate when its prefix cache holds at least this many more
+# of the prompt's tokens than any endpoint with room (prefix affinity beats an empty slot).
+FLOW_AFFINITY_TOKENS = 1024
 # Holdback: a request that must leave room for others (a lower band while a higher one arrived in
 # the last FLOW_ACTIVITY_WINDOW seconds, or a client over its share of its band's arrivals in that
 # window) needs this fraction of an endpoint's KV capacity free beyond its own need.

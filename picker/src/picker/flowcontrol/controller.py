@@ -29,7 +29,7 @@ from picker.core import Decision, RequestInfo, Router
 from picker.errors import PickerError
 from picker.flowcontrol.activity import RecentArrivals
 from picker.flowcontrol.queue import DEFAULT_CLIENT, FlowQueue, Held, QueueLimits
-from picker.flowcontrol.room import RoomRule, has_room
+from picker.flowcontrol.room import RoomRule, affine_without_room, has_room
 from picker.scheduling.context import SchedulingContext
 from picker.signals.state import EndpointState
 
@@ -86,7 +86,7 @@ class FlowControl:
         rule, holdback = self.settings.room, self._holdback
         room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
         if room:
-            return room
+            return room if holdback else room + affine_without_room(ctx, candidates, room, rule)
         if all(e.stale or e.metrics is None for e in candidates):
             return candidates  # nothing known: hold nothing
         raise Hold()

@@ -18,6 +18,10 @@ Holdback (`holdback=True`, decided by the controller): a request that must leave
 slot frees only when a running request ends; without a reserve the backlog of the heavy client
 or the low band takes every slot the moment it frees, and a light or high-priority request waits
 for the next end however the queue is ordered.
+
+Prefix affinity (`affine_without_room`): while some endpoint has room, an endpoint without room
+whose cache holds `affinity_tokens` more of the prompt than any endpoint with room stays a
+candidate (not for a request that holds back).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class RoomRule:
     output_reserve_tokens: int = defaults.FLOW_OUTPUT_RESERVE
     kv_usage_without_capacity: float = 0.9
     holdback_fraction: float = defaults.FLOW_HOLDBACK
+    affinity_tokens: int = defaults.FLOW_AFFINITY_TOKENS
 
     def __post_init__(self):
         if not 0.0 <= self.holdback_fraction < 1.0:
@@ -55,3 +60,16 @@ def has_room(e: EndpointState, ctx: SchedulingContext, rule: RoomRule, holdback:
     if holdback:
         return need + reserve * capacity <= free
     return need <= free or (m.running == 0 and e.since_scrape == 0)  # an idle engine takes anything
+
+
+def affine_without_room(ctx: SchedulingContext, candidates: list[EndpointState],
+                        room: list[EndpointState], rule: RoomRule) -> list[EndpointState]:
+    """The candidates without room whose prefix cache holds at least `affinity_tokens` more of
+    the prompt than every endpoint with room. Sending the request elsewhere would recompute
+    that prefix and store a second copy of it; the scorer weighs it against their load as it
+    does without flow control."""
+    if not room:
+        return []
+    best_with_room = max(ctx.cached_tokens(e.address) for e in room)
+    return [e for e in candidates if e not in room and not (e.metrics is None or e.stale or e.failing)
+            and ctx.cached_tokens(e.address) >= best_with_room + rule.affinity_tokens]

@@ -4,6 +4,7 @@ as the fallback for every endpoint whose events are not in sync.
 
     prep = precise.prepare(path, parsed, lora, now)  # tokenized and matched, or None (fall back)
     precise.apply_to(ctx, prep)                  # ctx.precise / ctx.sync for the scorers
+                                                 # (cached share x ctx.prompt_tokens)
     precise.after_decision(prep, address, now)   # in-flight entries; the tokenizer check
 
 The index is fed either by the signals process (deltas, `apply`) or, in process, by a
@@ -207,8 +208,24 @@ class PrecisePrefix:
         return alive
 
     def apply_to(self, ctx: SchedulingContext, prep: Prepared) -> None:
-        ctx.precise = prep.cached
+        """The cached share of the prompt per in-sync endpoint, in the units of ctx.prompt_tokens
+        (the picker's own estimate, which every load term and the profile's constants use), in
+        whole blocks of the approximate index (ctx.block_size_tokens): where both indexes know
+        the same, the scores are the same, and only what the engines tell beyond that changes a
+        decision."""
+        scale = ctx.prompt_tokens / prep.prompt_tokens if prep.prompt_tokens else 0.0
+        bs = ctx.block_size_tokens
+        ctx.precise = {a: int(n * scale) // bs * bs for a, n in prep.cached.items()}
         ctx.sync = self.index.reason
+
+    def reported(self, prep: Prepared, ctx: SchedulingContext, address: str,
+                 cached: int) -> tuple[int, int]:
+        """(prompt tokens, cached tokens) of the decision in the tokenizer's units: the engine's
+        own figure for an in-sync endpoint, else the approximate one converted."""
+        if ctx.sync.get(address) == "":
+            return prep.prompt_tokens, min(prep.prompt_tokens, prep.cached.get(address, 0))
+        scale = prep.prompt_tokens / ctx.prompt_tokens if ctx.prompt_tokens else 0.0
+        return prep.prompt_tokens, min(prep.prompt_tokens, round(cached * scale))
 
     def after_decision(self, prep: Prepared, address: str, now: float) -> None:
         """Remember this request's first block on its endpoint; settle the oldest checks: a
