@@ -18,7 +18,7 @@ import time
 from bench.common import (PY, REPO, RESULTS, load_average, read_json, run_suite, save, shown,
                           stamp)
 from bench.markdown import md_table, num, versus
-from lab.matrix import SCENARIOS
+from lab.matrix import SCENARIOS, reuse_note
 
 SEEDS = [0, 1, 2, 3, 4]
 PRESSURE_POLICIES = ["least-request", "picker", "picker+precise", "replicas:2:independent",
@@ -117,7 +117,7 @@ def _matrix_lines(d: dict, title: str) -> list[str]:
     m = d["matrix"]
     return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
             f"{len(m['policies'])} policies x {len(m['seeds'])} seeds: {d['wall_s'] / 60:.1f} min "
-            f"wall, 1-minute load average {d['load_average_start']:.1f} at the start, "
+            f"wall{reuse_note(m)}, 1-minute load average {d['load_average_start']:.1f} at the start, "
             f"{d['load_average_end']:.1f} at the end). {title} Reported seeds "
             f"{' '.join(map(str, m['seeds']))}; nothing was tuned on them (tuning seeds "
             f"{' '.join(map(str, m['tuning_seeds']))}). Cells: mean TTFT ms, mean ± std over the "

@@ -8,6 +8,7 @@ import shutil
 from bench.common import PY, REPO, RESULTS, read_json, run_suite, run_suites
 from bench.markdown import md_table, num, versus
 from lab.article import ARTICLE
+from lab.matrix import reuse_note
 from loadtest.metrics import REPORT_KEYS, percent_change
 
 # The lab benchmark's policies: least request (the 8080 route) against the picker's two profiles.
@@ -216,7 +217,7 @@ def matrix_report(d: dict) -> list[str]:
                      " / ".join(num(f, 1) for f in failed) if failed else "-"])
     return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
             f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
-            f"**{d['wall_s'] / 60:.1f} min wall**, target 15 min; 1-minute load average "
+            f"**{d['wall_s'] / 60:.1f} min wall**{reuse_note(m)}, target 15 min; 1-minute load average "
             f"{d['load_average_start']:.1f} at the start, {d['load_average_end']:.1f} at the end, on a machine "
             "shared with other work). Design: a base scenario (the article's run: `article` workload, closed "
             "loop at concurrency 30, 3 `a10-qwq32b` groups, KV 1x) and one-factor variations of it, not the "

@@ -149,7 +149,8 @@ def main(argv=None) -> int:
                        help=f"policies (repeatable; default {' '.join(matrix.POLICIES)})")
     mat_p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the CPUs)")
     mat_p.add_argument("--resume", action="store_true",
-                       help="reuse the runs an interrupted matrix saved in OUT/runs")
+                       help="reuse the runs an interrupted matrix saved in OUT/runs (those made by the "
+                            "same code, policies and capacity)")
     from lab import plan
     plan_p = sub.add_parser("plan", help="how many groups for a trace: fixed pools and the shipped "
                                          "autoscaler against a TTFT objective (lab/plan.py)")

@@ -24,6 +24,7 @@ changes the prompts, the arrival times and the policy's randomness).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -154,17 +155,37 @@ def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
     return out
 
 
+REPO = Path(__file__).resolve().parent.parent
+# What a run's figures depend on: the lab, the picker it runs, the simulated engines, the workloads.
+CODE_DIRS = ("lab", "picker/src/picker", "local/sim", "loadtest")
+
+
+def code_fingerprint() -> str:
+    """A hash of the source a run executes (tests excluded), so --resume never reuses a run
+    made by other code."""
+    h = hashlib.sha256()
+    for top in CODE_DIRS:
+        for path in sorted((REPO / top).rglob("*")):
+            if path.suffix in (".py", ".yaml", ".json") and "tests" not in path.parts \
+                    and path.is_file():
+                h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _job(args):
-    """One scenario and seed, saved to runs/<scenario>-seed<seed>.json (reused by --resume)."""
-    scenario, seed, capacity, policies, runs = args
+    """One scenario and seed, saved to runs/<scenario>-seed<seed>.json (reused by --resume when
+    the policies, the capacity and the code are the same)."""
+    scenario, seed, capacity, policies, runs, code = args
     path = runs / f"{scenario}-seed{seed}.json"
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved["policies"] == policies and saved["capacity_rps"] == capacity:
+        if (saved["policies"] == policies and saved["capacity_rps"] == capacity
+                and saved.get("code") == code):
             return scenario, seed, saved["result"], 0.0
     started = time.monotonic()
     result = run_one(BY_NAME[scenario], seed, capacity, policies)
-    path.write_text(json.dumps({"policies": policies, "capacity_rps": capacity, "result": result}))
+    path.write_text(json.dumps({"policies": policies, "capacity_rps": capacity, "code": code,
+                                "result": result}))
     return scenario, seed, result, time.monotonic() - started
 
 
@@ -176,6 +197,7 @@ def _run_jobs(jobs: list, workers: int, progress: dict) -> list:
         for scenario, seed, result, wall in pool.imap_unordered(_job, jobs):
             results.append((scenario, seed, result))
             progress["done"] += 1
+            progress["reused"] += wall == 0.0
             elapsed = time.monotonic() - progress["started"]
             done, total = progress["done"], progress["total"]
             eta = elapsed / done * (total - done)
@@ -196,18 +218,18 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
     runs.mkdir(parents=True, exist_ok=True)
     names = {s.name for s in scenarios}
     need_base = BASE in names or any(s.load is not None for s in scenarios)
-    progress = {"done": 0, "started": started,
+    progress = {"done": 0, "reused": 0, "started": started,
                 "total": len(seeds) * (len(names - {BASE}) + (1 if need_base else 0))}
-    results, capacity = [], None
+    results, capacity, code = [], None, code_fingerprint()
     if need_base:
         base_policies = policies if BASE in names else ["least-request"]
-        results = _run_jobs([(BASE, seed, None, base_policies, runs) for seed in seeds], workers,
-                            progress)
+        results = _run_jobs([(BASE, seed, None, base_policies, runs, code) for seed in seeds],
+                            workers, progress)
         capacity = mean(r["least-request"]["request_throughput"] for _, _, r in results)
     rest = [s for s in scenarios if s.name != BASE]
     # Longest jobs first, so the workers finish together.
     weight = lambda s: s.engines * (s.num_prompts or 300) * (2 if s.load else 1)  # noqa: E731
-    jobs = [(s.name, seed, capacity, policies, runs)
+    jobs = [(s.name, seed, capacity, policies, runs, code)
             for s in sorted(rest, key=weight, reverse=True) for seed in seeds]
     results += _run_jobs(jobs, workers, progress)
     per: dict = {}
@@ -227,7 +249,17 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
                     "policies": stats, "assessment": assess(stats),
                     "assessment_flow": assess(stats, picker="picker-flow")})
     return {"seeds": seeds, "policies": policies, "capacity_rps": capacity,
-            "wall_s": time.monotonic() - started, "scenarios": out}
+            "wall_s": time.monotonic() - started, "scenarios": out,
+            "runs": progress["total"], "reused_runs": progress["reused"]}
+
+
+def reuse_note(m: dict) -> str:
+    """For a report: how many of a matrix's runs --resume took from an earlier run of the same
+    code (the wall time covers only the others)."""
+    if not m.get("reused_runs"):
+        return ""
+    return (f"; {m['reused_runs']} of {m['runs']} runs reused from an earlier run of the same "
+            "code, not counted in that time")
 
 
 def assess(stats: dict, picker: str = "picker", baseline: str = "least-request") -> dict:

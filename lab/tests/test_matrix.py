@@ -172,3 +172,23 @@ def test_matrix_cli_measures_capacity_then_runs_open_loop(tmp_path, monkeypatch,
     again = json.loads((tmp_path / "matrix.json").read_text())
     assert again["scenarios"] == data["scenarios"]
     assert capsys.readouterr().err.count("(0.0 s)") == 4
+    assert (again["runs"], again["reused_runs"], data["reused_runs"]) == (4, 4, 0)
+    assert matrix.reuse_note(again).startswith("; 4 of 4 runs reused") and not matrix.reuse_note(data)
+    # ... but not runs made by other code: every run again.
+    monkeypatch.setattr(matrix, "code_fingerprint", lambda: "other code")
+    assert lab_main(["matrix", "--out", str(tmp_path), "--seeds", "0", "1", "--jobs", "2",
+                     "--policy", "least-request", "--policy", "oracle", "--resume"]) == 0
+    assert capsys.readouterr().err.count("(0.0 s)") == 0
+
+
+def test_code_fingerprint_follows_the_source_the_runs_execute(tmp_path, monkeypatch):
+    for top in matrix.CODE_DIRS:
+        (tmp_path / top).mkdir(parents=True)
+    (tmp_path / "lab" / "policy.py").write_text("A = 1\n")
+    (tmp_path / "lab" / "tests").mkdir()
+    monkeypatch.setattr(matrix, "REPO", tmp_path)
+    first = matrix.code_fingerprint()
+    (tmp_path / "lab" / "tests" / "test_x.py").write_text("# a test\n")
+    assert matrix.code_fingerprint() == first
+    (tmp_path / "picker/src/picker" / "core.py").write_text("B = 2\n")
+    assert matrix.code_fingerprint() != first

@@ -262,7 +262,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self.default_body_mode = BODY_MODES[default_body_mode]
         self.max_body_bytes = max_body_bytes or router.settings.max_body_bytes
         self.budget = Budget(limits or ServerLimits(max_body_bytes=self.max_body_bytes))
-        self.closing: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.closing = False   # close_answered_streams ran
+        self._answered: set[asyncio.Future] = set()   # their pending reads
 
     def _count_refusal(self, err: PickerError) -> None:
         if self.router.metrics is not None:
@@ -306,20 +307,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         """The next message of an answered stream (a response phase, or the stream's end), or
         None once the replica closes: Envoy keeps the stream open for the whole HTTP request,
         and a stream the server cancels fails a request still waiting for its response (503,
-        statusOnError), whereas one it ends cleanly leaves Envoy to finish the request alone."""
-        if self.closing.done():
+        statusOnError), whereas one it ends cleanly leaves Envoy to finish the request alone.
+        (A task per answered stream, which close_answered_streams cancels: ~4 us.)"""
+        if self.closing:
             return None
         following = asyncio.ensure_future(anext(messages, None))
-        await asyncio.wait((following, self.closing), return_when=asyncio.FIRST_COMPLETED)
-        if following.done():
-            return following.result()
-        following.cancel()
-        return None
+        self._answered.add(following)
+        try:
+            return await following
+        except asyncio.CancelledError:
+            if self.closing and following.cancelled():
+                return None
+            raise
+        finally:
+            self._answered.discard(following)
 
     def close_answered_streams(self) -> None:
         """Shutting down: every held request is sent now, and every stream whose request is
         answered ends now, cleanly (and each one answered later, as soon as it is)."""
         if self.flow is not None:
             self.flow.flow.release_all()
-        if not self.closing.done():
-            self.closing.set_result(None)
+        self.closing = True
+        for following in list(self._answered):
+            following.cancel()
