@@ -42,8 +42,8 @@ LIGHT_PROMPTS = max(10, round(HEAVY_PROMPTS * LIGHT / HEAVY))
 PRIORITY_PROMPTS = 100                    # each class: stays under the `user` key's 120 a minute
 CALIBRATION_PROMPTS = 150
 # Each stack: the results' label -> (flow control off/on, more picker arguments). The local stack's
-# picker runs one worker; base/picker runs 2, each with its own queue and its own view of who sent
-# what lately (flowcontrol/activity.py), so flow control is also measured as deployed.
+# picker runs one worker; base/picker runs 2, each with its own queue (the arrivals the holdback
+# counts are shared: flowcontrol/activity.py), so flow control is also measured as deployed.
 MODES = {"off": ("off", ()), "on": ("on", ()), "on-workers2": ("on", ("--workers", "2"))}
 KEY_ENV = {"loadtest": "BENCH_KEY_LOADTEST", "user": "BENCH_KEY_USER"}
 KEPT = ("completed", "failed", "errors_by_kind", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",

@@ -93,8 +93,8 @@ def test_removed_request_leaves_at_once():
 
 # ---- the controller on a real Router ----------------------------------------------------------
 
-def flow_router(waiting=1, kv=0.5, running=0, at_bound="reject", **limits):
-    clock = FakeClock()
+def flow_router(waiting=1, kv=0.5, running=0, at_bound="reject", clock=None, **limits):
+    clock = clock or FakeClock()
     metrics = PickerMetrics()
     router = make_router(profile="default", n=2, clock=clock, objectives=OBJECTIVES,
                          metrics=metrics, waiting=waiting, kv=kv, running=running)
@@ -512,3 +512,66 @@ async def test_server_stop_ends_an_answered_stream_cleanly_at_once():
         await asyncio.wait_for(stopping, 5.0)
     finally:
         await ch.close()
+
+
+def relay(*flows: FlowControl) -> None:
+    """What the signals process does between workers: each one's new arrivals to the others."""
+    batches = [(f, f.arrivals.take_new()) for f in flows]
+    for f, batch in batches:
+        for other in flows:
+            if other is not f and batch is not None:
+                other.arrivals.add_peers(*batch)
+
+
+def test_shared_arrivals_are_taken_once_and_peers_are_not_sent_back():
+    from picker.flowcontrol.activity import RecentArrivals
+    a, b = RecentArrivals(window=10.0), RecentArrivals(window=10.0)
+    calls = []
+    a.share(on_new=lambda: calls.append(1))
+    assert a.take_new() is None
+    a.add(1.0, 0, "heavy")
+    a.add(2.0, 0, "heavy")
+    a.add(2.0, 10, "light")
+    assert len(calls) == 1                          # one flush per batch, not per arrival
+    assert a.take_new() == (2.0, {(0, "heavy"): 2, (10, "light"): 1})
+    assert a.take_new() is None
+    b.share()
+    b.add(1.5, 0, "std")
+    b.add_peers(2.0, {(0, "heavy"): 2, (10, "light"): 1})
+    assert b.take_new() == (1.5, {(0, "std"): 1})  # only its own: nothing echoes back
+    assert b.must_hold_back(2.0, 0, "std")          # the peer's higher band counts here
+    assert b.must_hold_back(11.8, 0, "heavy")       # its own arrival left the window, the peer's not
+    assert not b.alone(11.8, 0, "heavy")
+    assert not b.must_hold_back(12.5, 0, "heavy")   # and the peer's leaves it like its own
+    assert b.alone(12.5, 0, "std")
+    b.add(20.0, 0, "std")
+    b.add_peers(19.0, {(10, "light"): 1})           # a batch older than the last arrival here
+    assert b.must_hold_back(29.5, 0, "std")         # counts from that arrival on
+
+
+def waits(outcome) -> bool:
+    return isinstance(outcome, Held) and outcome.queued
+
+
+@pytest.mark.parametrize("other", ["light client", "higher band"])
+def test_a_worker_that_saw_only_the_heavy_client_holds_back_once_it_shares_arrivals(other):
+    clock = FakeClock()
+    _, a, _, _ = flow_router(waiting=0, kv=0.75, clock=clock, max_wait=300.0)  # room, no reserve
+    _, b, _, _ = flow_router(waiting=0, kv=0.75, clock=clock, max_wait=300.0)
+    for f in (a, b):
+        f.arrivals.share()
+    heavy = lambda i: info(prompt=f"heavy {i}", client="heavy")
+    theirs = (info(prompt="light", client="light") if other == "light client"
+              else info(prompt="interactive", objective="interactive", client="heavy"))
+    assert not waits(b.submit(theirs, lambda o: None))
+    for i in range(3):                              # alone as far as a knows: nothing held
+        assert not waits(a.submit(heavy(i), lambda o: None))
+    clock.t += 0.01
+    relay(a, b)
+    held = a.submit(heavy(3), lambda o: None)
+    assert waits(held)                              # now a leaves the reserve for b's client
+    assert waits(b.submit(heavy(4), lambda o: None))      # as b does
+    assert not waits(b.submit(theirs, lambda o: None))                # who takes the reserve
+    clock.t += 200.0                                # everyone went quiet: no reserve any more
+    scrape_all(a.router, clock, waiting=0, kv=0.75)
+    assert a.pump() == 1 and not held.queued

@@ -157,6 +157,41 @@ async def test_the_signals_process_scrapes_for_the_workers():
     assert proc.exitcode == 0
 
 
+async def test_the_signals_process_relays_each_workers_arrivals_to_the_others():
+    import time
+
+    from picker.flowcontrol.activity import RecentArrivals
+    from picker.workers import SignalsLink, start_signals_process
+    routers = [make_router(scrape=False) for _ in range(3)]
+    arrivals = [RecentArrivals(window=60.0) for _ in routers]
+    proc, conns = start_signals_process(Namespace(scrape_interval=0.02, staleness=1.0,
+                                                  log_level="warning"), 3)
+    links = [SignalsLink(r, c, peers=True, arrivals=a) for r, c, a in zip(routers, conns, arrivals)]
+    for link in links:
+        link.start()
+    try:
+        arrivals[2].add(time.monotonic(), 0, "std")   # once the signals process runs
+        await until(lambda: not arrivals[0].alone(time.monotonic(), 0, "heavy"), timeout=20)
+        sent = time.monotonic()
+        for _ in range(5):
+            arrivals[0].add(sent, 0, "heavy")
+        arrivals[1].add(sent, 10, "interactive")
+        await until(lambda: arrivals[2].must_hold_back(time.monotonic(), 0, "std"), timeout=10,
+                    every=0.0002)
+        seen = time.monotonic() - sent
+        await until(lambda: arrivals[0].must_hold_back(time.monotonic(), 0, "std"))
+        assert arrivals[1].must_hold_back(time.monotonic(), 0, "heavy")
+        everyone = {(0, "std"): 1, (0, "heavy"): 5, (10, "interactive"): 1}
+        assert [a._counts for a in arrivals] == [everyone] * 3  # each once: no echo back
+        assert len(arrivals[2]._events) == 3            # one event per worker's batch
+        print(f"arrivals relayed to the other workers in {seen * 1000:.2f} ms")
+    finally:
+        for link in links:
+            await link.close()
+        await asyncio.to_thread(proc.join, 10)
+    assert proc.exitcode == 0
+
+
 def _sockets_on(pid: int, port: int, state: str = "01") -> int:
     """Sockets on local `port` held by process `pid` in TCP `state` (01 established, 0A
     listening), from /proc."""
@@ -235,6 +270,70 @@ async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
         await vllm.stop()
     assert proc.returncode == 0, err[-2000:]
     assert "signals process gone" not in err and "Traceback" not in err, err[-2000:]
+
+
+async def test_flow_control_workers_hold_back_for_a_client_only_the_other_worker_saw():
+    """Two workers with flow control, 16 connections spread over them: the light client's one
+    request reaches one worker; the heavy client's on every connection must all leave the
+    reserve (held until the age bound), also on the worker that never saw the light client."""
+    import subprocess
+    import sys
+
+    import extproc_client as c
+    vllm = await FakeVllm(metrics_text(waiting=0, kv=0.75)).start()  # room, not beyond the reserve
+    port, health_port, metrics_port = free_ports(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", vllm.address,
+         "--grpc-port", str(port), "--health-port", str(health_port), "--metrics-port",
+         str(metrics_port), "--bind", "127.0.0.1", "--workers", "2", "--scrape-interval", "0.05",
+         "--no-secure-serving", "--flow-control", "--flow-max-wait", "1.5",
+         "--flow-at-bound", "reject"],
+        stderr=subprocess.PIPE, text=True)
+    channels = []
+
+    async def send(ch, client):
+        headers = c.post_headers(**{"x-client-id": client})
+        _, answers = await c.send_full_duplex(c.ep_stub(ch), headers, body(prompt=f"{client} asks"))
+        first = answers[0]
+        if first.HasField("immediate_response"):
+            return first.immediate_response.status.code
+        return c.set_headers(first.request_headers.response)["x-gateway-destination-endpoint"]
+
+    try:
+        kids = []
+        for _ in range(300):  # until both workers listen on the port
+            await asyncio.sleep(0.1)
+            kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+            workers = [p for p in [proc.pid, *map(int, kids)] if _sockets_on(p, port, "0A")]
+            if len(workers) == 2:
+                break
+        channels = [grpc_insecure(port) for _ in range(16)]
+        for _ in range(100):  # both workers up and the endpoint scraped: a lone client goes
+            try:
+                if await asyncio.gather(*(send(ch, "warmup") for ch in channels)) == [vllm.address] * 16:
+                    break
+            except Exception:
+                pass
+            await asyncio.sleep(0.1)
+        assert len([p for p in workers if _sockets_on(p, port)]) == 2  # both hold connections
+        assert await send(channels[0], "light") == vllm.address  # one worker sees it
+        await asyncio.sleep(0.2)   # the other worker learns of it (relayed in about 1 ms)
+        outcomes = await asyncio.gather(*(send(ch, "warmup") for ch in channels))
+        assert outcomes == [503] * 16, outcomes  # held by both workers, refused at the bound
+    finally:
+        for ch in channels:
+            await ch.close()
+        proc.terminate()
+        _, err = await asyncio.to_thread(proc.communicate, None, 20)
+        await vllm.stop()
+    assert proc.returncode == 0, err[-2000:]
+
+
+def grpc_insecure(port: int):
+    """A channel with a connection of its own (channels to one target share one by default)."""
+    import grpc
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                     options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 @pytest.fixture

@@ -94,8 +94,10 @@ class App:
             self._share_self_signed_certificate()
         self.signals_proc, conns = start_signals_process(a, self.workers,
                                                          kv_settings(a, self.router))
+        shared = self.workers > 1
         self.link = SignalsLink(self.router, conns[0],
-                                peers=self.workers > 1 or bool(getattr(a, "peer_store", None)))
+                                peers=shared or bool(getattr(a, "peer_store", None)),
+                                arrivals=self.flow.arrivals if shared and self.flow else None)
         self.link.start()
         self.servers = await start_ext_proc(self.router, a, a.grpc_port, a.health_port, self.flow)
         if self.workers > 1:

@@ -5,16 +5,18 @@ GIL): it scrapes and parses every endpoint's /metrics (scraper.py) and relays wh
 processes need to share. The workers only apply the results to their Routers.
 
     workers --("objects", endpoints, objectives, rewrites)--> signals   (from worker 0 only)
-    workers --("load", {address: load}, prefix adds)--> signals      (as they decide: changed
-                                                                       endpoints only)
+    workers --("load", {address: load}, prefix adds, arrivals)--> signals   (as they decide:
+              changed endpoints only; arrivals: (at, {(priority, client): n}) or None, the
+              requests held or decided since the last message, for flow control's holdback)
     signals --("objects", ...)--> workers 1..n-1
     signals --("scrapes", [(address, metrics | None, timed_out, at)])--> every worker
     signals --("models", [(address, names listed in /v1/models)])--> every worker
     signals --("kv", index deltas, per-endpoint status or None)--> every worker   (with precise
               routing: the engines' KV-cache events, followed here; kvsubscriber.py)
-    signals --("peers", {address: summed load of the others}, their prefix adds, partial)-->
-              the other workers at once (partial: the changed endpoints), and every
-              PEER_SYNC_INTERVAL each worker the whole table
+    signals --("peers", {address: summed load of the others}, their prefix adds, partial,
+              arrivals)--> the other workers at once (partial: the changed endpoints; the
+              sender's arrivals as it sent them), and every PEER_SYNC_INTERVAL each worker the
+              whole table (no arrivals: each worker keeps its own window of them)
 
 With --peer-store, the workers' changes also go to the other replicas through Redis, and theirs
 come back the same way (peer_store.py): added to what each worker gets in "peers", at once.
@@ -178,7 +180,7 @@ class SignalsHub:
                 if j != i:
                     s.send(msg)
         elif kind == "load":
-            self._on_load(i, msg[1], msg[2])
+            self._on_load(i, msg[1], msg[2], msg[3])
         elif kind == "stop":
             self.stopped.set()
 
@@ -203,8 +205,9 @@ class SignalsHub:
         for s in self.senders:
             s.send(msg)
 
-    def _on_load(self, i: int, changed: dict[str, Load], adds: list) -> None:
-        """Worker i's changed counts and prefix additions: merged, and passed on at once."""
+    def _on_load(self, i: int, changed: dict[str, Load], adds: list, arrivals=None) -> None:
+        """Worker i's changed counts, prefix additions and arrivals: merged, and passed on at
+        once."""
         mine = self.loads[i]
         for addr, load in changed.items():
             if load == ZERO_LOAD:
@@ -216,19 +219,20 @@ class SignalsHub:
             local = merge_loads(self.loads, changed)
             self.peers.publish_changes(local, adds)
             remote = self.peers.remote_loads(changed)
-        self._forward(changed, remote, adds, skip=i)
+        self._forward(changed, remote, adds, skip=i, arrivals=arrivals)
 
     def _on_remote(self, remote: dict[str, Load], adds: list) -> None:
         """Another replica's changes (peer_store.py): passed on to every worker at once."""
         self._forward(remote, remote, adds, skip=None)
 
-    def _forward(self, addresses, remote: dict[str, Load], adds: list, skip: int | None) -> None:
-        """To each worker but `skip`: the others' sums for `addresses`, and `adds`."""
+    def _forward(self, addresses, remote: dict[str, Load], adds: list, skip: int | None,
+                 arrivals=None) -> None:
+        """To each worker but `skip`: the others' sums for `addresses`, `adds` and `arrivals`."""
         for j, s in enumerate(self.senders):
             if j == skip:
                 continue
             tables = [loads for k, loads in enumerate(self.loads) if k != j]
-            s.send(("peers", merge_loads([*tables, remote], addresses), adds, True))
+            s.send(("peers", merge_loads([*tables, remote], addresses), adds, True, arrivals))
 
     def _send_peers(self) -> None:
         """The whole table: to the other replicas (their heartbeat from us) and to each worker."""
@@ -240,7 +244,7 @@ class SignalsHub:
         for i, s in enumerate(self.senders):
             own = self.loads[i]
             others = {addr: subtract_load(t, own.get(addr, ZERO_LOAD)) for addr, t in total.items()}
-            s.send(("peers", others, [], False))
+            s.send(("peers", others, [], False, None))
 
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,

@@ -9,10 +9,11 @@
                            replicas through Redis (signals_process.py, peer_store.py)
 
 Every worker keeps a full Router: it decides alone, from its last copy of the signals. What it
-sends where (in-flight counts of the endpoints it changed, prefix-index additions) goes to the
-signals process at the end of the event-loop iteration that decided it, and on to the other
-workers at once: they see it within a fraction of a millisecond when idle, and every
-PEER_SYNC_INTERVAL the signals process also resends the whole table. Adding workers adds
+sends where (in-flight counts of the endpoints it changed, prefix-index additions) and, with
+flow control, the requests that arrived (counts per priority and client, for the holdback:
+flowcontrol/activity.py) go to the signals process at the end of the event-loop iteration that
+saw them, and on to the other workers at once: they see it within a fraction of a millisecond
+when idle, and every PEER_SYNC_INTERVAL the signals process also resends the whole load table. Adding workers adds
 decision throughput until the cores run out; the signals process is one more process whose
 cost grows with the pool, not with the request rate (README "Scale").
 """
@@ -27,6 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from picker.core import Router
+from picker.flowcontrol.activity import RecentArrivals
 from picker.runtime import (apply_objects, build_flow, build_router, run_loop, start_ext_proc,
                             stop_on_signals)
 
@@ -36,10 +38,12 @@ MAX_MESSAGES_PER_READ = 64
 
 class SignalsLink:
     """A worker's end of its pipe to the signals process: applies scrapes and peers' state to
-    the Router, and reports the worker's own in-flight counts and prefix additions."""
+    the Router, and reports the worker's own in-flight counts and prefix additions; with
+    `arrivals` (the flow control's RecentArrivals) also the requests that arrived here, and
+    adds the other workers' to it."""
 
     def __init__(self, router: Router, conn: Connection, peers: bool, on_objects=None,
-                 on_closed=None):
+                 on_closed=None, arrivals: RecentArrivals | None = None):
         self.router = router
         self.on_closed = on_closed
         self.conn = conn
@@ -49,8 +53,11 @@ class SignalsLink:
         self.closing = False  # set on shutdown: the signals process going away is expected
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.arrivals = arrivals
         if peers:
             router.share_with_peers(on_change=self._schedule_flush)
+        if arrivals is not None:
+            arrivals.share(on_new=self._schedule_flush)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -65,12 +72,14 @@ class SignalsLink:
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        """This worker's changed in-flight counts and prefix additions, to the signals process."""
+        """This worker's changed in-flight counts, prefix additions and arrivals, to the signals
+        process."""
         self._flush_pending = False
         adds = self.router.take_prefix_additions()
         loads = self.router.take_changed_loads()
-        if loads or adds:
-            self._send(("load", loads, adds))
+        arrived = self.arrivals.take_new() if self.arrivals is not None else None
+        if loads or adds or arrived:
+            self._send(("load", loads, adds, arrived))
 
     def send_objects(self, endpoints: list[str], objectives: list, rewrites: list) -> None:
         self._send(("objects", endpoints, objectives, rewrites))
@@ -113,6 +122,8 @@ class SignalsLink:
         elif kind == "peers":
             r.set_peer_loads(msg[1], partial=msg[3])
             r.add_peer_prefixes(msg[2])
+            if msg[4] and self.arrivals is not None:
+                self.arrivals.add_peers(*msg[4])
         elif kind == "objects" and self.on_objects is not None:
             self.on_objects(msg[1], msg[2], msg[3])
 
@@ -171,7 +182,7 @@ def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -
         stop = asyncio.Event()
         link = SignalsLink(router, conn, peers=True,
                            on_objects=lambda *objects: apply_objects(router, *objects),
-                           on_closed=stop.set)
+                           on_closed=stop.set, arrivals=flow.arrivals if flow else None)
         link.start()
         servers = await start_ext_proc(router, args, grpc_port, 0, flow)
         stop_on_signals(stop.set)

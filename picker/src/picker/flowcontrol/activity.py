@@ -7,10 +7,19 @@ The controller asks it whether a request must leave room for others (room.py, ho
 A single client of a single band never holds back: without competition nothing changes. It is
 also the one case where sending a request to an engine's queue at its age bound costs nobody
 their order (`alone`): the engine's FIFO serves it as the picker's queue would.
+
+With several worker processes (workers.py) each worker also counts the others' arrivals: with
+`share(on_new)` it keeps its own new arrivals per (priority, client) until `take_new()` (the
+SignalsLink sends them to the signals process at the end of the event-loop iteration), and
+`add_peers()` adds what the other workers took. The holdback then sees the replica's arrivals,
+not only those Envoy's connections happened to bring to this worker.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import Callable
+
+Counts = dict[tuple[int, str], int]   # arrivals per (priority, client)
 
 
 class RecentArrivals:
@@ -18,20 +27,54 @@ class RecentArrivals:
         if window <= 0:
             raise ValueError("the activity window must be positive")
         self.window = window
-        self._events: deque[tuple[float, int, str]] = deque()
+        self._events: deque[tuple[float, int, str, int]] = deque()
         self._counts: Counter[tuple[int, str]] = Counter()
+        self._new: Counter[tuple[int, str]] | None = None   # own arrivals not taken yet (share)
+        self._new_at = 0.0
+        self._on_new: Callable[[], None] | None = None
+
+    def share(self, on_new: Callable[[], None] | None = None) -> None:
+        """Keep this worker's arrivals for take_new(); on_new is called at the first arrival
+        after a take."""
+        self._new = Counter()
+        self._on_new = on_new
 
     def add(self, now: float, priority: int, client: str) -> None:
-        self._events.append((now, priority, client))
-        self._counts[(priority, client)] += 1
+        self._record(now, priority, client, 1)
+        new = self._new
+        if new is not None:
+            if not new and self._on_new is not None:
+                self._on_new()
+            new[(priority, client)] += 1
+            self._new_at = now
+
+    def take_new(self) -> tuple[float, Counts] | None:
+        """This worker's arrivals since the last take: (time of the last one, counts), or None."""
+        if not self._new:
+            return None
+        out, self._new = dict(self._new), Counter()
+        return self._new_at, out
+
+    def add_peers(self, at: float, counts: Counts) -> None:
+        """Another worker's arrivals (its take_new), counted as arrived at `at`, or at the last
+        arrival recorded here if that is later (the window keeps its events in time order, so a
+        batch that took a while to come counts for that much longer)."""
+        if self._events:
+            at = max(at, self._events[-1][0])
+        for (priority, client), n in counts.items():
+            self._record(at, priority, client, n)
+
+    def _record(self, at: float, priority: int, client: str, n: int) -> None:
+        self._events.append((at, priority, client, n))
+        self._counts[(priority, client)] += n
 
     def _forget(self, now: float) -> None:
         events, counts = self._events, self._counts
         while events and events[0][0] <= now - self.window:
-            _, priority, client = events.popleft()
+            _, priority, client, n = events.popleft()
             key = (priority, client)
-            counts[key] -= 1
-            if not counts[key]:
+            counts[key] -= n
+            if counts[key] <= 0:
                 del counts[key]
 
     def must_hold_back(self, now: float, priority: int, client: str) -> bool:
