@@ -248,7 +248,7 @@ async def held_picker():
     servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", flow=flow)
     await servers.set_ready(True)
     ch = c.channel(servers.grpc_port, None)
-    yield router, flow, c.ep_stub(ch)
+    yield router, flow, c.ep_stub(ch), servers
     await ch.close()
     await servers.stop(0)
 
@@ -262,7 +262,7 @@ async def until(pred, timeout=5.0):
 
 @pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
 async def test_server_holds_the_stream_until_a_scrape_shows_room(held_picker, mode):
-    router, flow, stub = held_picker
+    router, flow, stub, _ = held_picker
     send = c.send_buffered if mode == "buffered" else c.send_full_duplex
     task = asyncio.ensure_future(send(stub, c.post_headers(), body(prompt="held")))
     await until(lambda: len(flow.queue) == 1)
@@ -274,7 +274,7 @@ async def test_server_holds_the_stream_until_a_scrape_shows_room(held_picker, mo
 
 
 async def test_server_drops_a_held_request_when_the_stream_is_cancelled(held_picker):
-    router, flow, stub = held_picker
+    router, flow, stub, _ = held_picker
     call = stub.Process()
     await call.write(c.request_headers(c.post_headers(), mode=c.BUFFERED))
     await call.read()
@@ -470,28 +470,16 @@ def test_affinity_flag_builds_the_room_rule_and_refuses_a_negative_value():
         parse_args(base + ["--flow-affinity-tokens", "-1"])
 
 
-async def test_server_stop_answers_a_held_stream_with_an_endpoint_not_an_error():
-    metrics = PickerMetrics()
-    router = make_router(profile="default", n=2, metrics=metrics, objectives=OBJECTIVES,
-                         waiting=3, kv=0.5)
-    router.clock = __import__("time").monotonic
-    for a in router.endpoints:
-        router.on_scrape_ok(a, metrics_text(waiting=3, kv=0.5))
-    flow = FlowControl(router, FlowSettings(QueueLimits(max_wait=30.0)))
-    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", flow=flow)
-    await servers.set_ready(True)
-    ch = c.channel(servers.grpc_port, None)
-    try:
-        task = asyncio.ensure_future(
-            c.send_buffered(c.ep_stub(ch), c.post_headers(), body(prompt="held at shutdown")))
-        await until(lambda: len(flow.queue) == 1)
-        await servers.stop(1.0)  # what SIGTERM runs
-        call, answers = await asyncio.wait_for(task, 5.0)
-        assert c.lb_destination(answers[-1]) in router.endpoints
-        assert sample(metrics, "picker_flow_evictions_total", reason="shutdown_dispatch",
-                      priority="0") == 1
-    finally:
-        await ch.close()
+async def test_server_stop_answers_a_held_stream_with_an_endpoint_not_an_error(held_picker):
+    router, flow, stub, servers = held_picker
+    task = asyncio.ensure_future(
+        c.send_buffered(stub, c.post_headers(), body(prompt="held at shutdown")))
+    await until(lambda: len(flow.queue) == 1)
+    await servers.stop(1.0)  # what SIGTERM runs
+    call, answers = await asyncio.wait_for(task, 5.0)
+    assert c.lb_destination(answers[-1]) in router.endpoints
+    assert sample(router.metrics, "picker_flow_evictions_total", reason="shutdown_dispatch",
+                  priority="0") == 1
 
 
 async def test_server_stop_ends_an_answered_stream_cleanly_at_once():
