@@ -26,7 +26,11 @@ def service_report(d: dict) -> list[str]:
     out = ["Command: `make bench-picker` (`python -m bench.picker`, see picker/README.md): `Router.decide()` in "
            "process; the real gRPC server driven by a compiled ext_proc load client (closed loop: streams back "
            "to back; open loop: a fixed rate of new streams; offered above what the server can decide, the "
-           "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this.", ""]
+           "open-loop latency is queueing); the CPU cost of scraping. The article has no figures for this."
+           + (f" 1-minute load average {d['load_average_start']:.1f} at the start and "
+              f"{d.get('load_average_end', 0):.1f} at the end: every figure here, the null "
+              "server's included, is what other processes left of the machine."
+              if d.get("load_average_start") is not None else ""), ""]
     out += md_table(["in process", "decisions/s", "p50 ms", "p99 ms"],
                   [[f"{x['endpoints']} endpoints", num(x["decisions_per_s"]), f"{x['p50_ms']:.3f}", f"{x['p99_ms']:.3f}"]
                    for x in r.get("inprocess", [])])
