@@ -156,14 +156,20 @@ async def test_overflow_and_age_bound_answer_with_the_reason(stack, session):
     await drain(fillers)
 
 
+async def hold(session, stack, n: int, tag: str) -> list[asyncio.Future]:
+    """n short requests, sent while the engines are full, once all n wait in the picker."""
+    held = [asyncio.ensure_future(post(session, stack, completion(max_tokens=2), tag=tag))
+            for _ in range(n)]
+
+    async def all_queued():
+        return await queued(session, stack) == n
+    await wait_for(all_queued, timeout=5)
+    return held
+
+
 async def test_higher_priority_is_dispatched_first(stack, session):
     fillers = await fill(session, stack)
-    normal = [asyncio.ensure_future(post(session, stack, completion(max_tokens=2), tag="normal"))
-              for _ in range(2)]
-
-    async def two():
-        return await queued(session, stack) == 2
-    await wait_for(two, timeout=5)
+    normal = await hold(session, stack, 2, "normal")
     urgent = asyncio.ensure_future(post(session, stack, completion(max_tokens=2),
                                         objective="interactive", tag="urgent"))
     await wait_for(lambda: picker_metric(session, stack, "picker_flow_queued_requests",
@@ -206,12 +212,7 @@ async def test_picker_stopped_while_holding_sends_every_held_request_on(stack, s
     requests already running on the engines, whose ext_proc streams Envoy keeps open until their
     responses end. Restarts the picker."""
     fillers = await fill(session, stack)
-    held = [asyncio.ensure_future(post(session, stack, completion(max_tokens=2), tag="handed-on"))
-            for _ in range(3)]
-
-    async def three():
-        return await queued(session, stack) == 3
-    await wait_for(three, timeout=5)
+    held = await hold(session, stack, 3, "handed-on")
     stack.kill_process("picker", signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*held), 30)
     for status, data, _ in results:
@@ -224,12 +225,7 @@ async def test_picker_stopped_while_holding_sends_every_held_request_on(stack, s
 async def test_picker_killed_while_holding_gives_a_prompt_503(stack, session):
     """Run last in the module: it kills and restarts the picker."""
     fillers = await fill(session, stack)
-    held = [asyncio.ensure_future(post(session, stack, completion(max_tokens=2), tag="orphan"))
-            for _ in range(3)]
-
-    async def three():
-        return await queued(session, stack) == 3
-    await wait_for(three, timeout=5)
+    held = await hold(session, stack, 3, "orphan")
     killed_at = time.monotonic()
     stack.kill_process("picker")
     results = await asyncio.wait_for(asyncio.gather(*held), 10)
