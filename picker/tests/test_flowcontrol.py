@@ -190,11 +190,42 @@ def test_cancel_leaves_the_queue_and_is_counted():
     assert sample(metrics, "picker_flow_evictions_total", reason="cancelled", priority="0") == 1
 
 
-def test_stale_pool_is_not_held():
-    router, flow, clock, _ = flow_router(waiting=3)
-    clock.t += 60.0  # every scrape is stale: room unknown
-    d = flow.submit(info(), lambda o: None)
-    assert not isinstance(d, Held)
+def test_stale_pool_is_held_for_the_stale_hold_then_not_held():
+    router, flow, clock, _ = flow_router(waiting=3)   # no room; staleness 1 s, stale hold 5 s
+    scraped = clock.t
+    outcomes = []
+    first = flow.submit(info("a"), lambda o: outcomes.append(("a", o)))
+    clock.t += 2.0  # every scrape is stale, but only just: a stall, not lost signals
+    second = flow.submit(info("b"), lambda o: outcomes.append(("b", o)))
+    assert isinstance(first, Held) and isinstance(second, Held)
+    assert flow.pump() == 0 and outcomes == []   # the queue is not dumped into the engines
+    assert flow.next_deadline() == scraped + 1.0 + 5.0   # before the 30 s age bound
+    clock.t = scraped + 6.5   # stale beyond the hold: the signals are lost, nothing is held
+    assert flow.pump() == 2
+    assert [name for name, _ in outcomes] == ["a", "b"]   # in the queue's order
+    assert all(o.endpoint in router.endpoints for _, o in outcomes)
+    assert flow.next_deadline() is None
+    assert not isinstance(flow.submit(info("c"), lambda o: None), Held)
+
+
+def test_a_new_request_on_a_briefly_stale_pool_is_held_until_fresh_signals():
+    router, flow, clock, _ = flow_router(waiting=0)
+    clock.t += 3.0   # stale, within the hold
+    outcomes = []
+    held = flow.submit(info(), outcomes.append)
+    assert isinstance(held, Held) and flow.pump() == 0
+    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0), clock())
+    assert flow.pump() == 1 and outcomes[0].endpoint == "10.0.0.1:8000"
+
+
+def test_stale_hold_zero_holds_nothing_on_stale_signals():
+    clock = FakeClock()
+    router = make_router(profile="default", n=2, clock=clock, waiting=3)
+    flow = FlowControl(router, FlowSettings(stale_hold=0.0))
+    clock.t += 1.5
+    assert not isinstance(flow.submit(info(), lambda o: None), Held)
+    with pytest.raises(ValueError, match="stale hold"):
+        FlowSettings(stale_hold=-1.0)
 
 
 def test_sheddable_is_queued_not_shed_at_once():

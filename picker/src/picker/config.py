@@ -96,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
                         "a higher one is active, client over its share) must leave free")
     p.add_argument("--flow-activity-window", type=float, default=defaults.FLOW_ACTIVITY_WINDOW,
                    help="seconds of arrivals that make a band or client active for holdback")
+    p.add_argument("--flow-stale-hold", type=float, default=defaults.FLOW_STALE_HOLD,
+                   help="seconds beyond --staleness that requests are held while every "
+                        "candidate's metrics are stale; then nothing is held until they are fresh")
     p.add_argument("--precise-prefix", action=argparse.BooleanOptionalAction,
                    default=defaults.PRECISE_PREFIX,
                    help="route on the engines' KV-cache events (needs --tokenizer); off: the "
@@ -171,7 +174,8 @@ def flow_settings(args: argparse.Namespace) -> FlowSettings | None:
                  output_reserve_tokens=args.flow_output_reserve,
                  affinity_tokens=args.flow_affinity_tokens,
                  holdback_fraction=args.flow_holdback),
-        at_bound=args.flow_at_bound, activity_window=args.flow_activity_window)
+        at_bound=args.flow_at_bound, activity_window=args.flow_activity_window,
+        stale_hold=args.flow_stale_hold)
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

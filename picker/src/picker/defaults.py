@@ -50,7 +50,7 @@ SATURATION_KV_CACHE_UTIL = 0.8
 # Flow control (picker.flowcontrol): requests no endpoint can start now wait in the picker.
 # The age bounds must stay below the gateway's ext_proc messageTimeout and the listener's
 # requestReceivedTimeout (make validate checks the manifests).
-FLOW_CONTROL = False          # the CLI default; base/picker turns it on (see README)
+FLOW_CONTROL = False          # the CLI default; base/picker keeps it off (see README, "Flow control")
 FLOW_MAX_REQUESTS = 1000       # held at once per worker, all priorities
 FLOW_MAX_WAIT = 30.0           # seconds a request of priority >= 0 may wait
 FLOW_MAX_WAIT_SHEDDABLE = 5.0  # seconds a sheddable request (priority < 0) may wait
@@ -71,6 +71,10 @@ FLOW_AFFINITY_TOKENS = 1024
 # window) needs this fraction of an endpoint's KV capacity free beyond its own need.
 FLOW_HOLDBACK = 0.3
 FLOW_ACTIVITY_WINDOW = 120.0
+# Seconds beyond the staleness bound that requests are held while every candidate's metrics are
+# stale: a stalled scraper or worker gets fresh signals back well within it, and the queue is not
+# dumped into the engines meanwhile; longer, the signals are lost and nothing is held.
+FLOW_STALE_HOLD = 5.0
 
 # Candidate prefilter for large pools: above PREFILTER_ABOVE candidates, only the endpoints
 # holding the longest prefix match plus PREFILTER_SAMPLE endpoints sampled at random (the

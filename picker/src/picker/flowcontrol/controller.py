@@ -11,8 +11,11 @@ Synchronous and clock-injected like the Router: the ext_proc server (protocol/ex
 FlowDriver) and the routing lab drive the same code. A request is decided by Router.decide with
 router.gate set: the gate keeps only the candidates with room (flowcontrol/room.py) or raises
 Hold; a held request is decided again, from scratch, when it reaches the head of the queue.
-If no candidate has fresh metrics, nothing is known about room and the request is not held
-(the scorers already rank stale endpoints last).
+If no candidate has fresh metrics, nothing is known about room: the request is held while the
+newest of them is less than `stale_hold` seconds past the staleness bound (a stalled scraper or
+worker, whose fresh signals come back within it; dispatching the whole queue then would undo its
+order and its reserves), and not held after that (the signals are lost; the scorers already rank
+stale endpoints last).
 
 Holdback (activity.py, room.py): a request of a lower band while a higher band is active, or of
 a client over its share of its band, needs a reserve free beyond its own need. When the head of
@@ -55,12 +58,15 @@ class FlowSettings:
     # room to all of them.
     at_bound: str = defaults.FLOW_AT_BOUND
     activity_window: float = defaults.FLOW_ACTIVITY_WINDOW   # seconds of arrivals for holdback
+    stale_hold: float = defaults.FLOW_STALE_HOLD   # seconds past the staleness bound still held
 
     def __post_init__(self):
         if self.at_bound not in AT_BOUND:
             raise ValueError(f"at_bound must be one of {', '.join(AT_BOUND)}, not {self.at_bound!r}")
         if self.activity_window <= 0:
             raise ValueError("the activity window must be positive")
+        if self.stale_hold < 0:
+            raise ValueError("the stale hold must be >= 0")
 
 
 def _refusal(priority: int, message: str, code: str) -> PickerError:
@@ -79,6 +85,7 @@ class FlowControl:
         self._holdback = False   # for the request being decided: see _decide
         self._published: dict[int, int] = {}
         self._closing = False   # release_all ran: nothing is held any more
+        self._stale_until: float | None = None   # holding on stale signals ends then
 
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
         if self._closing:
@@ -87,9 +94,20 @@ class FlowControl:
         room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
         if room:
             return room if holdback else room + affine_without_room(ctx, candidates, room, rule)
-        if all(e.stale or e.metrics is None for e in candidates):
-            return candidates  # nothing known: hold nothing
+        if all(e.stale or e.metrics is None for e in candidates) and not self._stale_briefly(candidates):
+            return candidates  # signals lost: hold nothing
         raise Hold()
+
+    def _stale_briefly(self, candidates: list[EndpointState]) -> bool:
+        """The newest candidate metrics are less than `stale_hold` past the staleness bound."""
+        newest = max((e.scraped_at for e in candidates if e.scraped_at is not None), default=None)
+        if newest is None:
+            return False
+        until = newest + self.router.settings.staleness + self.settings.stale_hold
+        if self.router.clock() >= until:
+            return False
+        self._stale_until = until
+        return True
 
     def submit(self, info: RequestInfo, notify: Callable[[Outcome], None]) -> Decision | Held:
         """Decide now if nothing waits ahead and an endpoint has room, else queue. Raises the
@@ -263,7 +281,15 @@ class FlowControl:
                 self._published[priority] = n
 
     def next_deadline(self) -> float | None:
-        return self.queue.next_deadline()
+        """The queue's next age bound, or sooner the end of holding on stale signals."""
+        deadline = self.queue.next_deadline()
+        until = self._stale_until
+        if until is None or deadline is None:
+            return deadline
+        if until <= self.router.clock():
+            self._stale_until = None
+            return deadline
+        return min(deadline, until)
 
     def _leave(self, h: Held, reason: str, err: PickerError, popped: bool = False) -> None:
         if not popped:
