@@ -182,7 +182,27 @@ def matrix_precise_report(d: dict) -> list[str]:
         gap = _gap(outage["policies"], "picker+precise")
         out += ["", f"Target: the `outage` scenario closes >= 85 % of the oracle gap with precise "
                     f"routing: {num(gap, 1)} %, {'met' if gap is not None and gap >= 85 else 'not met'}."]
+        out += _outage_windows(outage["policies"])
     return out
+
+
+def _outage_windows(p: dict) -> list[str]:
+    """The outage scenario's mean TTFT by when requests were sent, and the gap closed in each."""
+    windows = [("before", "before (0-600 s)"), ("during", "during (600-900 s, 2 groups)"),
+               ("after", "after (900 s on, group 0 back empty)")]
+    if any(f"mean_ttft_ms_{w}_outage" not in p[n] for w, _ in windows for n in MATRIX_POLICIES):
+        return []
+    value = lambda n, w: p[n][f"mean_ttft_ms_{w}_outage"]["mean"]  # noqa: E731
+    rows = [[n, *(num(value(n, w)) for w, _ in windows)] for n in MATRIX_POLICIES]
+    closed = []
+    for w, _ in windows:
+        lr, orc = value("least-request", w), value("oracle", w)
+        closed.append(num((lr - value("picker+precise", w)) / (lr - orc) * 100) + " %"
+                      if lr > orc else "- (the oracle is not ahead)")
+    rows.append(["gap closed by picker+precise", *closed])
+    return ["", "The outage scenario by when requests were sent (mean TTFT ms of the requests that "
+                "succeeded, mean over the seeds): where the picker loses to the oracle.", "",
+            *md_table(["policy", *(title for _, title in windows)], rows)]
 
 
 def replicas_precise_report(d: dict) -> list[str]:

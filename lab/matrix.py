@@ -41,12 +41,13 @@ from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary
 from loadtest.workloads import workload_settings
 from lab.experiment import named_workload, run_policies
 from lab.policies import make_policy
-from lab.simulation import LabConfig
+from lab.simulation import OUTAGE_WINDOWS, LabConfig
 from lab.stats import mean, over_seeds
 
 POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "picker-flow", "oracle",
             "oracle-late"]
 KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
+OUTAGE_KEYS = tuple(f"mean_ttft_ms_{w}_outage" for w in OUTAGE_WINDOWS)   # scenarios with outages
 REPORTED_SEEDS = [0, 1, 2, 3, 4]
 TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
 BASE = "base"
@@ -150,7 +151,7 @@ def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
                         scenario.config(rate))
     out = {}
     for name, (run,) in runs.items():
-        out[name] = {k: float(run.summary[k]) for k in KEYS}
+        out[name] = {k: float(run.summary[k]) for k in KEYS + OUTAGE_KEYS if k in run.summary}
         out[name]["cpu_s"] = run.cpu_s
     return out
 
@@ -238,7 +239,8 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
     out = []
     for s in scenarios:
         by_seed = per[s.name]
-        stats = {p: {k: over_seeds(by_seed[seed][p][k] for seed in seeds) for k in KEYS + ("cpu_s",)}
+        keys = KEYS + ("cpu_s",) + (OUTAGE_KEYS if s.outages else ())
+        stats = {p: {k: over_seeds(by_seed[seed][p][k] for seed in seeds) for k in keys}
                  for p in policies}
         settings = workload_settings(s.workload, num_prompts=s.num_prompts, **dict(s.workload_args))
         out.append({"name": s.name, "factor": s.factor, "description": s.description,

@@ -362,7 +362,25 @@ class Lab:
                 prefix_cache_queries=e.prefix_cache_queries,
                 prefix_cache_hits=e.prefix_cache_hits, generation_tokens=e.generation_tokens)
         summary["per_endpoint"] = per_endpoint
+        if cfg.outages:
+            summary.update(outage_windows(self.samples, cfg.outages[0]))
         return LabRun(summary, self.samples, self.series, per_endpoint)
+
+
+OUTAGE_WINDOWS = ("before", "during", "after")
+
+
+def outage_windows(samples: Sequence[RequestSample], outage: tuple) -> dict:
+    """Mean TTFT (ms) of the requests that succeeded, by when they were sent: before the group
+    went down, while it was down, after it came back (`mean_ttft_ms_<window>_outage`)."""
+    _, down, up = outage
+    ttfts: dict[str, list[float]] = {w: [] for w in OUTAGE_WINDOWS}
+    for s in samples:
+        if s.success:
+            window = "before" if s.start < down else "during" if s.start < up else "after"
+            ttfts[window].append(s.ttft)
+    return {f"mean_ttft_ms_{w}_outage": 1000.0 * sum(v) / len(v) if v else 0.0
+            for w, v in ttfts.items()}
 
 
 def run_lab(requests: Sequence[LabRequest], policy: Policy,

@@ -58,3 +58,22 @@ def test_report_keeps_sections_of_benchmarks_not_run(tmp_path, monkeypatch):
     assert "## Picker decision throughput and latency\n\n(not run)" in text   # never run
     assert "| base: base desc |" in text and "old header" not in text
 
+
+
+def test_precise_matrix_section_splits_the_outage_by_window():
+    def with_windows(mean, before, during, after):
+        s = stats(mean, 2 * mean, 200)
+        for window, value in (("before", before), ("during", during), ("after", after)):
+            s[f"mean_ttft_ms_{window}_outage"] = {"mean": value, "std": 1.0}
+        return s
+    policies = {"least-request": with_windows(20000, 10000, 60000, 12000),
+                "picker": with_windows(15000, 5000, 70000, 3000),
+                "picker+precise": with_windows(15000, 5000, 70000, 3000),
+                "oracle": with_windows(13000, 5000, 50000, 2000)}
+    m = {"seeds": [0, 1], "policies": list(policies), "wall_s": 60.0, "tuning_seeds": [100],
+         "scenarios": [scenario("outage", policies)]}
+    text = "\n".join(BY_NAME["matrix-precise"].section(
+        {"command": "x", "wall_s": 60.0, "load_average_start": 1.0, "load_average_end": 1.0, "matrix": m}))
+    assert "Target: the `outage` scenario closes >= 85 % of the oracle gap with precise routing: 71.4 %, not met." in text
+    assert "| picker+precise | 5,000 | 70,000 | 3,000 |" in text
+    assert "| gap closed by picker+precise | 100 % | -100 % | 90 % |" in text

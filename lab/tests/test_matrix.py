@@ -6,8 +6,9 @@ import pytest
 from lab import matrix
 from lab.oracle import Oracle, predicted_ttft
 from lab.policies import make_policy
-from lab.simulation import LabConfig, prepare_requests, run_lab
+from lab.simulation import LabConfig, outage_windows, prepare_requests, run_lab
 from local.sim.engines import A10_QWQ32B
+from loadtest.metrics import RequestSample
 from loadtest.workloads import build_workload
 
 
@@ -83,6 +84,18 @@ def test_outage_fails_inflight_requests_and_the_group_comes_back_empty():
         if name == "picker":
             assert "127.0.0.1:8101" in policy.router.endpoints
         assert run.summary["completed"] + run.summary["failed"] == 60
+        windows = outage_windows(run.samples, (0, 20.0, 60.0))
+        assert {k: run.summary[k] for k in windows} == windows, name
+
+
+def test_outage_windows_split_the_successful_requests_by_send_time():
+    ok = lambda start, ttft: RequestSample(start=start, success=True, ttft=ttft)  # noqa: E731
+    samples = [ok(1.0, 0.1), ok(19.9, 0.3), ok(20.0, 2.0), ok(59.0, 4.0), ok(60.0, 0.5),
+               RequestSample(start=30.0, success=False)]
+    assert outage_windows(samples, (0, 20.0, 60.0)) == {
+        "mean_ttft_ms_before_outage": pytest.approx(200.0),
+        "mean_ttft_ms_during_outage": pytest.approx(3000.0),
+        "mean_ttft_ms_after_outage": pytest.approx(500.0)}
 
 
 def test_heterogeneous_pool_engine_models():
