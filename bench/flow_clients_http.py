@@ -6,8 +6,8 @@ plane, the picker with and without flow control.
 `make demo`'s stack (3 simulators at speedup 5 with the demo's KV / 6, the picker, Envoy Gateway
 + Envoy, the edge's API keys) three times: the picker with `--no-flow-control`, with
 `--flow-control`, and with `--flow-control --workers 2` (base/picker's worker count).
-The picker's flow-control bounds are its defaults in model time (30 s, 5 s, 120 s divided by the
-speedup), as the stack does for its scrape interval. Every run starts cold (`python -m local.stack
+The picker's flow-control bounds are its defaults in model time (30 s, 5 s, 120 s, 5 s divided by
+the speedup), as the stack does for its scrape interval. Every run starts cold (`python -m local.stack
 reset`) and goes through listener llm-gw (the picker); `loadtest compare --client` sends each
 client with its own key, so the edge names them apart in `x-client-id`.
 
@@ -55,7 +55,8 @@ def flow_bounds(speedup: float) -> list[str]:
     from picker import defaults
     bounds = {"--flow-max-wait": defaults.FLOW_MAX_WAIT,
               "--flow-max-wait-sheddable": defaults.FLOW_MAX_WAIT_SHEDDABLE,
-              "--flow-activity-window": defaults.FLOW_ACTIVITY_WINDOW}
+              "--flow-activity-window": defaults.FLOW_ACTIVITY_WINDOW,
+              "--flow-stale-hold": defaults.FLOW_STALE_HOLD}
     return [a for flag, model_s in bounds.items() for a in (flag, f"{model_s / speedup:g}")]
 
 

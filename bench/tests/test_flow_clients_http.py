@@ -21,7 +21,7 @@ def test_clients_are_asked_at_their_fractions_of_the_measured_capacity_with_thei
 
 def test_flow_bounds_are_the_picker_defaults_in_model_time():
     assert fch.flow_bounds(5.0) == ["--flow-max-wait", "6", "--flow-max-wait-sheddable", "1",
-                                    "--flow-activity-window", "24"]
+                                    "--flow-activity-window", "24", "--flow-stale-hold", "1"]
 
 
 def test_report_shows_both_targets_per_flow_control_mode():
