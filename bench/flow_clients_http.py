@@ -180,7 +180,7 @@ def report(d: dict) -> list[str]:
              f"`make demo`'s stack (3 simulator processes at speedup {d['speedup']:g} with the demo's KV, the "
              "picker with one worker, Envoy Gateway + Envoy, the edge's API keys) three times: the picker without "
              "and with `--flow-control`, and with it and `--workers 2` (`on-workers2`, as base/picker runs it: "
-             "each worker holds its own queue) (its time bounds in model time: 30 s, 5 s and 120 s / the speedup). Clients "
+             "each worker holds its own queue) (its time bounds in model time: 30 s, 5 s, 120 s and the 5 s stale hold / the speedup). Clients "
              "sent by `loadtest compare --client` with their own API keys (the edge sets `x-client-id` from "
              "them), open loop, Poisson, through listener llm-gw, the `demo` workload; every run starts cold. "
              "Capacity = least request's closed-loop (30) request throughput on listener http, measured first. "
