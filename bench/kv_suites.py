@@ -18,7 +18,8 @@ import time
 from bench.common import (PY, REPO, RESULTS, load_average, read_json, run_suite, save, shown,
                           stamp)
 from bench.markdown import md_table, num, versus
-from lab.matrix import SCENARIOS, reuse_note
+from lab.matrix import BY_NAME, SCENARIOS, reuse_note
+from lab.simulation import OUTAGE_KEYS
 
 SEEDS = [0, 1, 2, 3, 4]
 PRESSURE_POLICIES = ["least-request", "picker", "picker+precise", "replicas:2:independent",
@@ -188,21 +189,22 @@ def matrix_precise_report(d: dict) -> list[str]:
 
 def _outage_windows(p: dict) -> list[str]:
     """The outage scenario's mean TTFT by when requests were sent, and the gap closed in each."""
-    windows = [("before", "before (0-600 s)"), ("during", "during (600-900 s, 2 groups)"),
-               ("after", "after (900 s on, group 0 back empty)")]
-    if any(f"mean_ttft_ms_{w}_outage" not in p[n] for w, _ in windows for n in MATRIX_POLICIES):
+    _, down, up = BY_NAME["outage"].outages[0]
+    titles = [f"before (0-{down:g} s)", f"during ({down:g}-{up:g} s, 2 groups)",
+              f"after ({up:g} s on, group 0 back empty)"]
+    if any(key not in p[n] for key in OUTAGE_KEYS for n in MATRIX_POLICIES):
         return []
-    value = lambda n, w: p[n][f"mean_ttft_ms_{w}_outage"]["mean"]  # noqa: E731
-    rows = [[n, *(num(value(n, w)) for w, _ in windows)] for n in MATRIX_POLICIES]
+    value = lambda n, key: p[n][key]["mean"]  # noqa: E731
+    rows = [[n, *(num(value(n, key)) for key in OUTAGE_KEYS)] for n in MATRIX_POLICIES]
     closed = []
-    for w, _ in windows:
-        lr, orc = value("least-request", w), value("oracle", w)
-        closed.append(num((lr - value("picker+precise", w)) / (lr - orc) * 100) + " %"
+    for key in OUTAGE_KEYS:
+        lr, orc = value("least-request", key), value("oracle", key)
+        closed.append(num((lr - value("picker+precise", key)) / (lr - orc) * 100) + " %"
                       if lr > orc else "- (the oracle is not ahead)")
     rows.append(["gap closed by picker+precise", *closed])
     return ["", "The outage scenario by when requests were sent (mean TTFT ms of the requests that "
                 "succeeded, mean over the seeds): where the picker loses to the oracle.", "",
-            *md_table(["policy", *(title for _, title in windows)], rows)]
+            *md_table(["policy", *titles], rows)]
 
 
 def replicas_precise_report(d: dict) -> list[str]:

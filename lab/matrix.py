@@ -41,13 +41,12 @@ from loadtest.metrics import HEADLINE_KEYS, REPORT_KEYS, percent_change, summary
 from loadtest.workloads import workload_settings
 from lab.experiment import named_workload, run_policies
 from lab.policies import make_policy
-from lab.simulation import OUTAGE_WINDOWS, LabConfig
+from lab.simulation import OUTAGE_KEYS, LabConfig
 from lab.stats import mean, over_seeds
 
 POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "picker-flow", "oracle",
             "oracle-late"]
 KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
-OUTAGE_KEYS = tuple(f"mean_ttft_ms_{w}_outage" for w in OUTAGE_WINDOWS)   # scenarios with outages
 REPORTED_SEEDS = [0, 1, 2, 3, 4]
 TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
 BASE = "base"

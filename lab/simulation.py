@@ -368,6 +368,7 @@ class Lab:
 
 
 OUTAGE_WINDOWS = ("before", "during", "after")
+OUTAGE_KEYS = tuple(f"mean_ttft_ms_{w}_outage" for w in OUTAGE_WINDOWS)   # summary keys, same order
 
 
 def outage_windows(samples: Sequence[RequestSample], outage: tuple) -> dict:
@@ -379,8 +380,8 @@ def outage_windows(samples: Sequence[RequestSample], outage: tuple) -> dict:
         if s.success:
             window = "before" if s.start < down else "during" if s.start < up else "after"
             ttfts[window].append(s.ttft)
-    return {f"mean_ttft_ms_{w}_outage": 1000.0 * sum(v) / len(v) if v else 0.0
-            for w, v in ttfts.items()}
+    return {key: 1000.0 * sum(v) / len(v) if v else 0.0
+            for key, v in zip(OUTAGE_KEYS, ttfts.values())}
 
 
 def run_lab(requests: Sequence[LabRequest], policy: Policy,
