@@ -112,6 +112,12 @@ def info(prompt="hello", objective=None, client=None):
     return RequestInfo("/v1/completions", headers, body(prompt=prompt))
 
 
+def big(label: str) -> str:
+    """A ~7,000-token prompt (4 characters a token): flow_router's endpoints (64,000 KV tokens)
+    at kv 0.75 have room for two of them each, none beyond the 0.3 reserve."""
+    return f"{label} " + "w" * 28_000
+
+
 def scrape_all(router, clock, **load):
     for addr in router.endpoints:
         router.on_scrape_ok(addr, metrics_text(**load), clock())
@@ -381,30 +387,68 @@ def test_light_client_takes_the_room_a_heavy_one_must_leave():
     router, flow, clock, _ = flow_router(waiting=3)
     served = []
     for i in range(5):
-        flow.submit(info(prompt=f"heavy {i}", client="heavy"), lambda o, i=i: served.append(f"h{i}"))
-    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
+        flow.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o, i=i: served.append(f"h{i}"))
+    flow.submit(info(prompt=big("light"), client="light"), lambda o: served.append("light"))
     clock.t += 0.1
-    scrape_all(router, clock, waiting=0, kv=0.75)   # room for a request, not beyond the reserve
-    flow.pump()
+    scrape_all(router, clock, waiting=0, kv=0.75)   # room for 4 requests, none beyond the reserve:
+    flow.pump()                                     # 6 held, the pool is saturated
     assert served == ["light"]                      # the heavy head waits, the light one goes
     clock.t += 0.1
-    scrape_all(router, clock, waiting=0, kv=0.1)    # plenty of room: the heavy backlog goes
+    scrape_all(router, clock, waiting=0, kv=0.1)    # room for the whole backlog: no reserve kept
     flow.pump()
     assert served[1:] == ["h0", "h1", "h2", "h3", "h4"]
 
 
+def test_a_busier_client_in_a_pool_with_room_is_not_held():
+    """A chat client sending 3x the requests of a reasoning client is over its share of the
+    arrivals; while the pool can start every request as it comes, nothing is held for a reserve."""
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75)   # room, not beyond the reserve
+    outcomes = []
+    for i in range(8):
+        client = "reasoning" if i % 4 == 1 else "chat"
+        clock.t += 0.01
+        outcomes.append(flow.submit(info(prompt=f"{client} {i}", client=client), lambda o: None))
+    assert flow.arrivals.must_hold_back(clock(), 0, "chat")   # over its share...
+    assert not any(isinstance(o, Held) for o in outcomes)       # ...and never held
+
+
+@pytest.mark.parametrize("heavy", [3, 4])
+def test_the_reserve_is_kept_only_while_the_queue_exceeds_what_the_pool_can_start(heavy):
+    router, flow, clock, _ = flow_router(waiting=3)
+    flow.submit(info(prompt=big("light"), client="light"), lambda o: None)
+    held = [flow.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o: None) for i in range(heavy)]
+    clock.t += 0.1
+    scrape_all(router, clock, waiting=0, kv=0.75)   # room for 4 requests of this size
+    if heavy == 3:   # everything held fits: not saturated, no reserve, all of it goes
+        assert flow.pump() == 4
+    else:            # one more than fits: the light request goes, the heavy client leaves the reserve
+        assert flow.pump() == 1 and all(h.queued for h in held)
+        clock.t += 0.1
+        scrape_all(router, clock, waiting=0, kv=0.6)   # room for 3 each: the backlog fits
+        assert flow.pump() == 4
+    assert not any(h.queued for h in held)
+
+
 def test_lower_band_leaves_the_reserve_while_a_higher_band_is_active():
-    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=300.0)
-    assert isinstance(flow.submit(info(), lambda o: None), Held) is False  # nothing above it yet
-    flow.submit(info(objective="interactive"), lambda o: None)
-    held = flow.submit(info(prompt="standard"), lambda o: None)
-    assert isinstance(held, Held)                   # the interactive band arrived lately
-    d = flow.submit(info(objective="interactive"), lambda o: None)
+    router, flow, clock, _ = flow_router(waiting=3, max_wait=300.0)
+    flow.submit(info(prompt=big("interactive"), objective="interactive"), lambda o: None)
+    held = [flow.submit(info(prompt=big(f"standard {i}")), lambda o: None) for i in range(6)]
+    clock.t += 0.1
+    scrape_all(router, clock, waiting=0, kv=0.75)   # room for 4, 7 held: saturated
+    assert flow.pump() == 1                         # the interactive request; that band arrived
+    assert all(h.queued for h in held)              # lately: the standard ones leave the reserve
+    d = flow.submit(info(prompt=big("interactive 2"), objective="interactive"), lambda o: None)
     assert not d.queued                             # the reserve is the higher band's: it went
-    assert held.queued
     clock.t += 200.0                                # the interactive band went quiet
     scrape_all(router, clock, waiting=0, kv=0.75)
-    assert flow.pump() == 1 and not held.queued
+    assert flow.pump() == 4 and sum(h.queued for h in held) == 2
+
+
+def test_a_lower_band_in_a_pool_with_room_is_not_held():
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75)
+    flow.submit(info(objective="interactive"), lambda o: None)
+    d = flow.submit(info(prompt="standard"), lambda o: None)
+    assert flow.arrivals.must_hold_back(clock(), 0, "") and not isinstance(d, Held)
 
 
 @pytest.mark.parametrize("contested", [None, "light", "band"])
@@ -445,12 +489,13 @@ def test_holdback_flags_and_the_default_at_bound():
 def test_a_newcomer_is_tried_at_once_only_if_it_may_use_the_reserve_the_head_leaves():
     router, flow, clock, _ = flow_router(waiting=3)
     served = []
-    flow.submit(info(prompt="first", client="heavy"), lambda o: served.append("first"))
-    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.75), clock())  # no pump yet
-    flow.submit(info(prompt="second", client="heavy"), lambda o: served.append("second"))
+    for i in range(3):
+        flow.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o, i=i: served.append(f"h{i}"))
+    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.75), clock())  # no pump yet:
     assert served == []   # one client: nothing holds back, the queue waits for the next pump
-    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
-    assert served == ["light"]   # the heavy head leaves the reserve, the light request takes it
+    flow.submit(info(prompt=big("light"), client="light"), lambda o: served.append("light"))
+    assert served == ["light"]   # room for 2, 4 held: the heavy head leaves the reserve, the light
+                                 # request takes it
 
 
 def affinity_setup(affinity_tokens):
@@ -479,9 +524,10 @@ def test_a_prefix_below_the_affinity_threshold_goes_to_the_endpoint_with_room():
     assert not isinstance(d, Held) and d.endpoint == other
 
 
-def test_a_request_that_holds_back_leaves_an_affine_endpoint_without_room_alone():
+def test_a_request_that_holds_back_leaves_an_affine_endpoint_without_room_alone(monkeypatch):
     flow, prompt, _, other = affinity_setup(affinity_tokens=1024)
     flow.arrivals.add(flow.router.clock(), 10, "")     # a higher band is active: hold back
+    monkeypatch.setattr(flow, "_saturated", lambda ctx, candidates: True)   # in a saturated pool
     d = flow.submit(info(prompt=prompt + " question"), lambda o: None)
     assert not isinstance(d, Held) and d.endpoint == other
 
@@ -573,24 +619,23 @@ def waits(outcome) -> bool:
 
 
 @pytest.mark.parametrize("other", ["light client", "higher band"])
-def test_a_worker_that_saw_only_the_heavy_client_holds_back_once_it_shares_arrivals(other):
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_worker_that_saw_only_the_heavy_client_holds_back_once_it_shares_arrivals(other, shared):
     clock = FakeClock()
-    _, a, _, _ = flow_router(waiting=0, kv=0.75, clock=clock, max_wait=300.0)  # room, no reserve
+    _, a, _, _ = flow_router(waiting=3, clock=clock, max_wait=300.0)   # no room yet
     _, b, _, _ = flow_router(waiting=0, kv=0.75, clock=clock, max_wait=300.0)
     for f in (a, b):
         f.arrivals.share()
-    heavy = lambda i: info(prompt=f"heavy {i}", client="heavy")
-    theirs = (info(prompt="light", client="light") if other == "light client"
-              else info(prompt="interactive", objective="interactive", client="heavy"))
+    theirs = (info(prompt=big("light"), client="light") if other == "light client"
+              else info(prompt=big("interactive"), objective="interactive", client="heavy"))
     assert not waits(b.submit(theirs, lambda o: None))
-    for i in range(3):                              # alone as far as a knows: nothing held
-        assert not waits(a.submit(heavy(i), lambda o: None))
+    held = [a.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o: None) for i in range(6)]
     clock.t += 0.01
-    relay(a, b)
-    held = a.submit(heavy(3), lambda o: None)
-    assert waits(held)                              # now a leaves the reserve for b's client
-    assert waits(b.submit(heavy(4), lambda o: None))      # as b does
-    assert not waits(b.submit(theirs, lambda o: None))                # who takes the reserve
+    if shared:
+        relay(a, b)
+    scrape_all(a.router, clock, waiting=0, kv=0.75)   # room for 4 of the 6 held: saturated
+    # shared: a leaves the reserve for b's client; else alone as far as a knows: it fills the room
+    assert a.pump() == (0 if shared else 4)
     clock.t += 200.0                                # everyone went quiet: no reserve any more
     scrape_all(a.router, clock, waiting=0, kv=0.75)
-    assert a.pump() == 1 and not held.queued
+    assert a.pump() == (4 if shared else 2) and sum(h.queued for h in held) == (2 if shared else 0)

@@ -17,10 +17,12 @@ worker, whose fresh signals come back within it; dispatching the whole queue the
 order and its reserves), and not held after that (the signals are lost; the scorers already rank
 stale endpoints last).
 
-Holdback (activity.py, room.py): a request of a lower band while a higher band is active, or of
-a client over its share of its band, needs a reserve free beyond its own need. When the head of
+Holdback (activity.py, room.py): while the pool is saturated (the queue holds more requests than
+the endpoints can start now), a request of a lower band while a higher band is active, or of a
+client over its share of its band, needs a reserve free beyond its own need. When the head of
 the queue waits for that reserve, the first other waiting request that may use it goes instead
-(a light client's or a higher band's), so the reserve is what they find.
+(a light client's or a higher band's), so the reserve is what they find. Below saturation no
+reserve is kept: every request starts as it comes, whoever sends more.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from picker.core import Decision, RequestInfo, Router
 from picker.errors import PickerError
 from picker.flowcontrol.activity import RecentArrivals
 from picker.flowcontrol.queue import DEFAULT_CLIENT, FlowQueue, Held, QueueLimits
-from picker.flowcontrol.room import RoomRule, affine_without_room, has_room
+from picker.flowcontrol.room import RoomRule, affine_without_room, has_room, startable
 from picker.scheduling.context import SchedulingContext
 from picker.signals.state import EndpointState
 
@@ -90,13 +92,22 @@ class FlowControl:
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
         if self._closing:
             return candidates
-        rule, holdback = self.settings.room, self._holdback
+        rule = self.settings.room
+        holdback = self._holdback and self._saturated(ctx, candidates)
         room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
         if room:
             return room if holdback else room + affine_without_room(ctx, candidates, room, rule)
         if all(e.stale or e.metrics is None for e in candidates) and not self._stale_briefly(candidates):
             return candidates  # signals lost: hold nothing
         raise Hold()
+
+    def _saturated(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> bool:
+        """The queue holds more requests than the candidates can start now without a reserve.
+        Below that every held request could go at once, so the pool is not saturated: a reserve
+        would only delay the busier client (or the lower band) and nobody would gain from it.
+        The reserve's own holds cannot make the pool look saturated: while the queue fits in
+        the room it is not kept."""
+        return len(self.queue) > startable(ctx, candidates, self.settings.room)
 
     def _stale_briefly(self, candidates: list[EndpointState]) -> bool:
         """The newest candidate metrics are less than `stale_hold` past the staleness bound."""
