@@ -163,7 +163,7 @@ class ScalingLab(Lab):
     def _ready(self, ep, epoch: int) -> None:
         if self.state[ep.index] != "starting" or epoch != ep.epoch:
             return                              # removed while it was starting
-        ep.engine = Engine(ep.engine.engine_model, self.clock)
+        ep.engine = Engine(ep.engine.engine_model, self.clock, stream=False)   # the lab reads no stream
         ep.history.clear()
         ep.up, self.state[ep.index] = True, "serving"
         self._available()

@@ -32,6 +32,8 @@ def _copy_request(r: EngineRequest) -> EngineRequest:
     for name in EngineRequest.__slots__:
         setattr(c, name, getattr(r, name))
     c.hashed = list(r.hashed)
+    c.token_gaps = []               # the copy's own (its steps must not reach the original's)
+    c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
     return c
 
 
@@ -40,6 +42,7 @@ def copy_engine(engine: Engine, clock) -> Engine:
     c = Engine.__new__(Engine)
     c.engine_model, c.clock = engine.engine_model, clock
     c.kv_events, c.output_token = None, engine.output_token      # a copy publishes nothing
+    c.stream = False                                              # and streams nothing
     requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
     c.requests = requests
     c.waiting = deque(requests[r.request_id] for r in engine.waiting)
@@ -47,21 +50,13 @@ def copy_engine(engine: Engine, clock) -> Engine:
     c.used = engine.used
     c.refs = dict(engine.refs)
     c.evictable = OrderedDict(engine.evictable)
-    c.cache_epoch = engine.cache_epoch + 1          # cached prefix-hit counts are per object
-    for r in requests.values():
-        r._hit_epoch = -1
+    c.cache_epoch, c.evictions = engine.cache_epoch, engine.evictions
     c.watermark_blocks = engine.watermark_blocks
     c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
     c.prompt_tokens = c.generation_tokens = 0
     c.request_success = {}
     c.version = 0
-    c.ttft = c.itl = c.e2e = _NoHistogram()
     return c
-
-
-class _NoHistogram:
-    def observe(self, value: float) -> None:
-        pass
 
 
 def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
@@ -71,11 +66,10 @@ def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
     t = [max(now, ep.step_end) if ep.busy else now]
     engine = copy_engine(ep.engine, lambda: t[0])
     try:
-        engine.add_request(request.request_id, request.token_ids, request.max_tokens,
-                           hashes=request.hashes)
+        target = engine.add_request(request.request_id, request.token_ids, request.max_tokens,
+                                    hashes=request.hashes)
     except ValueError:
         return math.inf
-    target = request.request_id
     for _ in range(MAX_STEPS):
         result = engine.step()
         if result is None:
@@ -83,9 +77,8 @@ def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
         t[0] = result.end_time
         if t[0] - now > limit:
             return math.inf
-        for out in result.outputs:
-            if out.first_token and out.request_id == target:
-                return result.end_time - now
+        if target.first_token_time is not None:
+            return result.end_time - now
     return math.inf
 
 

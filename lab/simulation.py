@@ -111,8 +111,7 @@ class Lab:
         if len(engine_models) != config.num_engines:
             raise ValueError(f"{len(engine_models)} engine models for {config.num_engines} engines")
         self.endpoints = [
-            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}",
-                        Engine(engine_models[i], clock, kv_events=policy.kv_events),
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", self._new_engine(engine_models[i]),
                         config.model_name)
             for i in range(config.num_engines)]
         self.rng = random.Random(config.seed)
@@ -132,6 +131,11 @@ class Lab:
         self.wake_at: Optional[float] = None
         for r in self.requests:  # requests are shared across runs: set it either way
             r.max_tokens_cap = config.max_tokens_cap
+
+    def _new_engine(self, engine_model: EngineModel) -> Engine:
+        """An engine on the lab's clock. Not streaming: the lab reads each request's token times
+        when it finishes instead of one output per token (the same times)."""
+        return Engine(engine_model, self.clock, kv_events=self.policy.kv_events, stream=False)
 
     # ----- event plumbing ------------------------------------------------------------------
 
@@ -267,18 +271,12 @@ class Lab:
     def _deliver(self, ep: LabEndpoint, result, epoch: int) -> None:
         if epoch != ep.epoch:       # a step of an engine that has failed since
             return
-        now = self.now
         clients = self.clients
-        for out in result.outputs:
-            c = clients[out.request_id]
-            if c.first is None:
-                c.first = now
-            else:
-                c.itl.append(now - c.last)
-            c.last = now
-            c.tokens += 1
-            if out.finished:
-                self._finish(c, ep)
+        for r in result.finished:    # each token reached the client at the end of its step
+            c = clients[r.request_id]
+            c.first, c.last, c.itl, c.tokens = (r.first_token_time, r.last_token_time,
+                                                r.token_gaps, r.num_output)
+            self._finish(c, ep)
         self._step(ep)
         self._send_pending()
 
@@ -299,7 +297,7 @@ class Lab:
 
     def _up(self, ep: LabEndpoint) -> None:
         # Restarted: an empty cache, and its event sequence starts again from 0.
-        ep.engine = Engine(ep.engine.engine_model, self.clock, kv_events=self.policy.kv_events)
+        ep.engine = self._new_engine(ep.engine.engine_model)
         ep.kv_seq = 0
         ep.history.clear()
         ep.up = True

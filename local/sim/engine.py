@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from local.sim.engines import EngineModel
-from local.sim.tokens import filler_word, word_id
+from local.sim.tokens import filler_word_id
 
 HASH_MASK = (1 << 64) - 1           # block hashes are unsigned 64-bit integers, as vLLM publishes
 
@@ -99,9 +99,10 @@ class StepOutput(NamedTuple):
 class StepResult(NamedTuple):
     duration_s: float
     end_time: float
-    outputs: list              # list[StepOutput]
+    outputs: list              # list[StepOutput]; empty for an engine made with stream=False
     num_prefill_tokens: int
     num_decode_seqs: int
+    finished: list = []        # the requests (EngineRequest) this step finished, in output order
 
 
 class BlockStored(NamedTuple):
@@ -124,7 +125,7 @@ class AllBlocksCleared(NamedTuple):
 def default_output_token(seed: int, index: int) -> int:
     """Token id of generated token `index`: the word the HTTP server streams, as the simulator's
     word tokenizer numbers it."""
-    return word_id(filler_word(seed, index))
+    return filler_word_id(seed, index)
 
 
 class EngineRequest:
@@ -133,7 +134,7 @@ class EngineRequest:
                  "num_output", "num_computed", "prefill_len", "hashed", "private",
                  "registered", "arrival_time", "first_token_time", "last_token_time",
                  "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
-                 "_hit_epoch", "_hit_blocks")
+                 "token_gaps", "_hit_epoch", "_hit_blocks", "_hit_evictions")
 
     def __init__(self, request_id: str, prompt_len: int, block_hashes: list, max_tokens: int,
                  stop_at: int, arrival_time: float, token_ids: Sequence[int] = ()):
@@ -159,8 +160,12 @@ class EngineRequest:
         self.finish_reason: Optional[str] = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0          # prefix-cache hit tokens at (first) admission
+        self.token_gaps: list = []          # seconds between its tokens (stream=False engines)
+        # _prefix_hits' cache: the count at cache epoch _hit_epoch, and a lower bound while no
+        # block has been evicted since (eviction count _hit_evictions)
         self._hit_epoch = -1
         self._hit_blocks = 0
+        self._hit_evictions = -1
 
     @property
     def num_blocks(self) -> int:
@@ -193,11 +198,18 @@ class EngineStats:
 
 
 class Engine:
+    """`stream=True` (the HTTP server): every step returns one StepOutput per token produced and
+    the engine keeps vLLM's latency histograms. `stream=False` (the lab, which reads neither):
+    a step returns only the requests it finished (`StepResult.finished`), each with its tokens'
+    times (first_token_time, token_gaps, last_token_time): the same figures, fewer objects."""
+
     def __init__(self, engine_model: EngineModel, clock: Callable[[], float] = time.monotonic,
                  kv_events: bool = False,
-                 output_token: Callable[[int, int], int] = default_output_token):
+                 output_token: Callable[[int, int], int] = default_output_token,
+                 stream: bool = True):
         self.engine_model = engine_model
         self.clock = clock
+        self.stream = stream
         self.kv_events: Optional[list] = [] if kv_events else None   # recorded, not yet taken
         self.output_token = output_token
         self.waiting: deque[EngineRequest] = deque()
@@ -208,6 +220,7 @@ class Engine:
         self.refs: dict[int, int] = {}          # block hash -> reference count
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cache_epoch = 0                     # bumps whenever the set of cached hashes changes
+        self.evictions = 0                       # bumps whenever cached hashes are dropped
         self.watermark_blocks = int(engine_model.watermark * engine_model.num_gpu_blocks)
         # counters
         self.prefix_cache_queries = 0
@@ -298,6 +311,7 @@ class Engine:
             del self.refs[h]
         self.evictable.clear()
         self.cache_epoch += 1
+        self.evictions += 1
         if self.kv_events is not None:
             self.kv_events.append(AllBlocksCleared())
         self.version += 1
@@ -307,12 +321,12 @@ class Engine:
         """Token ids of full block `index` of the request: prompt, then generated tokens."""
         bs = self.engine_model.block_size
         start, end = index * bs, (index + 1) * bs
-        prompt = req.token_ids
-        out = list(prompt[start:end])
-        if end > req.prompt_len:
+        prompt_len = req.prompt_len
+        out = list(req.token_ids[start:end])
+        if end > prompt_len:
             seed, token = req.output_seed, self.output_token
-            out.extend(token(seed, i - req.prompt_len)
-                       for i in range(max(start, req.prompt_len), end))
+            out += [token(seed, i) for i in range(max(start, prompt_len) - prompt_len,
+                                                  end - prompt_len)]
         return out
 
     # ----- KV blocks ------------------------------------------------------------------------
@@ -328,6 +342,7 @@ class Engine:
                 if events is not None:
                     events.append(BlockRemoved([h]))
             self.cache_epoch += 1
+            self.evictions += 1
         self.used += n
 
     def _free(self, req: EngineRequest) -> None:
@@ -348,10 +363,12 @@ class Engine:
         if req._hit_epoch == self.cache_epoch:
             return req._hit_blocks
         limit = min(len(req.block_hashes), (req.prefill_len - 1) // self.engine_model.block_size)
-        refs, hashes, k = self.refs, req.block_hashes, 0
+        # Blocks only joined the cache since the last count (none left it): those hits still hold.
+        k = min(req._hit_blocks, limit) if req._hit_evictions == self.evictions else 0
+        refs, hashes = self.refs, req.block_hashes
         while k < limit and hashes[k] in refs:
             k += 1
-        req._hit_epoch, req._hit_blocks = self.cache_epoch, k
+        req._hit_epoch, req._hit_blocks, req._hit_evictions = self.cache_epoch, k, self.evictions
         return k
 
     def _try_admit(self, req: EngineRequest) -> bool:
@@ -369,9 +386,12 @@ class Engine:
             return False
         hit_hashes = req.block_hashes[:hits]
         evictable = self.evictable
-        revived = sum(1 for h in hit_hashes if h in evictable)
-        if free - revived - new_blocks < self.watermark_blocks:
-            return False
+        # Hits that are cached but unreferenced take a block back from the free ones; count them
+        # only when it matters (admitted whatever their number otherwise).
+        if free - hits - new_blocks < self.watermark_blocks:
+            revived = sum(1 for h in hit_hashes if h in evictable)
+            if free - revived - new_blocks < self.watermark_blocks:
+                return False
         refs = self.refs
         for h in hit_hashes:
             c = refs[h]
@@ -438,7 +458,7 @@ class Engine:
         req.num_computed = 0
         req.prefill_len = req.prompt_len + req.num_output
         req.num_preemptions += 1
-        req._hit_epoch = -1
+        req._hit_epoch = req._hit_evictions = -1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -446,30 +466,34 @@ class Engine:
 
     def step(self) -> Optional[StepResult]:
         """Run one iteration. None when there is nothing to run."""
-        if not (self.running or self.waiting):
+        running = self.running
+        if not (running or self.waiting):
             return None
+        # The hottest loop of the lab: attributes read once into locals, one pass per phase.
         p = self.engine_model
         bs = p.block_size
+        num_gpu_blocks = p.num_gpu_blocks
         budget = p.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
         prefill_tokens = decode_seqs = context = 0
         preempted = False
-        running = self.running
 
-        i = 0
-        while i < len(running) and budget > 0:
-            r = running[i]
-            if r.num_computed < r.prefill_len:
-                n = min(r.prefill_len - r.num_computed, budget)
+        for r in running:        # preemption below shortens the list from its end
+            if budget <= 0:
+                break
+            computed = r.num_computed
+            if computed < r.prefill_len:
+                n = r.prefill_len - computed
+                if n > budget:
+                    n = budget
                 budget -= n
                 prefill_tokens += n
-                context += r.num_computed + n
+                context += computed + n
                 scheduled.append((r, n))
-                i += 1
                 continue
             seq_len = r.prompt_len + r.num_output
-            if -(-seq_len // bs) > len(r.hashed) + r.private:
-                while p.num_gpu_blocks - self.used < 1:
+            if seq_len > (len(r.hashed) + r.private) * bs:     # its next token needs a block
+                while num_gpu_blocks - self.used < 1:
                     victim = running.pop()
                     self._preempt(victim)
                     preempted = True
@@ -483,7 +507,6 @@ class Engine:
             decode_seqs += 1
             context += seq_len
             scheduled.append((r, 1))
-            i += 1
 
         if not preempted:
             waiting = self.waiting
@@ -506,45 +529,57 @@ class Engine:
                                         + p.stage_decode_seq_s * decode_seqs
                                         + p.stage_context_token_s * context)
         end = self.clock() + duration
-        outputs = []
-        any_finished = False
+        stream, caching = self.stream, p.enable_prefix_caching
+        outputs: list = []
+        finished: list = []
+        generated = 0
         for r, n in scheduled:
-            if r.num_computed < r.prefill_len:
-                r.num_computed += n
-                if p.enable_prefix_caching and r.num_computed >= (r.registered + 1) * bs:
+            computed = r.num_computed
+            if computed < r.prefill_len:
+                computed += n
+                r.num_computed = computed
+                if caching and computed >= (r.registered + 1) * bs:
                     self._publish_blocks(r)
-                if r.num_computed < r.prefill_len:
+                if computed < r.prefill_len:
                     continue
             else:
-                r.num_computed += 1
-                if p.enable_prefix_caching and r.num_computed % bs == 0:
+                computed += 1
+                r.num_computed = computed
+                if caching and computed % bs == 0:
                     self._publish_blocks(r)     # a block filled by generated tokens
-            r.num_output += 1
-            self.generation_tokens += 1
+            num_output = r.num_output + 1
+            r.num_output = num_output
+            generated += 1
             first = r.first_token_time is None
             if first:
                 r.first_token_time = end
-                self.ttft.observe(end - r.arrival_time)
-            else:
+                if stream:
+                    self.ttft.observe(end - r.arrival_time)
+            elif stream:
                 self.itl.observe(end - r.last_token_time)
-            r.last_token_time = end
-            if r.num_output >= r.stop_at:
-                reason = "length" if r.num_output >= r.max_tokens else "stop"
-                self._finish(r, reason, end)
-                any_finished = True
-                outputs.append(StepOutput(r.request_id, first, True, reason, r.num_output))
             else:
-                outputs.append(StepOutput(r.request_id, first, False, None, r.num_output))
-        if any_finished:
+                r.token_gaps.append(end - r.last_token_time)
+            r.last_token_time = end
+            if num_output >= r.stop_at:
+                reason = "length" if num_output >= r.max_tokens else "stop"
+                self._finish(r, reason, end)
+                finished.append(r)
+                if stream:
+                    outputs.append(StepOutput(r.request_id, first, True, reason, num_output))
+            elif stream:
+                outputs.append(StepOutput(r.request_id, first, False, None, num_output))
+        self.generation_tokens += generated
+        if finished:
             self.running = [r for r in self.running if not r.finished]
         self.version += 1
-        return StepResult(duration, end, outputs, prefill_tokens, decode_seqs)
+        return StepResult(duration, end, outputs, prefill_tokens, decode_seqs, finished)
 
     def _finish(self, req: EngineRequest, reason: str, end: float) -> None:
         req.finished, req.finish_reason = True, reason
         self._free(req)
         del self.requests[req.request_id]
-        self.e2e.observe(end - req.arrival_time)
+        if self.stream:
+            self.e2e.observe(end - req.arrival_time)
         self.request_success[reason] = self.request_success.get(reason, 0) + 1
 
     # ----- gauges and counters --------------------------------------------------------------

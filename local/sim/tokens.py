@@ -63,3 +63,12 @@ FILLER = ("the", "model", "thinks", "about", "this", "step", "and", "then", "ans
 def filler_word(seed: int, index: int) -> str:
     """Deterministic output word number `index` of a response whose stream seed is `seed`."""
     return FILLER[(seed * 7 + index * 13 + (index >> 3)) % len(FILLER)]
+
+
+FILLER_IDS = tuple(word_id(w) for w in FILLER)
+
+
+def filler_word_id(seed: int, index: int) -> int:
+    """word_id(filler_word(seed, index)) without hashing the word again (the engine model hashes
+    every block of generated tokens)."""
+    return FILLER_IDS[(seed * 7 + index * 13 + (index >> 3)) % len(FILLER)]
