@@ -63,6 +63,10 @@ def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
                    limit: float = math.inf) -> float:
     """Seconds from now to the request's first token if sent to ep now (see above);
     inf once the copy's time passes now + limit (no need to know how much worse it is)."""
+    # A group whose queue alone takes longer than the limit is not played forward (the same
+    # inf; the margin keeps float rounding of the two sums from deciding).
+    if limit < math.inf and ttft_lower_bound(ep, request, now) > limit + 1e-6:
+        return math.inf
     t = [max(now, ep.step_end) if ep.busy else now]
     engine = copy_engine(ep.engine, lambda: t[0])
     try:
@@ -80,6 +84,38 @@ def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
         if target.first_token_time is not None:
             return result.end_time - now
     return math.inf
+
+
+def ttft_lower_bound(ep: LabEndpoint, request: LabRequest, now: float) -> float:
+    """A bound the request's TTFT on ep cannot beat, from the prefill that must run first.
+
+    Admission is FIFO and a step gives its token budget to the running requests in order, the
+    new one last: its first token comes in a step where every request admitted or queued before
+    it has finished its prefill. Each request's prefill left is at least what it has left now
+    (or, if it is preempted and recomputes, its prompt minus the most the prefix cache can
+    hold of it: all but its last token's block); the new request's likewise. Those T tokens take
+    at least ceil(T / budget) steps and each step at least its base time plus its prefill
+    tokens' time (decode and context terms only add), after the step in flight ends."""
+    engine = ep.engine
+    p = engine.engine_model
+    bs = p.block_size
+    caching = p.enable_prefix_caching
+
+    def least_prefill(prefill_len: int, hashes: list) -> int:
+        return prefill_len - min(len(hashes), (prefill_len - 1) // bs) * bs if caching \
+            else prefill_len
+
+    tokens = least_prefill(len(request.token_ids), request.hashes)
+    for r in engine.waiting:
+        tokens += least_prefill(r.prefill_len, r.block_hashes)
+    for r in engine.running:
+        if r.num_computed < r.prefill_len:
+            tokens += min(r.prefill_len - r.num_computed, least_prefill(r.prefill_len,
+                                                                        r.block_hashes))
+    steps = -(-tokens // p.max_num_batched_tokens)
+    start = max(now, ep.step_end) if ep.busy else now
+    return start - now + p.pipeline_stages * (p.stage_base_s * steps
+                                              + p.stage_prefill_token_s * tokens)
 
 
 def work_left(engine: Engine) -> int:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from local.sim.engines import EngineModel
-from local.sim.tokens import filler_word_id
+from local.sim.tokens import filler_word_id, filler_word_ids
 
 HASH_MASK = (1 << 64) - 1           # block hashes are unsigned 64-bit integers, as vLLM publishes
 
@@ -324,9 +324,12 @@ class Engine:
         prompt_len = req.prompt_len
         out = list(req.token_ids[start:end])
         if end > prompt_len:
-            seed, token = req.output_seed, self.output_token
-            out += [token(seed, i) for i in range(max(start, prompt_len) - prompt_len,
-                                                  end - prompt_len)]
+            first, stop = max(start, prompt_len) - prompt_len, end - prompt_len
+            if self.output_token is default_output_token:
+                out += filler_word_ids(req.output_seed, first, stop)
+            else:
+                seed, token = req.output_seed, self.output_token
+                out += [token(seed, i) for i in range(first, stop)]
         return out
 
     # ----- KV blocks ------------------------------------------------------------------------
@@ -389,7 +392,7 @@ class Engine:
         # Hits that are cached but unreferenced take a block back from the free ones; count them
         # only when it matters (admitted whatever their number otherwise).
         if free - hits - new_blocks < self.watermark_blocks:
-            revived = sum(1 for h in hit_hashes if h in evictable)
+            revived = sum(map(evictable.__contains__, hit_hashes))
             if free - revived - new_blocks < self.watermark_blocks:
                 return False
         refs = self.refs

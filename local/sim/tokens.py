@@ -72,3 +72,9 @@ def filler_word_id(seed: int, index: int) -> int:
     """word_id(filler_word(seed, index)) without hashing the word again (the engine model hashes
     every block of generated tokens)."""
     return FILLER_IDS[(seed * 7 + index * 13 + (index >> 3)) % len(FILLER)]
+
+
+def filler_word_ids(seed: int, start: int, stop: int) -> list[int]:
+    """[filler_word_id(seed, i) for i in range(start, stop)], in one loop."""
+    ids, n, base = FILLER_IDS, len(FILLER), seed * 7
+    return [ids[(base + i * 13 + (i >> 3)) % n] for i in range(start, stop)]

@@ -174,3 +174,47 @@ def test_block_hashes_are_chained():
     b = block_hashes(tokens(100, 4) + tokens(4, 4), 4)
     assert len(a) == 2 and a[1] != b[1]            # same second block, different prefix
     assert block_hashes(tokens(0, 7), 4) == a[:1]  # partial blocks are not hashed
+
+
+def test_a_non_streaming_engine_gives_the_same_token_times_and_schedule():
+    """stream=False (the lab's engines) skips the per-token outputs and histograms; each finished
+    request carries its tokens' times instead, equal to what the stream delivered, and every step
+    (preemptions, cache hits, KV events) is the same."""
+    import random
+    rng = random.Random(7)
+    shared = tokens(1000, 24)
+    work = [(f"r{i}", (shared if i % 2 else []) + tokens(100 * i, rng.randint(1, 20)),
+             rng.randint(1, 12)) for i in range(14)]
+
+    def drive(stream):
+        clock = Clock()
+        engine = Engine(TINY, clock, kv_events=True, stream=stream)
+        seen, times, steps = {}, {}, []
+        arrivals = list(work)
+        while arrivals or engine.has_work():
+            if arrivals and (not engine.has_work() or rng_steps.random() < 0.6):
+                rid, ids, n = arrivals.pop(0)
+                engine.add_request(rid, ids, max_tokens=n)
+            result = engine.step()
+            if result is None:
+                continue
+            clock.t = result.end_time
+            steps.append((result.duration_s, result.num_prefill_tokens, result.num_decode_seqs,
+                          [r.request_id for r in result.finished], engine.take_kv_events()))
+            for out in result.outputs:
+                seen.setdefault(out.request_id, []).append(result.end_time)
+            for r in result.finished:
+                times[r.request_id] = (r.first_token_time, r.token_gaps, r.last_token_time,
+                                       r.num_output)
+        return seen, times, steps, engine.num_preemptions
+
+    rng_steps = random.Random(3)
+    streamed, _, steps_streamed, preempted = drive(True)
+    rng_steps = random.Random(3)
+    outputs, times, steps, preempted_too = drive(False)
+    assert outputs == {} and steps == steps_streamed and preempted == preempted_too > 0
+    assert set(times) == set(streamed) == {rid for rid, _, _ in work}
+    for rid, stamps in streamed.items():
+        first, gaps, last, n = times[rid]
+        assert (first, last, n) == (stamps[0], stamps[-1], len(stamps))
+        assert gaps == [b - a for a, b in zip(stamps, stamps[1:])]
