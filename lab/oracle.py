@@ -74,12 +74,23 @@ def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
                                     hashes=request.hashes)
     except ValueError:
         return math.inf
-    for _ in range(MAX_STEPS):
+    past = lambda end: end - now > limit  # noqa: E731
+    steps = 0
+    while steps < MAX_STEPS:
+        # Stretches where the engine only decodes (the request still queued) in one call.
+        run = engine.decode_run(MAX_STEPS - steps, past)
+        if run is not None:
+            steps += run[0]
+            t[0] = run[1]
+            if past(t[0]):
+                return math.inf
+            continue
         result = engine.step()
+        steps += 1
         if result is None:
             return math.inf
         t[0] = result.end_time
-        if t[0] - now > limit:
+        if past(t[0]):
             return math.inf
         if target.first_token_time is not None:
             return result.end_time - now

@@ -577,6 +577,114 @@ class Engine:
         self.version += 1
         return StepResult(duration, end, outputs, prefill_tokens, decode_seqs, finished)
 
+    def decode_run(self, max_steps: int,
+                   stop: Callable[[float], bool]) -> Optional[tuple[int, float]]:
+        """Up to `max_steps` steps at once, while each would be a decode step of the same running
+        requests that nothing interrupts: every running request decodes, none finishes, no block
+        runs out (no preemption) and the waiting queue's head cannot be admitted (even with all
+        of its blocks cached). The state afterwards, the step times and the block events are those
+        of that many step() calls, with the clock set to each step's end in turn. Stops after
+        the first step whose end time makes `stop(end)` true. Returns (steps run, end time of the
+        last), or None when the next step is not such a step. Only for a non-streaming engine
+        driven by nothing else meanwhile (the oracle's copies play an engine forward with it)."""
+        running = self.running
+        p = self.engine_model
+        n = len(running)
+        if self.stream or not running or n > p.max_num_batched_tokens:
+            return None
+        bs = p.block_size
+        if any(r.num_computed < r.prefill_len for r in running):
+            return None
+        waiting = self.waiting
+        watch = None           # a hash whose caching could let the head in: stop if it appears
+        if waiting and n < p.max_num_batched_tokens and n < p.max_num_seqs:
+            # The head must fail _try_admit's block tests at every step. Decoding only takes
+            # free blocks, and evicting a cached block of the head's prefix only adds to what
+            # the head needs (its blocks not referenced by a running request), so they keep
+            # failing while the head's cached prefix does not grow, i.e. until a step caches
+            # the next block of its prompt (`watch`).
+            head = waiting[0]
+            total, limit = -(-head.prefill_len // bs), min(len(head.block_hashes),
+                                                           (head.prefill_len - 1) // bs)
+            free = p.num_gpu_blocks - self.used
+            if free - (total - limit) >= self.watermark_blocks:
+                hits = self._prefix_hits(head) if p.enable_prefix_caching else 0
+                if free - (total - hits) >= self.watermark_blocks:
+                    revived = sum(map(self.evictable.__contains__, head.block_hashes[:hits]))
+                    if free - revived - (total - hits) >= self.watermark_blocks:
+                        return None
+                if p.enable_prefix_caching and hits < limit:
+                    watch = head.block_hashes[hits]
+        steps = min(max_steps, min(r.stop_at - r.num_output for r in running) - 1)
+        if steps <= 0:
+            return None
+        # Each request's block allocations and cache publications in these steps, in the order
+        # step() makes them: by step, allocations (scheduling) before publications (applying),
+        # each in running order.
+        allocations: list = []
+        events: list = []
+        for pos, r in enumerate(running):
+            seq_len, blocks = r.prompt_len + r.num_output, len(r.hashed) + r.private
+            j = max(0, blocks * bs - seq_len + 1)
+            while j < steps:
+                allocations.append((j, pos, r))
+                blocks += 1
+                j = max(j + 1, blocks * bs - seq_len + 1)
+            if p.enable_prefix_caching:
+                computed = r.num_computed
+                for j in range((-computed - 1) % bs, steps, bs):
+                    events.append((j, 1, pos, r, computed + j + 1))
+        allocations.sort(key=lambda e: (e[0], e[1]))
+        free = p.num_gpu_blocks - self.used
+        if len(allocations) > free:              # the step of the first one without a block
+            steps = allocations[free][0]         # preempts: stop before it
+            if steps <= 0:
+                return None
+            del allocations[free:]
+        events += [(j, 0, pos, r, 0) for j, pos, r in allocations if j < steps]
+        events.sort(key=lambda e: (e[0], e[1], e[2]))
+
+        start_computed = [r.num_computed for r in running]
+        context = sum(r.prompt_len + r.num_output for r in running)
+        prefill_tokens = 0
+        end = self.clock()
+        ends: list[float] = []
+        e, num_events = 0, len(events)
+        stopped = False
+        for j in range(steps):
+            duration = p.pipeline_stages * (p.stage_base_s
+                                            + p.stage_prefill_token_s * prefill_tokens
+                                            + p.stage_decode_seq_s * n
+                                            + p.stage_context_token_s * context)
+            end = end + duration
+            ends.append(end)
+            context += n
+            while e < num_events and events[e][0] == j:
+                _, kind, _, r, computed = events[e]
+                e += 1
+                if kind == 0:
+                    self._allocate(1)
+                    r.private += 1
+                else:
+                    r.num_computed = computed
+                    self._publish_blocks(r)
+                    if watch is not None and watch in self.refs:
+                        stopped = True
+            if stopped or stop(end):
+                steps = j + 1
+                break
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        first = ends[0]
+        for r, computed in zip(running, start_computed):
+            r.num_computed = computed + steps
+            r.num_output += steps
+            r.token_gaps.append(first - r.last_token_time)
+            r.token_gaps += gaps
+            r.last_token_time = end
+        self.generation_tokens += n * steps
+        self.version += steps
+        return steps, end
+
     def _finish(self, req: EngineRequest, reason: str, end: float) -> None:
         req.finished, req.finish_reason = True, reason
         self._free(req)
