@@ -39,10 +39,12 @@ def _copy_request(r: EngineRequest) -> EngineRequest:
 
 def copy_engine(engine: Engine, clock) -> Engine:
     """An independent copy of the engine's scheduling state (not its histograms or counters)."""
+    engine.sync()
     c = Engine.__new__(Engine)
     c.engine_model, c.clock = engine.engine_model, clock
     c.kv_events, c.output_token = None, engine.output_token      # a copy publishes nothing
-    c.stream = False                                              # and streams nothing
+    c.stream = c.decode_runs = False              # and streams nothing; plays runs at once
+    c._run = None
     requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
     c.requests = requests
     c.waiting = deque(requests[r.request_id] for r in engine.waiting)

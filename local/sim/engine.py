@@ -44,6 +44,7 @@ step would cross module boundaries for each block.
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 import zlib
 from collections import OrderedDict, deque
@@ -103,6 +104,27 @@ class StepResult(NamedTuple):
     num_prefill_tokens: int
     num_decode_seqs: int
     finished: list = []        # the requests (EngineRequest) this step finished, in output order
+
+
+class _DecodeRun:
+    """A planned stretch of decode steps (Engine._plan_decode_run) and how far it has got."""
+
+    __slots__ = ("requests", "n", "steps", "events", "next_event", "watch", "context",
+                 "start_computed", "ends", "applied", "synced")
+
+    def __init__(self, requests: list, steps: int, events: list, watch: Optional[int],
+                 context: int):
+        self.requests = requests             # the running requests, in order
+        self.n = len(requests)
+        self.steps = steps                   # planned length (cut short if `watch` appears)
+        self.events = events                 # (step, 0 allocate | 1 publish, position, request,
+        self.next_event = 0                  #  num_computed to publish at), in order
+        self.watch = watch
+        self.context = context               # tokens the next step attends to
+        self.start_computed = [r.num_computed for r in requests]
+        self.ends: list[float] = []          # each applied step's end time
+        self.applied = 0                     # steps applied to the blocks and the clock
+        self.synced = 0                      # steps applied to the requests' counters
 
 
 class BlockStored(NamedTuple):
@@ -201,15 +223,22 @@ class Engine:
     """`stream=True` (the HTTP server): every step returns one StepOutput per token produced and
     the engine keeps vLLM's latency histograms. `stream=False` (the lab, which reads neither):
     a step returns only the requests it finished (`StepResult.finished`), each with its tokens'
-    times (first_token_time, token_gaps, last_token_time): the same figures, fewer objects."""
+    times (first_token_time, token_gaps, last_token_time): the same figures, fewer objects.
+    `decode_runs=True` (not streaming only): stretches of pure decode steps are planned once
+    and their steps applied without a pass over the requests (see "stretches" below); the
+    requests' counters then lag until `sync()`, which a driver calls before reading them."""
 
     def __init__(self, engine_model: EngineModel, clock: Callable[[], float] = time.monotonic,
                  kv_events: bool = False,
                  output_token: Callable[[int, int], int] = default_output_token,
-                 stream: bool = True):
+                 stream: bool = True, decode_runs: bool = False):
+        if stream and decode_runs:
+            raise ValueError("decode_runs needs stream=False (a stretch streams no outputs)")
         self.engine_model = engine_model
         self.clock = clock
         self.stream = stream
+        self.decode_runs = decode_runs
+        self._run: Optional[_DecodeRun] = None   # the stretch of decode steps in progress
         self.kv_events: Optional[list] = [] if kv_events else None   # recorded, not yet taken
         self.output_token = output_token
         self.waiting: deque[EngineRequest] = deque()
@@ -261,6 +290,7 @@ class Engine:
                              f"{p.num_gpu_blocks}")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        self._end_run()
         if hashes is None:
             hashes = block_hashes(token_ids, p.block_size) if p.enable_prefix_caching else []
         stop = max_tokens if stop_at is None else max(1, min(stop_at, max_tokens))
@@ -273,9 +303,10 @@ class Engine:
         return req
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if request_id not in self.requests:
             return False
+        self._end_run()
+        req = self.requests.pop(request_id)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -469,6 +500,14 @@ class Engine:
 
     def step(self) -> Optional[StepResult]:
         """Run one iteration. None when there is nothing to run."""
+        run = self._run
+        if run is None and self.decode_runs:
+            run = self._run = self._plan_decode_run(sys.maxsize)
+        if run is not None:
+            duration, end = self._run_step(run, self.clock())
+            if run.applied >= run.steps:
+                self.sync()
+            return StepResult(duration, end, [], 0, run.n, [])
         running = self.running
         if not (running or self.waiting):
             return None
@@ -577,24 +616,66 @@ class Engine:
         self.version += 1
         return StepResult(duration, end, outputs, prefill_tokens, decode_seqs, finished)
 
+    # ----- stretches of pure decode steps ------------------------------------------------
+    #
+    # Most steps of a loaded engine only decode: the same running requests each add a token,
+    # nothing is admitted, nothing finishes. Such a stretch is planned once (_plan_decode_run):
+    # its length, and the few block allocations and cache publications its steps make, in the
+    # order step() would make them. Each of its steps then costs those events and the step time
+    # instead of a pass over every running request; the requests' token counts and times are
+    # brought up to date in one pass (sync) when the stretch ends or someone looks at them.
+
     def decode_run(self, max_steps: int,
                    stop: Callable[[float], bool]) -> Optional[tuple[int, float]]:
         """Up to `max_steps` steps at once, while each would be a decode step of the same running
-        requests that nothing interrupts: every running request decodes, none finishes, no block
-        runs out (no preemption) and the waiting queue's head cannot be admitted (even with all
-        of its blocks cached). The state afterwards, the step times and the block events are those
-        of that many step() calls, with the clock set to each step's end in turn. Stops after
-        the first step whose end time makes `stop(end)` true. Returns (steps run, end time of the
-        last), or None when the next step is not such a step. Only for a non-streaming engine
-        driven by nothing else meanwhile (the oracle's copies play an engine forward with it)."""
+        requests that nothing interrupts (see _plan_decode_run). The state afterwards, the step
+        times and the block events are those of that many step() calls, with the clock set to
+        each step's end in turn. Stops after the first step whose end time makes `stop(end)`
+        true. Returns (steps run, end time of the last), or None when the next step is not such
+        a step. For an engine driven by nothing else meanwhile (the oracle's copies)."""
+        if self.stream or self._run is not None:
+            return None
+        run = self._plan_decode_run(max_steps)
+        if run is None:
+            return None
+        end = self.clock()
+        while run.applied < run.steps:
+            end = self._run_step(run, end)[1]
+            if stop(end):
+                break
+        self._sync_run(run)
+        return run.applied, end
+
+    def sync(self) -> None:
+        """Bring the requests of the stretch of decode steps in progress (decode_runs=True) up to
+        the steps applied so far: read an engine's requests only after this."""
+        run = self._run
+        if run is not None:
+            self._sync_run(run)
+            if run.applied >= run.steps:
+                self._run = None
+
+    def _end_run(self) -> None:
+        """Someone changes the engine (a request added or aborted): the stretch stops after the
+        step applied last; the next step is planned anew."""
+        run = self._run
+        if run is not None:
+            self._sync_run(run)
+            self._run = None
+
+    def _plan_decode_run(self, max_steps: int) -> Optional[_DecodeRun]:
+        """The stretch of decode steps starting with the next step, None if it is not one: every
+        running request decodes, none finishes, no block runs out (no preemption) and the waiting
+        queue's head cannot be admitted."""
         running = self.running
         p = self.engine_model
         n = len(running)
-        if self.stream or not running or n > p.max_num_batched_tokens:
+        if not running or n > p.max_num_batched_tokens:
             return None
         bs = p.block_size
-        if any(r.num_computed < r.prefill_len for r in running):
-            return None
+        for r in running:
+            if r.num_computed < r.prefill_len:
+                return None
         waiting = self.waiting
         watch = None           # a hash whose caching could let the head in: stop if it appears
         if waiting and n < p.max_num_batched_tokens and n < p.max_num_seqs:
@@ -643,47 +724,51 @@ class Engine:
             del allocations[free:]
         events += [(j, 0, pos, r, 0) for j, pos, r in allocations if j < steps]
         events.sort(key=lambda e: (e[0], e[1], e[2]))
+        return _DecodeRun(list(running), steps, events, watch,
+                          sum(r.prompt_len + r.num_output for r in running))
 
-        start_computed = [r.num_computed for r in running]
-        context = sum(r.prompt_len + r.num_output for r in running)
-        prefill_tokens = 0
-        end = self.clock()
-        ends: list[float] = []
-        e, num_events = 0, len(events)
-        stopped = False
-        for j in range(steps):
-            duration = p.pipeline_stages * (p.stage_base_s
-                                            + p.stage_prefill_token_s * prefill_tokens
-                                            + p.stage_decode_seq_s * n
-                                            + p.stage_context_token_s * context)
-            end = end + duration
-            ends.append(end)
-            context += n
-            while e < num_events and events[e][0] == j:
-                _, kind, _, r, computed = events[e]
-                e += 1
-                if kind == 0:
-                    self._allocate(1)
-                    r.private += 1
-                else:
-                    r.num_computed = computed
-                    self._publish_blocks(r)
-                    if watch is not None and watch in self.refs:
-                        stopped = True
-            if stopped or stop(end):
-                steps = j + 1
-                break
-        gaps = [b - a for a, b in zip(ends, ends[1:])]
-        first = ends[0]
-        for r, computed in zip(running, start_computed):
-            r.num_computed = computed + steps
-            r.num_output += steps
+    def _run_step(self, run: _DecodeRun, start: float) -> tuple[float, float]:
+        """Apply the stretch's next step, starting at `start`: (duration, end time)."""
+        p = self.engine_model
+        j = run.applied
+        duration = p.pipeline_stages * (p.stage_base_s + p.stage_prefill_token_s * 0
+                                        + p.stage_decode_seq_s * run.n
+                                        + p.stage_context_token_s * run.context)
+        end = start + duration
+        events, e = run.events, run.next_event
+        while e < len(events) and events[e][0] == j:
+            _, kind, _, r, computed = events[e]
+            e += 1
+            if kind == 0:
+                self._allocate(1)
+                r.private += 1
+            else:
+                r.num_computed = computed
+                self._publish_blocks(r)
+                if run.watch is not None and run.watch in self.refs:
+                    run.steps = j + 1        # the head may be admitted at the next step
+        run.next_event = e
+        run.ends.append(end)
+        run.applied = j + 1
+        run.context += run.n
+        return duration, end
+
+    def _sync_run(self, run: _DecodeRun) -> None:
+        done, ends = run.synced, run.ends
+        applied = run.applied
+        if done == applied:
+            return
+        gaps = [ends[i] - ends[i - 1] for i in range(done + 1, applied)]
+        first, last = ends[done], ends[applied - 1]
+        for r, computed in zip(run.requests, run.start_computed):
+            r.num_computed = computed + applied
+            r.num_output += applied - done
             r.token_gaps.append(first - r.last_token_time)
             r.token_gaps += gaps
-            r.last_token_time = end
-        self.generation_tokens += n * steps
-        self.version += steps
-        return steps, end
+            r.last_token_time = last
+        self.generation_tokens += run.n * (applied - done)
+        self.version += applied - done
+        run.synced = applied
 
     def _finish(self, req: EngineRequest, reason: str, end: float) -> None:
         req.finished, req.finish_reason = True, reason
@@ -699,6 +784,7 @@ class Engine:
         return self.used / self.engine_model.num_gpu_blocks
 
     def stats(self) -> EngineStats:
+        self.sync()
         return EngineStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_usage(), num_gpu_blocks=self.engine_model.num_gpu_blocks,
