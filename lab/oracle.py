@@ -76,6 +76,15 @@ def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
                                     hashes=request.hashes)
     except ValueError:
         return math.inf
+    return play_to_first_token(engine, target, t, now, limit)
+
+
+def play_to_first_token(engine: Engine, target: EngineRequest, t: list, now: float,
+                        limit: float = math.inf) -> float:
+    """Step a copy (copy_engine, its clock reading t[0]) until `target`, one of its requests,
+    has its first token: seconds from now to that token, inf once the copy's time passes
+    now + limit, when the engine runs dry or after MAX_STEPS steps. A copy streams nothing:
+    the target's first_token_time says when its first token came."""
     past = lambda end: end - now > limit  # noqa: E731
     steps = 0
     while steps < MAX_STEPS:
@@ -159,13 +168,17 @@ def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
     if engine.waiting or len(engine.running) >= p.max_num_seqs:
         return False
     bs = p.block_size
-    hits = 0
-    if p.enable_prefix_caching:
-        limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
-        while hits < limit and request.hashes[hits] in engine.refs:
-            hits += 1
-    new_blocks = -(-len(request.token_ids) // bs) - hits
-    return p.num_gpu_blocks - engine.used - new_blocks >= engine.watermark_blocks
+    room = p.num_gpu_blocks - engine.used - engine.watermark_blocks   # blocks it may take
+    blocks = -(-len(request.token_ids) // bs)
+    if blocks <= room or not p.enable_prefix_caching:     # fits without any cache hit
+        return blocks <= room
+    limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
+    if blocks - limit > room:                             # not even with every block cached
+        return False
+    hits, refs, hashes = 0, engine.refs, request.hashes
+    while hits < limit and hashes[hits] in refs:
+        hits += 1
+    return blocks - hits <= room
 
 
 class LateOracle(Oracle):
