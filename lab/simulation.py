@@ -212,7 +212,7 @@ class Lab:
     def _arm_wake(self) -> None:
         if not self.held_since:
             return
-        t = self._policy().next_wakeup()
+        t = self.policy.next_wakeup()   # after every event: not synced (see Policy.next_wakeup)
         if t is not None and (self.wake_at is None or t < self.wake_at):
             self.wake_at = max(t, self.now)
             self._push(self.wake_at, _WAKE, self.wake_at)
