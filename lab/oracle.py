@@ -32,6 +32,7 @@ def _copy_request(r: EngineRequest) -> EngineRequest:
     for name in EngineRequest.__slots__:
         setattr(c, name, getattr(r, name))
     c.hashed = list(r.hashed)
+    c.own_hashes = False            # block_hashes is the original's list: extend a copy
     c.token_gaps = []               # the copy's own (its steps must not reach the original's)
     c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
     return c

@@ -152,7 +152,7 @@ def default_output_token(seed: int, index: int) -> int:
 
 class EngineRequest:
     __slots__ = ("request_id", "prompt_len", "token_ids", "output_seed", "block_hashes",
-                 "max_tokens", "stop_at",
+                 "own_hashes", "max_tokens", "stop_at",
                  "num_output", "num_computed", "prefill_len", "hashed", "private",
                  "registered", "arrival_time", "first_token_time", "last_token_time",
                  "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
@@ -164,9 +164,11 @@ class EngineRequest:
         self.prompt_len = prompt_len
         self.token_ids = token_ids          # the prompt's (not copied: never changed)
         self.output_seed = zlib.crc32(request_id.encode())
-        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. Never
-        # appended in place: the list may be the caller's (the lab reuses them across runs).
+        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. The
+        # list may be the caller's (the lab reuses them across runs): extended in place only
+        # once copied (own_hashes).
         self.block_hashes = block_hashes
+        self.own_hashes = False
         self.max_tokens = max_tokens
         self.stop_at = stop_at              # output length at which generation ends
         self.num_output = 0
@@ -452,11 +454,13 @@ class Engine:
             return
         hashes = req.block_hashes
         if full > len(hashes):             # blocks filled by generated tokens: hash them now
-            new, prev = [], hashes[-1] if hashes else 0
+            if not req.own_hashes:         # the caller's list: extend a copy of it
+                hashes = req.block_hashes = list(hashes)
+                req.own_hashes = True
+            prev = hashes[-1] if hashes else 0
             for k in range(len(hashes), full):
                 prev = hash((prev, *self._block_tokens(req, k))) & HASH_MASK
-                new.append(prev)
-            hashes = req.block_hashes = hashes + new
+                hashes.append(prev)
         refs, events = self.refs, self.kv_events
         stored: list = []                  # indexes of the blocks this call caches
         for k in range(req.registered, full):
