@@ -58,6 +58,45 @@ def test_oracle_prediction_is_exact_and_it_picks_the_fastest_group():
     assert sum(measured[by_id[rid]] == pytest.approx(chosen) for rid, chosen, _ in seen) >= 3
 
 
+def test_the_oracles_shortcuts_predict_what_plain_stepping_predicts():
+    """predicted_ttft skips groups by a lower bound and plays stretches of decode steps at once;
+    at every decision of a KV-starved run its prediction for every group equals stepping a copy
+    one step at a time (inf where the bound says the group cannot beat the best)."""
+    import math
+    from lab.oracle import copy_engine, ttft_lower_bound
+
+    def plain(ep, request, now):
+        t = [max(now, ep.step_end) if ep.busy else now]
+        engine = copy_engine(ep.engine, lambda: t[0])
+        target = engine.add_request(request.request_id, request.token_ids, request.max_tokens,
+                                    hashes=request.hashes)
+        while (result := engine.step()) is not None:
+            t[0] = result.end_time
+            if target.first_token_time is not None:
+                return t[0] - now
+        return math.inf
+
+    oracle, checked = Oracle(), []
+    pick = oracle.pick
+
+    def checking_pick(request):
+        now = oracle.clock()
+        exact = {ep.index: plain(ep, request, now) for ep in oracle.endpoints}
+        best = min(exact.values())
+        for ep in oracle.endpoints:
+            assert predicted_ttft(ep, request, now) == exact[ep.index]
+            assert ttft_lower_bound(ep, request, now) <= exact[ep.index]
+            bounded = predicted_ttft(ep, request, now, best)
+            assert bounded == exact[ep.index] or (bounded == math.inf and exact[ep.index] > best)
+        checked.append(max(t for t in exact.values() if t < math.inf))
+        return pick(request)
+    oracle.pick = checking_pick
+    starved = A10_QWQ32B.with_overrides(num_gpu_blocks=300)
+    run_lab(reqs("demo", n=40, seed=4), oracle,
+            LabConfig(num_engines=3, concurrency=20, engine_models=[starved] * 3))
+    assert len(checked) == 40 and max(checked) > 20.0     # long queues were played forward
+
+
 def test_oracle_beats_least_request_on_the_article_workload():
     requests = reqs("article", n=90, seed=0)
     cfg = LabConfig(concurrency=30, seed=0)

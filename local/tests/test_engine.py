@@ -218,3 +218,47 @@ def test_a_non_streaming_engine_gives_the_same_token_times_and_schedule():
         first, gaps, last, n = times[rid]
         assert (first, last, n) == (stamps[0], stamps[-1], len(stamps))
         assert gaps == [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stretches_of_decode_steps_change_nothing(seed):
+    """decode_runs=True plans stretches of pure decode steps and applies them without a pass over
+    the requests: every step's time, the finished requests, the KV events, the blocks and (once
+    synced) every request's counters and token times equal those of plain steps, with requests
+    arriving at random steps, shared prefixes, evictions and preemptions."""
+    import random
+    model = TINY.with_overrides(num_gpu_blocks=48, max_num_seqs=6, max_num_batched_tokens=24,
+                                max_model_len=96)
+    rng = random.Random(seed)
+    shared = tokens(5000, 16)
+    work = [(f"r{i}", (shared if rng.random() < 0.5 else []) + tokens(100 * i, rng.randint(1, 24)),
+             rng.randint(1, 60)) for i in range(30)]
+    arrive = sorted(rng.sample(range(400), len(work)))
+
+    def drive(runs):
+        clock = Clock()
+        engine = Engine(model, clock, kv_events=True, stream=False, decode_runs=runs)
+        trace, added, step, in_stretch = [], 0, 0, 0
+        while added < len(work) or engine.has_work():
+            while added < len(work) and arrive[added] <= step:
+                rid, ids, n = work[added]
+                engine.add_request(rid, ids, max_tokens=n)
+                added += 1
+            step += 1
+            result = engine.step()
+            if result is None:
+                continue
+            clock.t = result.end_time
+            in_stretch += engine._run is not None
+            engine.sync()
+            trace.append((result.duration_s, result.end_time, result.num_decode_seqs,
+                          [(r.request_id, r.first_token_time, list(r.token_gaps), r.num_output)
+                           for r in result.finished],
+                          engine.take_kv_events(), engine.used, len(engine.evictable),
+                          sorted((r.request_id, r.num_output, r.num_computed, r.last_token_time,
+                                  len(r.token_gaps)) for r in engine.running)))
+        return (trace, engine.stats(), engine.num_preemptions), in_stretch
+
+    (plain, none), (stretched, some) = drive(False), drive(True)
+    assert plain == stretched
+    assert none == 0 and some > 50      # many steps were stretch steps
