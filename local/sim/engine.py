@@ -350,7 +350,7 @@ class Engine:
         self.version += 1
         return True
 
-    def _block_tokens(self, req: EngineRequest, index: int) -> list:
+    def _block_tokens(self, req: EngineRequest, index: int) -> Sequence[int]:
         """Token ids of full block `index` of the request: prompt, then generated tokens."""
         bs = self.engine_model.block_size
         start, end = index * bs, (index + 1) * bs
@@ -359,6 +359,8 @@ class Engine:
         if end > prompt_len:
             first, stop = max(start, prompt_len) - prompt_len, end - prompt_len
             if self.output_token is default_output_token:
+                if start >= prompt_len:     # all generated: the (cached, immutable) tuple
+                    return filler_word_ids(req.output_seed, first, stop)
                 out += filler_word_ids(req.output_seed, first, stop)
             else:
                 seed, token = req.output_seed, self.output_token
@@ -508,7 +510,7 @@ class Engine:
         if run is None and self.decode_runs:
             run = self._run = self._plan_decode_run(sys.maxsize)
         if run is not None:
-            duration, end = self._run_step(run, self.clock())
+            duration, end = self._run_steps(run, self.clock())
             if run.applied >= run.steps:
                 self.sync()
             return StepResult(duration, end, [], 0, run.n, [])
@@ -642,11 +644,7 @@ class Engine:
         run = self._plan_decode_run(max_steps)
         if run is None:
             return None
-        end = self.clock()
-        while run.applied < run.steps:
-            end = self._run_step(run, end)[1]
-            if stop(end):
-                break
+        end = self._run_steps(run, self.clock(), max_steps, stop)[1]
         self._sync_run(run)
         return run.applied, end
 
@@ -731,30 +729,41 @@ class Engine:
         return _DecodeRun(list(running), steps, events, watch,
                           sum(r.prompt_len + r.num_output for r in running))
 
-    def _run_step(self, run: _DecodeRun, start: float) -> tuple[float, float]:
-        """Apply the stretch's next step, starting at `start`: (duration, end time)."""
+    def _run_steps(self, run: _DecodeRun, start: float, count: int = 1,
+                   stop: Optional[Callable[[float], bool]] = None) -> tuple[float, float]:
+        """Apply up to `count` of the stretch's next steps, the first starting at `start` and each
+        at the previous one's end; stop after a step whose end makes `stop(end)` true. Returns
+        the last step's (duration, end time)."""
         p = self.engine_model
-        j = run.applied
-        duration = p.pipeline_stages * (p.stage_base_s + p.stage_prefill_token_s * 0
-                                        + p.stage_decode_seq_s * run.n
-                                        + p.stage_context_token_s * run.context)
-        end = start + duration
-        events, e = run.events, run.next_event
-        while e < len(events) and events[e][0] == j:
-            _, kind, _, r, computed = events[e]
-            e += 1
-            if kind == 0:
-                self._allocate(1)
-                r.private += 1
-            else:
-                r.num_computed = computed
-                self._publish_blocks(r)
-                if run.watch is not None and run.watch in self.refs:
-                    run.steps = j + 1        # the head may be admitted at the next step
+        # step()'s duration formula with the prefill and decode terms, fixed within the stretch,
+        # added in its order once: the same sums.
+        stages, context_s, n = p.pipeline_stages, p.stage_context_token_s, run.n
+        fixed = p.stage_base_s + p.stage_prefill_token_s * 0 + p.stage_decode_seq_s * n
+        events, e, ends = run.events, run.next_event, run.ends
+        num_events, refs, watch = len(events), self.refs, run.watch
+        j, end, duration = run.applied, start, 0.0
+        last = min(run.steps, j + count)
+        while j < last:
+            duration = stages * (fixed + context_s * run.context)
+            end = end + duration
+            while e < num_events and events[e][0] == j:
+                _, kind, _, r, computed = events[e]
+                e += 1
+                if kind == 0:
+                    self._allocate(1)
+                    r.private += 1
+                else:
+                    r.num_computed = computed
+                    self._publish_blocks(r)
+                    if watch is not None and watch in refs:
+                        run.steps = last = j + 1    # the head may be admitted at the next step
+            ends.append(end)
+            run.context += n
+            j += 1
+            if stop is not None and stop(end):
+                break
         run.next_event = e
-        run.ends.append(end)
-        run.applied = j + 1
-        run.context += run.n
+        run.applied = j
         return duration, end
 
     def _sync_run(self, run: _DecodeRun) -> None:

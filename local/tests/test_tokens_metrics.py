@@ -78,3 +78,15 @@ def test_gauge_pages_from_the_template_equal_prometheus_client_renders():
         for running, waiting, kv in values:
             assert render_gauges(model, running, waiting, kv, config) == \
                 render_gauges_slow(model, running, waiting, kv, config)
+
+
+def test_filler_word_ids_are_the_ids_of_the_words_the_server_streams():
+    import random
+    from local.sim.tokens import filler_word, filler_word_id, filler_word_ids, word_id
+    rng = random.Random(1)
+    for _ in range(2000):
+        seed, start = rng.getrandbits(32), rng.randrange(50_000)
+        stop = start + rng.randrange(40)
+        want = [word_id(filler_word(seed, i)) for i in range(start, stop)]
+        assert list(filler_word_ids(seed, start, stop)) == want
+        assert [filler_word_id(seed, i) for i in range(start, stop)] == want
