@@ -106,6 +106,11 @@ class StepResult(NamedTuple):
     finished: list = []        # the requests (EngineRequest) this step finished, in output order
 
 
+# A stretch's block events as ints: step << _STEP_SHIFT | _PUBLISH (else an allocation) | the
+# request's position among the running ones (fewer than max_num_batched_tokens).
+_STEP_SHIFT, _PUBLISH, _POSITION = 33, 1 << 32, (1 << 32) - 1
+
+
 class _DecodeRun:
     """A planned stretch of decode steps (Engine._plan_decode_run) and how far it has got."""
 
@@ -117,8 +122,8 @@ class _DecodeRun:
         self.requests = requests             # the running requests, in order
         self.n = len(requests)
         self.steps = steps                   # planned length (cut short if `watch` appears)
-        self.events = events                 # (step, 0 allocate | 1 publish, position, request,
-        self.next_event = 0                  #  num_computed to publish at), in order
+        self.events = events                 # step << _STEP_SHIFT | _PUBLISH or not | position,
+        self.next_event = 0                  # sorted
         self.watch = watch
         self.context = context               # tokens the next step attends to
         self.start_computed = [r.num_computed for r in requests]
@@ -704,28 +709,28 @@ class Engine:
         # Each request's block allocations and cache publications in these steps, in the order
         # step() makes them: by step, allocations (scheduling) before publications (applying),
         # each in running order.
+        # Events are ints that sort in that order: step << _STEP_SHIFT | kind | position.
         allocations: list = []
-        events: list = []
+        publications: list = []
         for pos, r in enumerate(running):
             seq_len, blocks = r.prompt_len + r.num_output, len(r.hashed) + r.private
             j = max(0, blocks * bs - seq_len + 1)
             while j < steps:
-                allocations.append((j, pos, r))
+                allocations.append(j << _STEP_SHIFT | pos)
                 blocks += 1
                 j = max(j + 1, blocks * bs - seq_len + 1)
             if p.enable_prefix_caching:
-                computed = r.num_computed
-                for j in range((-computed - 1) % bs, steps, bs):
-                    events.append((j, 1, pos, r, computed + j + 1))
-        allocations.sort(key=lambda e: (e[0], e[1]))
+                publications += [j << _STEP_SHIFT | _PUBLISH | pos
+                                 for j in range((-r.num_computed - 1) % bs, steps, bs)]
+        allocations.sort()
         free = p.num_gpu_blocks - self.used
         if len(allocations) > free:              # the step of the first one without a block
-            steps = allocations[free][0]         # preempts: stop before it
+            steps = allocations[free] >> _STEP_SHIFT     # preempts: stop before it
             if steps <= 0:
                 return None
             del allocations[free:]
-        events += [(j, 0, pos, r, 0) for j, pos, r in allocations if j < steps]
-        events.sort(key=lambda e: (e[0], e[1], e[2]))
+        events = allocations + publications
+        events.sort()
         return _DecodeRun(list(running), steps, events, watch,
                           sum(r.prompt_len + r.num_output for r in running))
 
@@ -741,22 +746,25 @@ class Engine:
         fixed = p.stage_base_s + p.stage_prefill_token_s * 0 + p.stage_decode_seq_s * n
         events, e, ends = run.events, run.next_event, run.ends
         num_events, refs, watch = len(events), self.refs, run.watch
+        requests, start_computed = run.requests, run.start_computed
         j, end, duration = run.applied, start, 0.0
         last = min(run.steps, j + count)
         while j < last:
             duration = stages * (fixed + context_s * run.context)
             end = end + duration
-            while e < num_events and events[e][0] == j:
-                _, kind, _, r, computed = events[e]
+            while e < num_events and events[e] >> _STEP_SHIFT == j:
+                event = events[e]
                 e += 1
-                if kind == 0:
-                    self._allocate(1)
-                    r.private += 1
-                else:
-                    r.num_computed = computed
+                pos = event & _POSITION
+                r = requests[pos]
+                if event & _PUBLISH:
+                    r.num_computed = start_computed[pos] + j + 1
                     self._publish_blocks(r)
                     if watch is not None and watch in refs:
                         run.steps = last = j + 1    # the head may be admitted at the next step
+                else:
+                    self._allocate(1)
+                    r.private += 1
             ends.append(end)
             run.context += n
             j += 1
