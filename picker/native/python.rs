@@ -217,6 +217,12 @@ impl Server {
         self.shared.budget.streams.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Calls in progress (counted against max_concurrent_rpcs, before their first message too).
+    #[getter]
+    fn calls(&self) -> usize {
+        self.shared.rpcs.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Body bytes buffered now beyond each stream's own first small_body_bytes.
     #[getter]
     fn buffered(&self) -> usize {

@@ -54,6 +54,11 @@ class NativeBudget:
     def buffered(self) -> int:
         return self._server.buffered
 
+    @property
+    def calls(self) -> int:
+        """gRPC calls in progress, also those still waiting for their first message."""
+        return self._server.calls
+
 
 class NativeExtProc:
     """The compiled ext_proc server on `host:port` (0: any free port) and its event-loop side."""
