@@ -434,8 +434,9 @@ def main() -> None:
     p.add_argument("--modes", default="buffered,full-duplex", help="request body modes to run")
     p.add_argument("--servers", default="native,python",
                    help="ext_proc servers to run side by side (each configuration on each, in turn)")
-    p.add_argument("--parts", default="inprocess,grpc,long,scrape",
-                   help="what to run: inprocess, grpc, long (32k/100k-token prompts), scrape")
+    p.add_argument("--parts", default="inprocess,grpc,profile,long,scrape",
+                   help="what to run: inprocess, grpc, profile (perf: where the server's CPU goes), "
+                        "long (32k/100k-token prompts), scrape")
     p.add_argument("--rates", default="250,500,750,1000",
                    help="open-loop new streams per second (list)")
     p.add_argument("--hold", type=float, default=0.064,
@@ -486,6 +487,12 @@ def main() -> None:
                                        a.response_phase, a.repeat, server)
                         results["grpc"].append(r)
                         print("  " + _grpc_line(r))
+    if "profile" in parts:
+        from bench.picker import profile
+        with tempfile.TemporaryDirectory() as tmp:
+            bodies = os.path.join(tmp, "bodies.jsonl")
+            _write_bodies(bodies)
+            results["profile"] = profile.run(servers, a.seconds, bodies)
     if "long" in parts:
         from bench.picker import longprompt
         results["long"] = longprompt.run(servers, a.seconds, print)

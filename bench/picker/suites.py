@@ -72,6 +72,7 @@ def service_report(d: dict) -> list[str]:
                          "p99 <= 5 ms at every rate up to", "errors"], rows)
         out += _side_by_side(grpc)
     out += _picker_target(grpc)
+    out += _profile_report(r.get("profile"))
     out += _long_report(r.get("long"))
     out += _upstream(grpc)
     s = r.get("scrape")
@@ -143,6 +144,25 @@ def _picker_target(grpc: list[dict]) -> list[str]:
     if lines:
         out += ["", "Targets of the compiled transport against the Python server (same run):", "", *lines]
     return out
+
+
+def _profile_report(prof: list[dict] | None) -> list[str]:
+    """Where each server's CPU per decision goes: perf samples by shared object and by thread."""
+    if not prof:
+        return []
+    buckets = list(dict.fromkeys(k for p in prof for k in p["by_dso_ms"]))
+    threads = list(dict.fromkeys(k for p in prof for k in p["by_thread_ms"]))
+    rows = [[_label(p), SERVER_LABEL.get(p["server"], p["server"]), num(p["decisions_per_s"]),
+             f"{p['server_cpu_ms_per_request']:.3f}",
+             *(f"{p['by_dso_ms'].get(b, 0):.3f}" for b in buckets),
+             " / ".join(f"{p['by_thread_ms'].get(t, 0):.3f}" for t in threads)] for p in prof]
+    return ["", "Where the server's CPU goes (`--parts profile`, bench/picker/profile.py): `perf record -e "
+                "cpu-clock` on the server process (every thread) during a closed loop (buffered, 64 streams), "
+                "each sample counted in the shared object it was taken in; shares x the run's CPU per decision "
+                "= ms of CPU per decision. The kernel's share is syscalls, loopback TCP and the wake-ups "
+                "between threads (in this VM, time around a context switch is sampled as kernel time).", ""] + \
+        md_table(["profile", "server", "decisions/s", "CPU ms/decision", *buckets,
+                  "by thread: " + " / ".join(threads)], rows)
 
 
 def _long_report(long: dict | None) -> list[str]:
