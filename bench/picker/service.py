@@ -425,6 +425,10 @@ def _write_bodies(path: str, count: int = 200) -> None:
             f.write(_request_body(rng) + b"\n")
 
 
+# The pod comparison: today's deployment (base/picker: 2 workers) on the Python server first.
+POD_CONFIGS = [("python", 2), ("native", 1), ("native", 2)]
+
+
 def main() -> None:
     from picker.defaults import SCRAPE_INTERVAL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -434,9 +438,10 @@ def main() -> None:
     p.add_argument("--modes", default="buffered,full-duplex", help="request body modes to run")
     p.add_argument("--servers", default="native,python",
                    help="ext_proc servers to run side by side (each configuration on each, in turn)")
-    p.add_argument("--parts", default="inprocess,grpc,profile,long,scrape",
-                   help="what to run: inprocess, grpc, profile (perf: where the server's CPU goes), "
-                        "long (32k/100k-token prompts), scrape")
+    p.add_argument("--parts", default="inprocess,grpc,profile,pod,long,scrape",
+                   help="what to run: inprocess, grpc, profile (perf: where the server's CPU goes), pod "
+                        "(python -m picker --workers N, the deployed process tree), long (32k/100k-token "
+                        "prompts), scrape")
     p.add_argument("--rates", default="250,500,750,1000",
                    help="open-loop new streams per second (list)")
     p.add_argument("--hold", type=float, default=0.064,
@@ -493,6 +498,20 @@ def main() -> None:
             bodies = os.path.join(tmp, "bodies.jsonl")
             _write_bodies(bodies)
             results["profile"] = profile.run(servers, a.seconds, bodies)
+    if "pod" in parts:
+        from bench.picker.scale import workers_bench
+        print("\none picker pod (python -m picker --workers N, signals process included), 16 endpoints, "
+              "64 streams closed loop over 4 connections, buffered:")
+        with tempfile.TemporaryDirectory() as tmp:
+            bodies = os.path.join(tmp, "bodies.jsonl")
+            _write_bodies(bodies)
+            configs = [(s, w) for s, w in POD_CONFIGS if s in servers]
+            results["pod"] = workers_bench(16, configs, a.seconds, a.repeat, bodies)
+        for r in results["pod"]:
+            print(f"  {r['server']:>6} x{r['workers']}: {r['decisions_per_s']:6.0f}/s "
+                  f"{[round(x['decisions_per_s']) for x in r['repeats']]}, p50 {r['p50_ms'] or 0:.1f} "
+                  f"p99 {r['p99_ms'] or 0:.1f} ms, {r['server_cpu_cores']:.2f} cores, "
+                  f"{r['server_cpu_ms_per_request']:.2f} ms CPU/decision")
     if "long" in parts:
         from bench.picker import longprompt
         results["long"] = longprompt.run(servers, a.seconds, print)

@@ -73,6 +73,7 @@ def service_report(d: dict) -> list[str]:
         out += _side_by_side(grpc)
     out += _picker_target(grpc)
     out += _profile_report(r.get("profile"))
+    out += _pod_report(r.get("pod"))
     out += _long_report(r.get("long"))
     out += _upstream(grpc)
     s = r.get("scrape")
@@ -143,6 +144,36 @@ def _picker_target(grpc: list[dict]) -> list[str]:
                          f"{cn:.2f} against {cp:.2f} ms ({cn / cp:.2f}), {yes(cn <= bound * cp)}.")
     if lines:
         out += ["", "Targets of the compiled transport against the Python server (same run):", "", *lines]
+    return out
+
+
+def _pod_report(pod: list[dict] | None) -> list[str]:
+    """One pod on 2 cores: `python -m picker --workers N` (the signals process included), each
+    server, against today's deployment (the Python server, 2 workers); the Go picker's latency."""
+    if not pod:
+        return []
+    today = next((x for x in pod if x.get("server") == "python" and x["workers"] == 2), None)
+    rows = [[f"{SERVER_LABEL.get(x['server'], x['server'])} server, {x['workers']} worker{'s' if x['workers'] > 1 else ''}",
+             f"{num(x['decisions_per_s'])} [{' '.join(num(v['decisions_per_s']) for v in x['repeats'])}]",
+             _ratio(x["decisions_per_s"], today and today["decisions_per_s"]),
+             f"{num(x['p50_ms'], 1)} / {num(x['p99_ms'], 1)}", f"{x['server_cpu_cores']:.2f}",
+             f"{x['server_cpu_ms_per_request']:.2f}"] for x in pod]
+    out = ["", "One picker pod (`python -m picker --workers N`, static discovery, 16 fake vLLM endpoints "
+               "really scraped by the signals process; 64 streams closed loop over 4 connections, buffered; "
+               "CPU of the whole process tree; the load client shares the 2 cores):", ""]
+    out += md_table(["pod", "decisions/s [repeats]", "vs today's (Python, 2 workers)", "p50 / p99 ms",
+                     "server cores", "server CPU ms/decision"], rows)
+    best = max((x for x in pod if x.get("server") == "native"), key=lambda x: x["decisions_per_s"], default=None)
+    if best and today:
+        g = GO_MEASURED
+        ratio = best["decisions_per_s"] / today["decisions_per_s"]
+        out += ["", f"- target: one pod at least 2x today's decisions/s: {ratio:.2f}x "
+                    f"({best['workers']} worker{'s' if best['workers'] > 1 else ''}), {'met' if ratio >= 2 else 'not met'};",
+                f"- target: round trip p50 / p99 at or below the Go picker's ({g['p50_ms'][0]}-{g['p50_ms'][1]} / "
+                f"{g['p99_ms'][0]}-{g['p99_ms'][1]} ms at 64 streams, {g['decisions_per_s'][0]:,}-"
+                f"{g['decisions_per_s'][1]:,}/s): {num(best['p50_ms'], 1)} / {num(best['p99_ms'], 1)} ms at "
+                f"{num(best['decisions_per_s'])}/s, "
+                f"{'met' if best['p50_ms'] <= g['p50_ms'][1] and best['p99_ms'] <= g['p99_ms'][1] else 'not met'}."]
     return out
 
 
@@ -313,7 +344,7 @@ def scale_report(d: dict) -> list[str]:
                     "CPU of the whole process tree: workers and the signals process):", ""]
         out += md_table(["workers", "decisions/s [repeats]", "vs 1 worker", "p99 ms", "server cores",
                        "server CPU ms/decision"],
-                      [[x["workers"], f"{num(x['decisions_per_s'])} [{' '.join(num(v['decisions_per_s']) for v in x['repeats'])}]",
+                      [[f"{x['workers']} ({SERVER_LABEL.get(x.get('server', 'python'))} server)", f"{num(x['decisions_per_s'])} [{' '.join(num(v['decisions_per_s']) for v in x['repeats'])}]",
                         f"x{x['speedup_vs_first']:.2f}", num(x["p99_ms"], 1), f"{x['server_cpu_cores']:.2f}",
                         f"{x['server_cpu_ms_per_request']:.2f}"] for x in wk])
     return out

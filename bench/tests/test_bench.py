@@ -155,6 +155,16 @@ def test_picker_section_sets_the_two_servers_side_by_side_and_states_their_targe
     assert "- target, Python server: a 100k-token prompt at most 3x the CPU of a 1k-token one: 5.0x, not met." in text
     assert "Target at 16 endpoints (buffered), compiled server:" in text
     assert "Go endpoint picker" in text and "1,725-2,234 decisions/s" in text
+    pod = lambda server, w, per_s, p50, p99: {"server": server, "workers": w, "decisions_per_s": per_s,  # noqa: E731
+                                              "p50_ms": p50, "p99_ms": p99, "server_cpu_cores": 1.5,
+                                              "server_cpu_ms_per_request": 0.5,
+                                              "repeats": [{"decisions_per_s": per_s}]}
+    d["result"]["pod"] = [pod("python", 2, 800, 80.0, 120.0), pod("native", 1, 2000, 30.0, 50.0),
+                          pod("native", 2, 2600, 24.0, 45.0)]
+    text = "\n".join(BY_NAME["picker"].section(d))
+    assert "| compiled server, 2 workers | 2,600 [2,600] | 3.25 | 24.0 / 45.0 | 1.50 | 0.50 |" in text
+    assert "- target: one pod at least 2x today's decisions/s: 3.25x (2 workers), met;" in text
+    assert "24.0 / 45.0 ms at 2,600/s, not met." in text  # p50 above the Go picker's 19 ms
 
 
 def test_demo_section_shows_both_listeners_cpu_and_envoy_counters():
