@@ -413,21 +413,26 @@ def test_a_busier_client_in_a_pool_with_room_is_not_held():
     assert not any(isinstance(o, Held) for o in outcomes)       # ...and never held
 
 
-@pytest.mark.parametrize("heavy", [3, 4])
-def test_the_reserve_is_kept_only_while_the_queue_exceeds_what_the_pool_can_start(heavy):
-    router, flow, clock, _ = flow_router(waiting=3)
-    flow.submit(info(prompt=big("light"), client="light"), lambda o: None)
-    held = [flow.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o: None) for i in range(heavy)]
-    clock.t += 0.1
-    scrape_all(router, clock, waiting=0, kv=0.75)   # room for 4 requests of this size
-    if heavy == 3:   # everything held fits: not saturated, no reserve, all of it goes
-        assert flow.pump() == 4
-    else:            # one more than fits: the light request goes, the heavy client leaves the reserve
-        assert flow.pump() == 1 and all(h.queued for h in held)
-        clock.t += 0.1
-        scrape_all(router, clock, waiting=0, kv=0.6)   # room for 3 each: the backlog fits
-        assert flow.pump() == 4
-    assert not any(h.queued for h in held)
+def test_the_reserve_is_kept_for_an_activity_window_after_a_request_found_no_room():
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=300.0)   # room, not beyond the reserve
+    submit = lambda client, i: flow.submit(info(prompt=f"{client} {i}", client=client), lambda o: None)
+    submit("reasoning", 0)
+    assert not isinstance(submit("chat", 0), Held) and not isinstance(submit("chat", 1), Held)
+    scrape_all(router, clock, waiting=2)            # no room anywhere: the pool is saturated
+    blocked = submit("chat", 2)
+    assert isinstance(blocked, Held)
+    clock.t += 1.0
+    scrape_all(router, clock, waiting=0, kv=0.75)   # room again, not beyond the reserve
+    assert flow.pump() == 0 and blocked.queued      # the busier client leaves the reserve...
+    assert not submit("reasoning", 1).queued        # ...that the other one takes
+    clock.t += 99.0
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    later = [submit("chat", 3), submit("chat", 4)]
+    assert not submit("reasoning", 2).queued and all(h.queued for h in later)
+    clock.t += 21.0                                 # nothing found no room for an activity window
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    assert flow.arrivals.must_hold_back(clock(), 0, "chat")   # still the busier client, but
+    assert flow.pump() == 3 and not blocked.queued            # the reserve is not kept any more
 
 
 def test_lower_band_leaves_the_reserve_while_a_higher_band_is_active():
@@ -525,10 +530,15 @@ def test_a_prefix_below_the_affinity_threshold_goes_to_the_endpoint_with_room():
     assert not isinstance(d, Held) and d.endpoint == other
 
 
-def test_a_request_that_holds_back_leaves_an_affine_endpoint_without_room_alone(monkeypatch):
+def test_a_request_that_holds_back_leaves_an_affine_endpoint_without_room_alone():
     flow, prompt, _, other = affinity_setup(affinity_tokens=1024)
-    flow.arrivals.add(flow.router.clock(), 10, "")     # a higher band is active: hold back
-    monkeypatch.setattr(flow, "_saturated", lambda ctx, candidates: True)   # in a saturated pool
+    router, clock = flow.router, flow.router.clock
+    router.on_scrape_ok(other, metrics_text(waiting=2, kv=0.5), clock())
+    blocked = flow.submit(info(prompt="no room anywhere"), lambda o: None)   # the pool is saturated
+    assert isinstance(blocked, Held)
+    flow.cancel(blocked)
+    router.on_scrape_ok(other, metrics_text(waiting=0, kv=0.1), clock())
+    flow.arrivals.add(clock(), 10, "")              # a higher band is active: hold back
     d = flow.submit(info(prompt=prompt + " question"), lambda o: None)
     assert not isinstance(d, Held) and d.endpoint == other
 

@@ -4,6 +4,9 @@ The controller asks it whether a request must leave room for others (room.py, ho
 - a higher priority band had arrivals in the window (its next request should find a free slot);
 - or the request's client sent more than its share of its band's arrivals in the window
   (share = 1 / clients seen in the band), so a light client next to a heavy one finds a slot.
+The controller keeps that reserve only while the pool is saturated (controller.py): a client
+that merely sends more requests, in a pool with room, is not held. Arrivals are counted in
+requests: what a request will cost (its answer's length) is unknown when it arrives.
 A single client of a single band never holds back: without competition nothing changes. It is
 also the one case where sending a request to an engine's queue at its age bound costs nobody
 their order (`alone`): the engine's FIFO serves it as the picker's queue would.

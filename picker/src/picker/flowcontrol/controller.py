@@ -17,9 +17,10 @@ worker, whose fresh signals come back within it; dispatching the whole queue the
 order and its reserves), and not held after that (the signals are lost; the scorers already rank
 stale endpoints last).
 
-Holdback (activity.py, room.py): while the pool is saturated (the queue holds more requests than
-the endpoints can start now), a request of a lower band while a higher band is active, or of a
-client over its share of its band, needs a reserve free beyond its own need. When the head of
+Holdback (activity.py, room.py): while the pool is saturated (a request found no endpoint with
+room, even without a reserve, within the activity window), a request of a lower band while a
+higher band is active, or of a client over its share of its band, needs a reserve free beyond
+its own need. When the head of
 the queue waits for that reserve, the first other waiting request that may use it goes instead
 (a light client's or a higher band's), so the reserve is what they find. Below saturation no
 reserve is kept: every request starts as it comes, whoever sends more.
@@ -34,7 +35,7 @@ from picker.core import Decision, RequestInfo, Router
 from picker.errors import PickerError
 from picker.flowcontrol.activity import RecentArrivals
 from picker.flowcontrol.queue import DEFAULT_CLIENT, FlowQueue, Held, QueueLimits
-from picker.flowcontrol.room import RoomRule, affine_without_room, has_room, startable
+from picker.flowcontrol.room import RoomRule, affine_without_room, has_room
 from picker.scheduling.context import SchedulingContext
 from picker.signals.state import EndpointState
 
@@ -88,26 +89,37 @@ class FlowControl:
         self._published: dict[int, int] = {}
         self._closing = False   # release_all ran: nothing is held any more
         self._stale_until: float | None = None   # holding on stale signals ends then
+        self._saturated_at: float | None = None  # the last time a request found no room at all
 
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
         if self._closing:
             return candidates
         rule = self.settings.room
-        holdback = self._holdback and self._saturated(ctx, candidates)
-        room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
+        room = [e for e in candidates if has_room(e, ctx, rule)]
+        now = self.router.clock()
+        if not room and any(e.metrics is not None and not e.stale and not e.failing for e in candidates):
+            self._saturated_at = now   # no room even without a reserve: the pool is saturated
+        if room and self._holdback and self._saturated(now):
+            room = [e for e in room if has_room(e, ctx, rule, holdback=True)]
+            if not room:
+                raise Hold()
+            return room
         if room:
-            return room if holdback else room + affine_without_room(ctx, candidates, room, rule)
+            return room + affine_without_room(ctx, candidates, room, rule)
         if all(e.stale or e.metrics is None for e in candidates) and not self._stale_briefly(candidates):
             return candidates  # signals lost: hold nothing
         raise Hold()
 
-    def _saturated(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> bool:
-        """The queue holds more requests than the candidates can start now without a reserve.
-        Below that every held request could go at once, so the pool is not saturated: a reserve
-        would only delay the busier client (or the lower band) and nobody would gain from it.
-        The reserve's own holds cannot make the pool look saturated: while the queue fits in
-        the room it is not kept."""
-        return len(self.queue) > startable(ctx, candidates, self.settings.room)
+    def _saturated(self, now: float) -> bool:
+        """A request found no endpoint with room, even without a reserve, within the activity
+        window. Only then is the reserve kept: below saturation every request starts as it
+        comes, and holding the busier client (or the lower band) for a reserve would delay it
+        while nobody gains. The reserve's own holds cannot make the pool look saturated (they
+        wait where there is room without the reserve); lifting it when the window passes without
+        such a request lets a heavy backlog fill the pool, and the first request that then finds
+        no room brings it back."""
+        at = self._saturated_at
+        return at is not None and now - at < self.settings.activity_window
 
     def _stale_briefly(self, candidates: list[EndpointState]) -> bool:
         """The newest candidate metrics are less than `stale_hold` past the staleness bound."""

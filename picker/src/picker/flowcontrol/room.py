@@ -16,10 +16,9 @@ Holdback (`holdback=True`, decided by the controller): a request that must leave
 (a lower priority band while a higher one is active, or a client over its share of its band)
 while the pool is saturated needs `holdback_fraction` of the endpoint's KV capacity free beyond
 its own need. In a saturated pool a slot frees only when a running request ends; without a
-reserve the backlog of the heavy client or the low band takes every slot the moment it frees, and
-a light or high-priority request waits for the next end however the queue is ordered.
-`startable` is how many requests the candidates can start now: the controller calls the pool
-saturated when its queue holds more than that.
+reserve the backlog of the heavy client or the low band takes every slot the moment it frees,
+and a light or high-priority request waits for the next end however the queue is ordered. The
+endpoints with room for a request that holds back are a subset of those with room without it.
 
 Prefix affinity (`affine_without_room`): while some endpoint has room, an endpoint without room
 whose cache holds `affinity_tokens` more of the prompt than any endpoint with room stays a
@@ -57,34 +56,11 @@ def has_room(e: EndpointState, ctx: SchedulingContext, rule: RoomRule, holdback:
     reserve = rule.holdback_fraction if holdback else 0.0
     if not capacity:
         return m.kv_usage < rule.kv_usage_without_capacity - reserve
-    free, need = _free_and_need(e, ctx, rule)
+    free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
+    need = ctx.prompt_tokens - ctx.cached_tokens(e.address) + rule.output_reserve_tokens
     if holdback:
         return need + reserve * capacity <= free
     return need <= free or (m.running == 0 and e.since_scrape == 0)  # an idle engine takes anything
-
-
-def startable(ctx: SchedulingContext, candidates: list[EndpointState], rule: RoomRule) -> int:
-    """How many requests of this one's size the candidates can start now without a reserve: per
-    endpoint with room, its free KV tokens over the request's need (at least one); one per
-    endpoint with room when the metrics do not give the KV capacity."""
-    n = 0
-    for e in candidates:
-        if not has_room(e, ctx, rule):
-            continue
-        if not e.metrics.kv_capacity_tokens:
-            n += 1
-            continue
-        free, need = _free_and_need(e, ctx, rule)
-        n += max(1, int(free // max(need, 1)))
-    return n
-
-
-def _free_and_need(e: EndpointState, ctx: SchedulingContext, rule: RoomRule) -> tuple[float, int]:
-    """The endpoint's free KV tokens (minus what was sent there since the scrape) and the
-    request's need there (its uncached prompt plus the output reserve)."""
-    m = e.metrics
-    free = (1.0 - m.kv_usage) * m.kv_capacity_tokens - e.since_scrape_tokens
-    return free, ctx.prompt_tokens - ctx.cached_tokens(e.address) + rule.output_reserve_tokens
 
 
 def affine_without_room(ctx: SchedulingContext, candidates: list[EndpointState],
