@@ -63,7 +63,7 @@ MIXES = [
     Mix("2 clients, reasoning busier, open", REASONING_BUSIER, "open", 0.7, False),
     Mix("2 clients, one loop, saturated", CHAT_REASONING, "one loop", 56, True),
     Mix("3 clients, own loops, saturated", THREE, "own loops", 56, True),
-    Mix("3 clients, open, saturated", THREE, "open", 1.2, True),
+    Mix("3 clients, open, saturated", THREE, "open", 2.0, True),
 ]
 
 
