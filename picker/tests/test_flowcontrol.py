@@ -388,14 +388,14 @@ def test_light_client_takes_the_room_a_heavy_one_must_leave():
     router, flow, clock, _ = flow_router(waiting=3)
     served = []
     for i in range(5):
-        flow.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o, i=i: served.append(f"h{i}"))
-    flow.submit(info(prompt=big("light"), client="light"), lambda o: served.append("light"))
+        flow.submit(info(prompt=f"heavy {i}", client="heavy"), lambda o, i=i: served.append(f"h{i}"))
+    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
     clock.t += 0.1
-    scrape_all(router, clock, waiting=0, kv=0.75)   # room for 4 requests, none beyond the reserve:
-    flow.pump()                                     # 6 held, the pool is saturated
+    scrape_all(router, clock, waiting=0, kv=0.75)   # room for a request, not beyond the reserve
+    flow.pump()
     assert served == ["light"]                      # the heavy head waits, the light one goes
     clock.t += 0.1
-    scrape_all(router, clock, waiting=0, kv=0.1)    # room for the whole backlog: no reserve kept
+    scrape_all(router, clock, waiting=0, kv=0.1)    # plenty of room: the heavy backlog goes
     flow.pump()
     assert served[1:] == ["h0", "h1", "h2", "h3", "h4"]
 
@@ -413,8 +413,10 @@ def test_a_busier_client_in_a_pool_with_room_is_not_held():
     assert not any(isinstance(o, Held) for o in outcomes)       # ...and never held
 
 
-def test_the_reserve_is_kept_for_an_activity_window_after_a_request_found_no_room():
-    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=300.0)   # room, not beyond the reserve
+def saturated_then_room(max_wait=300.0):
+    """A chat client over its share (3 to 1); a chat request found no room anywhere (the pool is
+    saturated) and waits; then a scrape shows room, not beyond the reserve."""
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=max_wait)
     submit = lambda client, i: flow.submit(info(prompt=f"{client} {i}", client=client), lambda o: None)
     submit("reasoning", 0)
     assert not isinstance(submit("chat", 0), Held) and not isinstance(submit("chat", 1), Held)
@@ -422,39 +424,55 @@ def test_the_reserve_is_kept_for_an_activity_window_after_a_request_found_no_roo
     blocked = submit("chat", 2)
     assert isinstance(blocked, Held)
     clock.t += 1.0
-    scrape_all(router, clock, waiting=0, kv=0.75)   # room again, not beyond the reserve
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    return router, flow, clock, submit, blocked
+
+
+def test_once_saturated_the_busier_client_keeps_the_reserve_while_requests_wait():
+    router, flow, clock, submit, blocked = saturated_then_room()
     assert flow.pump() == 0 and blocked.queued      # the busier client leaves the reserve...
     assert not submit("reasoning", 1).queued        # ...that the other one takes
-    clock.t += 99.0
-    scrape_all(router, clock, waiting=0, kv=0.75)
-    later = [submit("chat", 3), submit("chat", 4)]
-    assert not submit("reasoning", 2).queued and all(h.queued for h in later)
-    clock.t += 21.0                                 # nothing found no room for an activity window
-    scrape_all(router, clock, waiting=0, kv=0.75)
+    clock.t += 1.0
+    scrape_all(router, clock, waiting=0, kv=0.1)    # room beyond the reserve: the backlog goes
+    assert flow.pump() == 1 and not len(flow.queue)
+    clock.t += 1.0
+    scrape_all(router, clock, waiting=0, kv=0.75)   # nothing waits, nothing was refused:
     assert flow.arrivals.must_hold_back(clock(), 0, "chat")   # still the busier client, but
-    assert flow.pump() == 3 and not blocked.queued            # the reserve is not kept any more
+    assert not isinstance(submit("chat", 3), Held)            # no reserve any more
+
+
+def test_a_refusal_keeps_the_pool_saturated_for_an_activity_window():
+    router, flow, clock, submit, blocked = saturated_then_room(max_wait=10.0)
+    clock.t += 10.0
+    scrape_all(router, clock, waiting=2)
+    flow.pump()                                     # the chat request waited out its bound: refused
+    assert not blocked.queued and not len(flow.queue)
+    for step in (60.0, 59.0):                       # within the window of that refusal
+        clock.t += step
+        scrape_all(router, clock, waiting=0, kv=0.75)
+        assert not isinstance(submit("reasoning", step), Held)
+        held = [submit("chat", step), submit("chat", step + 0.5)]
+        assert all(h.queued for h in held)          # the busier client keeps the reserve
+        assert flow.pump() == 0
+        for h in held:
+            flow.cancel(h)
+    clock.t += 2.0                                  # 121 s after the refusal, nothing waits
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    assert not isinstance(submit("chat", 4), Held)
 
 
 def test_lower_band_leaves_the_reserve_while_a_higher_band_is_active():
-    router, flow, clock, _ = flow_router(waiting=3, max_wait=300.0)
-    flow.submit(info(prompt=big("interactive"), objective="interactive"), lambda o: None)
-    held = [flow.submit(info(prompt=big(f"standard {i}")), lambda o: None) for i in range(6)]
-    clock.t += 0.1
-    scrape_all(router, clock, waiting=0, kv=0.75)   # room for 4, 7 held: saturated
-    assert flow.pump() == 1                         # the interactive request; that band arrived
-    assert all(h.queued for h in held)              # lately: the standard ones leave the reserve
-    d = flow.submit(info(prompt=big("interactive 2"), objective="interactive"), lambda o: None)
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=300.0)
+    assert isinstance(flow.submit(info(), lambda o: None), Held) is False  # nothing above it yet
+    flow.submit(info(objective="interactive"), lambda o: None)
+    held = flow.submit(info(prompt="standard"), lambda o: None)
+    assert isinstance(held, Held)                   # the interactive band arrived lately
+    d = flow.submit(info(objective="interactive"), lambda o: None)
     assert not d.queued                             # the reserve is the higher band's: it went
+    assert held.queued
     clock.t += 200.0                                # the interactive band went quiet
     scrape_all(router, clock, waiting=0, kv=0.75)
-    assert flow.pump() == 4 and sum(h.queued for h in held) == 2
-
-
-def test_a_lower_band_in_a_pool_with_room_is_not_held():
-    router, flow, clock, _ = flow_router(waiting=0, kv=0.75)
-    flow.submit(info(objective="interactive"), lambda o: None)
-    d = flow.submit(info(prompt="standard"), lambda o: None)
-    assert flow.arrivals.must_hold_back(clock(), 0, "") and not isinstance(d, Held)
+    assert flow.pump() == 1 and not held.queued
 
 
 @pytest.mark.parametrize("contested", [None, "light", "band"])
@@ -495,13 +513,12 @@ def test_holdback_flags_and_the_default_at_bound():
 def test_a_newcomer_is_tried_at_once_only_if_it_may_use_the_reserve_the_head_leaves():
     router, flow, clock, _ = flow_router(waiting=3)
     served = []
-    for i in range(3):
-        flow.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o, i=i: served.append(f"h{i}"))
-    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.75), clock())  # no pump yet:
+    flow.submit(info(prompt="first", client="heavy"), lambda o: served.append("first"))
+    router.on_scrape_ok("10.0.0.1:8000", metrics_text(waiting=0, kv=0.75), clock())  # no pump yet
+    flow.submit(info(prompt="second", client="heavy"), lambda o: served.append("second"))
     assert served == []   # one client: nothing holds back, the queue waits for the next pump
-    flow.submit(info(prompt=big("light"), client="light"), lambda o: served.append("light"))
-    assert served == ["light"]   # room for 2, 4 held: the heavy head leaves the reserve, the light
-                                 # request takes it
+    flow.submit(info(prompt="light", client="light"), lambda o: served.append("light"))
+    assert served == ["light"]   # the heavy head leaves the reserve, the light request takes it
 
 
 def affinity_setup(affinity_tokens):
@@ -532,13 +549,7 @@ def test_a_prefix_below_the_affinity_threshold_goes_to_the_endpoint_with_room():
 
 def test_a_request_that_holds_back_leaves_an_affine_endpoint_without_room_alone():
     flow, prompt, _, other = affinity_setup(affinity_tokens=1024)
-    router, clock = flow.router, flow.router.clock
-    router.on_scrape_ok(other, metrics_text(waiting=2, kv=0.5), clock())
-    blocked = flow.submit(info(prompt="no room anywhere"), lambda o: None)   # the pool is saturated
-    assert isinstance(blocked, Held)
-    flow.cancel(blocked)
-    router.on_scrape_ok(other, metrics_text(waiting=0, kv=0.1), clock())
-    flow.arrivals.add(clock(), 10, "")              # a higher band is active: hold back
+    flow.arrivals.add(flow.router.clock(), 10, "")     # a higher band is active: hold back
     d = flow.submit(info(prompt=prompt + " question"), lambda o: None)
     assert not isinstance(d, Held) and d.endpoint == other
 

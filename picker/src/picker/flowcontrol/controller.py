@@ -17,13 +17,12 @@ worker, whose fresh signals come back within it; dispatching the whole queue the
 order and its reserves), and not held after that (the signals are lost; the scorers already rank
 stale endpoints last).
 
-Holdback (activity.py, room.py): while the pool is saturated (a request found no endpoint with
-room, even without a reserve, within the activity window), a request of a lower band while a
-higher band is active, or of a client over its share of its band, needs a reserve free beyond
-its own need. When the head of
-the queue waits for that reserve, the first other waiting request that may use it goes instead
-(a light client's or a higher band's), so the reserve is what they find. Below saturation no
-reserve is kept: every request starts as it comes, whoever sends more.
+Holdback (activity.py, room.py): a request of a lower band while a higher band is active, or,
+while the pool is saturated (see `_saturated`), of a client over its share of its band, needs a
+reserve free beyond its own need. When the head of the queue waits for that reserve, the first
+other waiting request that may use it goes instead (a light client's or a higher band's), so the
+reserve is what they find. Below saturation a client keeps no reserve: every request starts as
+it comes, whoever sends more; a lower band gives way to a higher one at any load.
 """
 from __future__ import annotations
 
@@ -85,21 +84,30 @@ class FlowControl:
         self.metrics = router.metrics
         self.arrivals = RecentArrivals(self.settings.activity_window)
         router.gate = self._gate
-        self._holdback = False   # for the request being decided: see _decide
+        self._holdback: str | None = None   # for the request being decided: see _decide
         self._published: dict[int, int] = {}
         self._closing = False   # release_all ran: nothing is held any more
         self._stale_until: float | None = None   # holding on stale signals ends then
-        self._saturated_at: float | None = None  # the last time a request found no room at all
+        # Saturated: a request found no endpoint with room (even without a reserve), and since
+        # then requests have waited in the queue or been refused within an activity window.
+        # Only then does a client over its share keep the reserve: below saturation every
+        # request starts as it comes, and holding whoever sends more requests would delay it
+        # while nobody gains. The reserve's own holds cannot start it (they wait where there is
+        # room without the reserve); once started it lasts while a backlog does, so a lull does
+        # not lift the reserve into a heavy client's next burst.
+        self._saturated = False
+        self._refused_at: float | None = None   # the last request refused or sent at its bound
 
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
         if self._closing:
             return candidates
         rule = self.settings.room
         room = [e for e in candidates if has_room(e, ctx, rule)]
-        now = self.router.clock()
         if not room and any(e.metrics is not None and not e.stale and not e.failing for e in candidates):
-            self._saturated_at = now   # no room even without a reserve: the pool is saturated
-        if room and self._holdback and self._saturated(now):
+            self._saturated = True     # no room even without a reserve
+        elif self._saturated and not len(self.queue) and not self._refused_lately():
+            self._saturated = False    # nothing waits, nothing was refused for an activity window
+        if room and (self._holdback == "band" or (self._holdback == "client" and self._saturated)):
             room = [e for e in room if has_room(e, ctx, rule, holdback=True)]
             if not room:
                 raise Hold()
@@ -110,16 +118,9 @@ class FlowControl:
             return candidates  # signals lost: hold nothing
         raise Hold()
 
-    def _saturated(self, now: float) -> bool:
-        """A request found no endpoint with room, even without a reserve, within the activity
-        window. Only then is the reserve kept: below saturation every request starts as it
-        comes, and holding the busier client (or the lower band) for a reserve would delay it
-        while nobody gains. The reserve's own holds cannot make the pool look saturated (they
-        wait where there is room without the reserve); lifting it when the window passes without
-        such a request lets a heavy backlog fill the pool, and the first request that then finds
-        no room brings it back."""
-        at = self._saturated_at
-        return at is not None and now - at < self.settings.activity_window
+    def _refused_lately(self) -> bool:
+        at = self._refused_at
+        return at is not None and self.router.clock() - at < self.settings.activity_window
 
     def _stale_briefly(self, candidates: list[EndpointState]) -> bool:
         """The newest candidate metrics are less than `stale_hold` past the staleness bound."""
@@ -253,11 +254,11 @@ class FlowControl:
         return None
 
     def _decide(self, info: RequestInfo, priority: int, client: str, now: float) -> Decision:
-        self._holdback = self.arrivals.must_hold_back(now, priority, client)
+        self._holdback = self.arrivals.holdback_reason(now, priority, client)
         try:
             return self.router.decide(info)
         finally:
-            self._holdback = False
+            self._holdback = None
 
     def _decide_held(self, h: Held, now: float) -> Decision:
         return self._decide(h.payload, h.priority, h.client, now)
@@ -322,5 +323,7 @@ class FlowControl:
             h.notify(err)
 
     def _count(self, reason: str, priority: int) -> None:
+        if reason in ("expired", "evicted", "queue_full", "bound_dispatch"):
+            self._refused_at = self.router.clock()
         if self.metrics is not None:
             self.metrics.flow_evictions.labels(reason, str(priority)).inc()
