@@ -203,7 +203,7 @@ def _serve_null(port_queue) -> None:
                 if kind == "request_headers" and not full_duplex:
                     yield msg.strip_headers_response()
                 elif kind == "request_body" and full_duplex:
-                    yield msg.headers_response(msg.routing_common(dest, None), dest)
+                    yield msg.headers_response(msg.routing_common(dest, None), msg.lb_metadata(dest))
                     for r in msg.streamed_body_responses(req.request_body.body):
                         yield r
                 elif kind == "request_body":

@@ -216,13 +216,14 @@ class RequestStream:
                                          "client": clip(info.headers.get(CLIENT_HEADER, "")),
                                          "prompt_tokens": d.prompt_tokens,
                                          "cached_tokens": d.cached_tokens})
+        metadata = msg.routing_metadata(d.endpoint, d.request_id, d.target_model, d.features)
         if bodiless:
-            return [msg.headers_response(msg.routing_common(d.endpoint, None), d.endpoint)]
+            return [msg.headers_response(msg.routing_common(d.endpoint, None), metadata)]
         changed = d.body is not info.body and d.body != info.body
         if self.body_mode == FULL_DUPLEX:
-            head = msg.headers_response(msg.routing_common(d.endpoint, len(d.body)), d.endpoint)
+            head = msg.headers_response(msg.routing_common(d.endpoint, len(d.body)), metadata)
             return [head, *msg.streamed_body_responses(d.body)]
-        return [msg.buffered_body_response(d.endpoint, d.body if changed else None)]
+        return [msg.buffered_body_response(d.endpoint, d.body if changed else None, metadata)]
 
     def _error(self, err: PickerError) -> list[ep.ProcessingResponse]:
         self.routed = self.finished = True

@@ -10,6 +10,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
+# The picker's own namespace: Envoy keeps it for the request's access log entry, which brings it
+# back with the outcome (signals/outcomes.py reads these keys).
+PICKER_NAMESPACE = "llm-serving.picker"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # Client-sent copies of these are removed: a client must never choose its own backend.
 CONTROL_HEADERS = (DESTINATION_HEADER, SUBSET_HEADER, SERVED_HEADER)
@@ -48,21 +51,33 @@ def lb_metadata(endpoint: str) -> struct_pb2.Struct:
     return md
 
 
+def routing_metadata(endpoint: str, request_id: str = "", model: str = "",
+                     features: str = "") -> struct_pb2.Struct:
+    """The decision's dynamic metadata: the destination for Envoy's load balancer (envoy.lb) and
+    what the outcome must bring back (PICKER_NAMESPACE: request id, routed model, features)."""
+    md = struct_pb2.Struct()
+    md.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint},
+               PICKER_NAMESPACE: {"request_id": request_id, "model": model, "features": features}})
+    return md
+
+
 def headers_response(common: ep.CommonResponse | None = None,
-                     endpoint: str | None = None) -> ep.ProcessingResponse:
+                     metadata: struct_pb2.Struct | None = None) -> ep.ProcessingResponse:
     resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common or ep.CommonResponse()))
-    if endpoint:
-        resp.dynamic_metadata.CopyFrom(lb_metadata(endpoint))
+    if metadata is not None:
+        resp.dynamic_metadata.CopyFrom(metadata)
     return resp
 
 
-def buffered_body_response(endpoint: str, body: bytes | None) -> ep.ProcessingResponse:
-    """BUFFERED: destination (+ content-length, + new body if rewritten) in the body answer."""
+def buffered_body_response(endpoint: str, body: bytes | None,
+                           metadata: struct_pb2.Struct | None = None) -> ep.ProcessingResponse:
+    """BUFFERED: destination (+ content-length, + new body if rewritten) in the body answer, with
+    the decision's metadata (default: the destination only)."""
     common = routing_common(endpoint, len(body) if body is not None else None)
     if body is not None:
         common.body_mutation.body = body
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
-                                 dynamic_metadata=lb_metadata(endpoint))
+                                 dynamic_metadata=metadata or lb_metadata(endpoint))
 
 
 def streamed_body_responses(body: bytes) -> list[ep.ProcessingResponse]:
