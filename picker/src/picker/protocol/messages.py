@@ -55,9 +55,12 @@ def routing_metadata(endpoint: str, request_id: str = "", model: str = "",
                      features: str = "") -> struct_pb2.Struct:
     """The decision's dynamic metadata: the destination for Envoy's load balancer (envoy.lb) and
     what the outcome must bring back (PICKER_NAMESPACE: request id, routed model, features)."""
-    md = struct_pb2.Struct()
-    md.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint},
-               PICKER_NAMESPACE: {"request_id": request_id, "model": model, "features": features}})
+    md = struct_pb2.Struct()  # field by field: a third of Struct.update's cost (per decision)
+    md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
+    picker = md.fields[PICKER_NAMESPACE].struct_value.fields
+    picker["request_id"].string_value = request_id
+    picker["model"].string_value = model
+    picker["features"].string_value = features
     return md
 
 
