@@ -180,7 +180,7 @@ validate-policy:
 
 test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
 	$(MAKE) --no-print-directory validate
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/translation tests/lifecycle tests/conformance tests/e2e
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation tests/lifecycle tests/conformance tests/e2e
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver
 

@@ -16,7 +16,7 @@ flowcontrol/activity.py) go to the signals process at the end of the event-loop 
 saw them, and on to the other workers at once: they see it within a fraction of a millisecond
 when idle, and every PEER_SYNC_INTERVAL the signals process also resends the whole load table. Adding workers adds
 decision throughput until the cores run out; the signals process is one more process whose
-cost grows with the pool, not with the request rate (README "Scale").
+cost grows with the pool, not with the request rate (picker/README.md "Scale").
 """
 from __future__ import annotations
 
