@@ -20,6 +20,7 @@ from __future__ import annotations
 from validation.isolation import _named_ports, ingress_rules, is_envoy
 from validation.manifests import (argv, flag_values, has_flag, name_of, ns_of, of_kind,
                                   picker_container, pod_templates, routes_on_port)
+from validation.policy import picker_ref_problems
 from validation.problems import describe
 
 # As picker/src/picker/signals/outcomes.py reads them (tests/policy/test_outcomes.py keeps them equal).
@@ -73,39 +74,6 @@ def _picker_service(objs, deployment, target: int):
     return None, None
 
 
-def _reaches(objs, where: str, ref: dict, svc, svc_port, secure: bool) -> list[str]:
-    """Problems of one ALS backendRef that should reach the picker Service's outcome port."""
-    kind = ref.get("kind", "Service")
-    if kind == "Service":
-        out = []
-        if ref.get("name") != name_of(svc) or ref.get("port") != svc_port:
-            out.append(f"{where}: Service {ref.get('name')}:{ref.get('port')} != the picker's outcome "
-                       f"port {name_of(svc)}:{svc_port}")
-        if secure:
-            out.append(f"{where}: plaintext Service reference but the picker serves its outcome port "
-                       f"with TLS (--secure-serving); use a Backend with tls")
-        return out
-    backend = next((b for b in of_kind(objs, "Backend") if name_of(b) == ref.get("name")), None)
-    if kind != "Backend" or backend is None:
-        return [f"{where}: {kind} {ref.get('name')} does not exist"]
-    out = []
-    fqdn = f"{name_of(svc)}.{ns_of(svc)}.svc.cluster.local"
-    endpoints = (backend.get("spec") or {}).get("endpoints") or []
-    if not endpoints:
-        out.append(f"{describe(backend)}: spec.endpoints: empty; the picker's outcome port is "
-                   f"{fqdn}:{svc_port}")
-    for k, ep in enumerate(endpoints):
-        host, port = (ep.get("fqdn") or {}).get("hostname"), (ep.get("fqdn") or {}).get("port")
-        if host is None or host.rstrip(".") != fqdn or port != svc_port:
-            out.append(f"{describe(backend)}: spec.endpoints[{k}].fqdn {host}:{port} != the picker's "
-                       f"outcome port {fqdn}:{svc_port} (--outcomes-port)")
-    has_tls = bool((backend.get("spec") or {}).get("tls"))
-    if has_tls != secure:
-        out.append(f"{describe(backend)}: spec.tls {'set' if has_tls else 'missing'} but the picker runs "
-                   f"{'--secure-serving' if secure else '--no-secure-serving'}")
-    return out
-
-
 def _network_problems(objs, deployment, port: int) -> list[str]:
     t = next(t for t in pod_templates(objs) if t.owner is deployment)
     rules = ingress_rules(objs, ns_of(deployment), t.labels, _named_ports(t))
@@ -153,8 +121,9 @@ def outcome_sink_reaches_picker(objs) -> list[str]:
         for path, sink in sinks:
             refs = (sink.get("als") or {}).get("backendRefs") or []
             for i, ref in enumerate(refs):
-                problems += _reaches(objs, f"{describe(proxy)}: {path}.als.backendRefs[{i}]", ref,
-                                     svc, svc_port, secure)
+                problems += picker_ref_problems(objs, ref, f"{describe(proxy)}: {path}.als.backendRefs[{i}]",
+                                                svc, svc_port, secure, "the picker's outcome port",
+                                                " (--outcomes-port)")
     return problems + _network_problems(objs, deployment, port)
 
 

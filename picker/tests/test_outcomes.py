@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from argparse import Namespace
 from pathlib import Path
 
 import grpc
@@ -31,7 +30,9 @@ START = 1_800_000_000.0  # wall-clock start of the hand-made entries
 
 
 def captured() -> list[dict]:
-    return [json.loads(line) for line in DATA.read_text().splitlines()]
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    assert len(rows) >= 10, f"{DATA}: the captured entries are missing (picker/tests/capture_als.py)"
+    return rows
 
 
 def entry_of(d: dict) -> al.HTTPAccessLogEntry:
