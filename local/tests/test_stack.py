@@ -249,6 +249,9 @@ def test_the_plan_lists_every_process_and_writes_nothing(tmp_path):
     picker = procs[2].cmd
     assert picker[picker.index("--endpoints") + 1] == "127.0.0.1:1001,127.0.0.1:1002"
     assert "--secure-serving" in picker  # base/gateway's Backend for the picker has TLS
+    # the outcome port the gateway's access log sends to (localized to config.picker_outcomes_port)
+    assert picker[picker.index("--outcomes-port") + 1] == str(config.picker_outcomes_port) == "9004"
+    assert config_from(parser().parse_args(["up", "--picker-outcomes-port", "19004"])).picker_outcomes_port == 19004
     assert procs[3].health.split() == ["http:http://127.0.0.1:18080/v1/models", "http:http://127.0.0.1:18081/v1/models"]
     assert not config.run_dir.exists()
 
