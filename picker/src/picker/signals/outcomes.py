@@ -4,7 +4,7 @@ entries (its gRPC access log service, ALS; accesslog.py serves it in the signals
 One entry per completed request on the picker's route carries what the picker needs to learn:
 the upstream host that served it, the response status and timings (common_properties), the token
 counts the gateway's token accounting read from the response's `usage` and the time of its first
-token (dynamic metadata `llm-serving.tokens`, components' token-accounting.lua), and what the
+token (dynamic metadata `llm-serving.tokens`, base/gateway's token-accounting.lua), and what the
 picker itself wrote into the request when it decided (dynamic metadata `llm-serving.picker`: its
 request id, the model it routed for, the predictor's features).
 
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from envoy.data.accesslog.v3 import accesslog_pb2 as al
+if TYPE_CHECKING:  # the Router (and the routing lab) import Outcome without Envoy's protobufs
+    from envoy.data.accesslog.v3 import accesslog_pb2 as al
 
 PICKER_NAMESPACE = "llm-serving.picker"  # written by the picker's ext_proc answer
 TOKENS_NAMESPACE = "llm-serving.tokens"  # written by the gateway's token accounting (Lua)
