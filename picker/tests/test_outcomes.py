@@ -17,6 +17,7 @@ from google.protobuf import json_format
 from picker.accesslog import start_server
 from picker.observability.metrics import PickerMetrics
 from picker.protocol import messages as msg
+from picker.protocol.answers import RouteAnswer
 from picker.protocol.server import start_servers
 from picker.runtime import build_router
 from picker.config import parse_args
@@ -271,7 +272,7 @@ def test_the_worker_link_hands_outcomes_to_the_router():
 
 
 @pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
-async def test_the_answer_carries_the_request_id_model_and_features(mode):
+async def test_the_answer_carries_the_request_id_model_and_features(mode, ext_proc_server):
     router = make_router(n=2)
     router.id_prefix = "ab.0."
     decide = router.decide
@@ -282,7 +283,7 @@ async def test_the_answer_carries_the_request_id_model_and_features(mode):
         return d
 
     router.decide = with_features
-    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", server=ext_proc_server)
     ch = c.channel(servers.grpc_port, None)
     try:
         send = c.send_buffered if mode == "buffered" else c.send_full_duplex
@@ -297,10 +298,12 @@ async def test_the_answer_carries_the_request_id_model_and_features(mode):
         await servers.stop(0)
 
 
-def test_routing_metadata_names_both_namespaces():
-    md = json_format.MessageToDict(msg.routing_metadata("1.2.3.4:8000", "r", "m", "f"))
-    assert md == {"envoy.lb": {"x-gateway-destination-endpoint": "1.2.3.4:8000"},
-                  "llm-serving.picker": {"request_id": "r", "model": "m", "features": "f"}}
+def test_the_python_transport_renders_the_metadata_as_the_answer_has_it():
+    answer = RouteAnswer([], (), {"envoy.lb": {"x-gateway-destination-endpoint": "1.2.3.4:8000"},
+                                  "llm-serving.picker": {"request_id": "r", "model": "m", "features": "f"},
+                                  "other": {"n": 3, "flag": True}}, None)
+    (head,) = msg.route_responses(answer, bodiless=True, full_duplex=False)
+    assert json_format.MessageToDict(head.dynamic_metadata) == answer.metadata
 
 
 # ---- the whole replica: Envoy's stream -> signals process -> worker -> /metrics -------------
