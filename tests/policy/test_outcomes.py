@@ -46,9 +46,9 @@ def test_the_rules_run_on_every_overlay_open_ones_too():
 
 def test_the_namespaces_are_the_ones_the_picker_reads():
     from picker import defaults
-    from picker.protocol import messages
+    from picker.protocol import answers
     from picker.signals import outcomes as picker_outcomes
-    assert outcomes.PICKER_NAMESPACE == picker_outcomes.PICKER_NAMESPACE == messages.PICKER_NAMESPACE
+    assert outcomes.PICKER_NAMESPACE == picker_outcomes.PICKER_NAMESPACE == answers.PICKER_NAMESPACE
     assert outcomes.TOKENS_NAMESPACE == picker_outcomes.TOKENS_NAMESPACE
     assert outcomes.TOKEN_KEYS == (picker_outcomes.PROMPT_KEY, picker_outcomes.COMPLETION_KEY)
     assert outcomes.DEFAULT_OUTCOMES_PORT == defaults.OUTCOMES_PORT
