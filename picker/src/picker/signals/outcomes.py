@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the Router (and the routing lab) import Outcome without Env
 PICKER_NAMESPACE = "llm-serving.picker"  # written by the picker's ext_proc answer
 TOKENS_NAMESPACE = "llm-serving.tokens"  # written by the gateway's token accounting (Lua)
 CLIENT_HEADER = "x-client-id"            # set by the gateway's API-key filter
-# Keys in those namespaces (the Lua script and protocol/messages.py write them).
+# Keys in those namespaces (the Lua script and protocol/answers.py write them).
 REQUEST_ID_KEY, MODEL_KEY, FEATURES_KEY = "request_id", "model", "features"
 PROMPT_KEY, COMPLETION_KEY, FIRST_TOKEN_KEY = "prompt_tokens", "completion_tokens", "first_token_us"
 MAX_TEXT = 256  # longer request ids, models or client ids are cut (they only label and match)
