@@ -27,10 +27,11 @@ local function last_number(text, field)
 end
 
 function envoy_on_response(handle)
+  -- nothing to settle unless the response ends (a client gone mid-stream is charged no completion)
+  handle:streamInfo():dynamicMetadata():set(NS, "settle", 0)
   local headers = handle:headers()
   local status = tonumber(headers:get(":status")) or 0
   if status >= 300 then
-    handle:streamInfo():dynamicMetadata():set(NS, "settle", 0)
     return
   end
   local sse = string.find(headers:get("content-type") or "", "text/event-stream", 1, true) ~= nil
