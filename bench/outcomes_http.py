@@ -64,14 +64,22 @@ def configure(stack, original: list[dict], config: str) -> None:
     want_als, want_lua = config == "on", config != "off"
     deadline = time.monotonic() + 60
     while True:
-        dump = urllib.request.urlopen(f"{stack.envoy_admin()}/config_dump", timeout=10).read().decode()
-        has_als = "picker-outcomes" in dump
-        has_lua = "reasoning-inference-picker/lua/0" in dump
+        active = active_listeners(stack)  # a replaced listener drains beside the new one for a while
+        has_als = "picker-outcomes" in active
+        has_lua = "reasoning-inference-picker/lua/" in active
         if has_als == want_als and has_lua == want_lua:
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"Envoy never ran configuration {config!r} (als {has_als}, lua {has_lua})")
         time.sleep(0.3)
+
+
+def active_listeners(stack) -> str:
+    """Envoy's listeners in use now (JSON text), not those still draining after an update."""
+    import json
+    url = f"{stack.envoy_admin()}/config_dump?resource=dynamic_listeners"
+    dump = json.load(urllib.request.urlopen(url, timeout=10))
+    return json.dumps([c.get("active_state") for c in dump.get("configs", [])])
 
 
 def envoy_pid(stack) -> int:
