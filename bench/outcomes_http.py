@@ -34,8 +34,8 @@ from bench.markdown import md_table
 
 SPEEDUP = 20.0
 CLIENTS = 8
-ROUND_SECONDS = 20.0
-ROUNDS = 3  # of each configuration, interleaved
+ROUND_SECONDS = 15.0
+ROUNDS = 2  # of each configuration, interleaved
 RESTART_REQUESTS = 12
 CONFIGS = ("off", "lua", "on")
 
