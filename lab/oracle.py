@@ -19,7 +19,7 @@ picker; where the picker beats it, the greedy rule is what falls short.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 
 from local.sim.engine import Engine, EngineRequest
 from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy
@@ -27,39 +27,10 @@ from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy
 MAX_STEPS = 20000        # a request not started after this many steps counts as never
 
 
-def _copy_request(r: EngineRequest) -> EngineRequest:
-    c = EngineRequest.__new__(EngineRequest)
-    for name in EngineRequest.__slots__:
-        setattr(c, name, getattr(r, name))
-    c.hashed = list(r.hashed)
-    c.own_hashes = False            # block_hashes is the original's list: extend a copy
-    c.token_gaps = []               # the copy's own (its steps must not reach the original's)
-    c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
-    return c
-
-
 def copy_engine(engine: Engine, clock) -> Engine:
-    """An independent copy of the engine's scheduling state (not its histograms or counters)."""
-    engine.sync()
-    c = Engine.__new__(Engine)
-    c.engine_model, c.clock = engine.engine_model, clock
-    c.kv_events, c.output_token = None, engine.output_token      # a copy publishes nothing
-    c.stream = c.decode_runs = False              # and streams nothing; plays runs at once
-    c._run = None
-    requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
-    c.requests = requests
-    c.waiting = deque(requests[r.request_id] for r in engine.waiting)
-    c.running = [requests[r.request_id] for r in engine.running]
-    c.used = engine.used
-    c.refs = dict(engine.refs)
-    c.evictable = OrderedDict(engine.evictable)
-    c.cache_epoch, c.evictions = engine.cache_epoch, engine.evictions
-    c.watermark_blocks = engine.watermark_blocks
-    c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
-    c.prompt_tokens = c.generation_tokens = 0
-    c.request_success = {}
-    c.version = 0
-    return c
+    """An independent copy of the engine's scheduling state on `clock` (Engine.copy): it
+    streams nothing, so a request's first token shows as its first_token_time."""
+    return engine.copy(clock)
 
 
 def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
