@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Optional
 
 from local.sim.engine import Engine, EngineRequest
 from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy
@@ -132,9 +133,10 @@ class Oracle(Policy):
         return best
 
 
-def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
+def can_start_now(ep: LabEndpoint, request: LabRequest, memo: Optional[dict] = None) -> bool:
     """The engine would admit the request at its next step: nothing waiting ahead of it, a free
-    batch slot, and KV blocks for its uncached prompt above the watermark (exact state)."""
+    batch slot, and KV blocks for its uncached prompt above the watermark (exact state).
+    `memo` (a dict the caller keeps) remembers each engine's cached prefix of the request."""
     engine = ep.engine
     p = engine.engine_model
     if engine.waiting or len(engine.running) >= p.max_num_seqs:
@@ -147,10 +149,27 @@ def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
     limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
     if blocks - limit > room:                             # not even with every block cached
         return False
-    hits, refs, hashes = 0, engine.refs, request.hashes
+    return blocks - cached_prefix(engine, request, limit, memo) <= room
+
+
+def cached_prefix(engine: Engine, request: LabRequest, limit: int,
+                  memo: Optional[dict] = None) -> int:
+    """How many of the request's first `limit` blocks the engine's cache holds. With `memo`, a
+    count made at the same cache epoch is reused, and one made before only blocks were added
+    (no eviction since) is where the count resumes, as Engine._prefix_hits does."""
+    hits, key = 0, (id(engine), request.request_id)
+    seen = memo.get(key) if memo is not None else None
+    if seen is not None and seen[0] is engine:
+        if seen[1] == engine.cache_epoch:
+            return seen[3]
+        if seen[2] == engine.evictions:
+            hits = seen[3]
+    refs, hashes = engine.refs, request.hashes
     while hits < limit and hashes[hits] in refs:
         hits += 1
-    return blocks - hits <= room
+    if memo is not None:
+        memo[key] = (engine, engine.cache_epoch, engine.evictions, hits)
+    return hits
 
 
 class LateOracle(Oracle):
@@ -164,9 +183,10 @@ class LateOracle(Oracle):
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
         self.held: deque = deque()
+        self.cached: dict = {}        # can_start_now's memo (the held request, every wake-up)
 
     def _room(self, request: LabRequest) -> list[LabEndpoint]:
-        return [ep for ep in self.endpoints if can_start_now(ep, request)]
+        return [ep for ep in self.endpoints if can_start_now(ep, request, self.cached)]
 
     def pick(self, request: LabRequest) -> LabEndpoint:
         room = self._room(request) if not self.held else []
@@ -194,6 +214,8 @@ class LateOracle(Oracle):
         # The lab adds the requests handed out here to their engines after wake() returns: at
         # most one per group per wake-up, as each makes its group's queue non-empty.
         out, taken = [], set()
+        if len(self.cached) > 4096:
+            self.cached.clear()
         while self.held:
             request = self.held[0]
             room = [ep for ep in self._room(request) if ep.index not in taken]
