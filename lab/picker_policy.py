@@ -195,14 +195,16 @@ class PickerPolicy(Policy):
         now, iv = self.clock(), self.scrape_interval
         if self.out:
             return now
-        ticks = []
-        for i, done in enumerate(self.done_tick):
-            tick = self.phase[i] + (math.floor((now - self.phase[i]) / iv) + 1) * iv
-            while tick <= max(now, done) + 1e-9:  # float rounding: always a tick still to come
+        first = math.inf              # (called after every lab event while requests wait)
+        for phase, done in zip(self.phase, self.done_tick):
+            tick = phase + (math.floor((now - phase) / iv) + 1) * iv
+            bound = (now if now > done else done) + 1e-9
+            while tick <= bound:      # float rounding: always a tick still to come
                 tick += iv
-            ticks.append(tick)
+            if tick < first:
+                first = tick
         deadline = self.flow.next_deadline()
-        return min(ticks + ([deadline] if deadline is not None else []))
+        return first if deadline is None or first <= deadline else deadline
 
     def wake(self):
         self._catch_up()
