@@ -75,6 +75,7 @@ def picker_events(events: list) -> list:
 
 
 class PickerPolicy(Policy):
+    reads_engines = False        # only the scrapes recorded in LabEndpoint.history
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
