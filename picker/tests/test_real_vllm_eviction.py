@@ -26,7 +26,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import free_ports, start_app, until
 from loadtest.prompts import random_words
 from local.vllm_server import VllmServer

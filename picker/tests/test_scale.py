@@ -219,7 +219,7 @@ async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
     import sys
     import urllib.request
 
-    import extproc_client as c
+    from tests.helpers import extproc_client as c
     vllm = await FakeVllm().start()
     port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
@@ -279,7 +279,7 @@ async def test_flow_control_workers_hold_back_for_a_client_only_the_other_worker
     import subprocess
     import sys
 
-    import extproc_client as c
+    from tests.helpers import extproc_client as c
     vllm = await FakeVllm(metrics_text(waiting=0, kv=0.75)).start()  # room, not beyond the reserve
     port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
