@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from local.stack.config import API_CLIENTS, REPO
 from local.stack.demo import DEMO_SPEEDUP, demo_command
 from local.stack.launcher import down
 from local.stack.plan import MIN_WALL_SCRAPE_INTERVAL, kv_scale_args, picker_timing, picker_timing_args
-from local.stack.processes import alive, is_ours
+from local.stack.processes import Proc, RunState, alive, group_members, is_ours, spawn
 from local.stack.topology import topology
 
 
@@ -216,6 +218,80 @@ def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path):
         with pytest.raises(StackError, match="Only one local stack can run at a time"):
             stack.start()
     assert stack.procs == [] and not (tmp_path / "second").exists()
+
+
+# What real vLLM does to the launcher: started through `env ...` (so its command line is not the one
+# recorded), and an API server that forks an engine core into its process group.
+ENGINE_LIKE = ("import os, socket, sys, time\n"
+               "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+               "if os.fork() == 0:\n"
+               "    time.sleep(120)\n"
+               "time.sleep(120)\n")
+
+
+@pytest.fixture
+def engines():
+    """Whatever engine-like group a test started is gone after it, whatever `down` did."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.popen.wait(timeout=10)
+
+
+def engine_like(tmp_path, port: int, started: list[Proc]) -> Proc:
+    proc = spawn(Proc("vllm-x", ["env", "-u", "PYTHONPATH", sys.executable, "-c", ENGINE_LIKE, str(port)],
+                      str(tmp_path / "engine.log"), "http:"))
+    started.append(proc)
+    deadline = time.monotonic() + 20
+    while len(group_members(proc.pid)) < 2:  # the leader and its forked child
+        assert time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
+        time.sleep(0.02)
+    return proc
+
+
+def record(tmp_path, name: str, procs: list[Proc]) -> None:
+    (tmp_path / name).mkdir(exist_ok=True)
+    RunState(name, None, procs).write(tmp_path / name)
+
+
+def test_down_stops_a_process_that_runs_another_command_line_and_its_children(tmp_path, engines):
+    proc = engine_like(tmp_path, free_port(), engines)
+    assert not is_ours(proc.pid, proc.cmd)  # `env` exec'd python: the old check lost it
+    record(tmp_path, "x", [proc])
+    assert down("x", run_root=tmp_path) == 0
+    assert group_members(proc.pid) == [] and not (tmp_path / "x" / "state.json").exists()
+
+
+def test_down_stops_what_outlived_a_killed_leader(tmp_path, engines):
+    proc = engine_like(tmp_path, free_port(), engines)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.popen.wait(timeout=10)
+    assert group_members(proc.pid, proc.started)  # the forked child holds on
+    record(tmp_path, "x", [proc])
+    assert down("x", run_root=tmp_path) == 0
+    assert group_members(proc.pid) == []
+
+
+def test_ports_held_by_a_leftover_say_how_to_free_them(tmp_path, monkeypatch, engines):
+    monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)
+    port = free_port()
+    proc = engine_like(tmp_path, port, engines)  # as if its stack's record were lost
+    stack = Stack(StackConfig(name="again", run_root=tmp_path, groups=1, sim_ports=[port]))
+    with pytest.raises(StackError) as refused:
+        stack.start()
+    message = str(refused.value)
+    assert f"{port}: pid " in message and "a leftover of a local stack of this checkout" in message
+    assert f"kill -TERM -- -{proc.pid}" in message, message
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_run_state_round_trips_through_its_file(tmp_path):
