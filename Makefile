@@ -33,7 +33,7 @@ PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
 
-.PHONY: help setup tools lock crds tiny-model vllm validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
+.PHONY: help setup tools lock crds tiny-model vllm check validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -167,6 +167,26 @@ $(EXTRA_CRDS_DIR): validation/crds.py | $(VENV)/.stamp
 validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; schemas + CRDs (defaults, CEL), kubeconform, workflows, Envoy Gateway's translation, cross-object rules; alert rules, dashboards; policy suite
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
 	@$(MAKE) --no-print-directory -j2 --output-sync=target validate-manifests validate-policy
+
+# The inner loop, for a change before `make test`: lint, the manifests, and every component's unit
+# tests, in two lanes side by side; no server process starts (tests marked `server`, `e2e` or
+# `soak` are left to `make test`).
+UNIT_TESTS_A := picker/tests tests/policy
+UNIT_TESTS_B := local/tests lab/tests loadtest/tests bench/tests monitoring/tests tests/docs
+UNIT_ONLY    := -m "not server and not e2e and not soak"
+.PHONY: check-lint check-units-a check-units-b
+check: setup $(EXTRA_CRDS_DIR) ## the inner loop (<2 min warm): lint (ruff), manifests validated, every component's unit tests; starts no server
+	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
+	@$(MAKE) --no-print-directory -j2 --output-sync=target check-units-a check-lint validate-manifests check-units-b
+
+check-lint:
+	$(PY) -m ruff check .
+
+check-units-a:
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q $(UNIT_ONLY) $(UNIT_TESTS_A)
+
+check-units-b:
+	$(PY) -m pytest -q $(UNIT_ONLY) $(UNIT_TESTS_B)
 
 # The two halves of `make validate`, run side by side (each keeps its own schema cache).
 .PHONY: validate-manifests validate-policy

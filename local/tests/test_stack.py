@@ -96,6 +96,7 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path, monkeypatch):
     assert stack.procs == []
 
 
+@pytest.mark.server
 def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypatch):
     """The simulators here get a bogus option and exit; everything started must be gone."""
     monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)  # tested below
@@ -115,6 +116,7 @@ def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypat
     assert not stack.state_file.exists()
 
 
+@pytest.mark.server
 def test_down_stops_the_recorded_process_group(tmp_path):
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
     child = subprocess.Popen(cmd, start_new_session=True)
@@ -258,6 +260,7 @@ def record(tmp_path, name: str, procs: list[Proc]) -> None:
     RunState(name, None, procs).write(tmp_path / name)
 
 
+@pytest.mark.server
 def test_down_stops_a_process_that_runs_another_command_line_and_its_children(tmp_path, engines):
     proc = engine_like(tmp_path, free_port(), engines)
     assert not is_ours(proc.pid, proc.cmd)  # `env` exec'd python: the old check lost it
@@ -266,6 +269,7 @@ def test_down_stops_a_process_that_runs_another_command_line_and_its_children(tm
     assert group_members(proc.pid) == [] and not (tmp_path / "x" / "state.json").exists()
 
 
+@pytest.mark.server
 def test_down_stops_what_outlived_a_killed_leader(tmp_path, engines):
     proc = engine_like(tmp_path, free_port(), engines)
     os.kill(proc.pid, signal.SIGKILL)
@@ -276,6 +280,7 @@ def test_down_stops_what_outlived_a_killed_leader(tmp_path, engines):
     assert group_members(proc.pid) == []
 
 
+@pytest.mark.server
 def test_ports_held_by_a_leftover_say_how_to_free_them(tmp_path, monkeypatch, engines):
     monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)
     port = free_port()
@@ -354,6 +359,7 @@ def test_precise_routing_is_on_by_default_and_can_be_turned_off(tmp_path):
     assert kv_event_ports(off, topology(off)) == []
 
 
+@pytest.mark.server
 def test_reset_restarts_the_cold_start_processes_and_keeps_their_cpu(tmp_path):
     """`reset` from another shell: the simulator (here a plain HTTP server) is stopped and started
     again with the same command; Envoy Gateway's entry (here a sleeper) is left alone."""

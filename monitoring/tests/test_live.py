@@ -28,7 +28,7 @@ SAMPLES = REPO.parent / "shared" / "metrics-samples"
 RATE_WINDOW = "30s"            # $__rate_interval for the dashboards' queries (scrapes every 1 s)
 LOAD_SECONDS = 12.0            # before and after one simulator is stopped
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.server]  # the local stack and Prometheus
 
 
 def dashboard_queries() -> list[tuple[str, str]]:

@@ -39,6 +39,8 @@ from picker.signals.kvstate import STAT_FIELDS, chain_hashes
 from picker.tokenizer import ModelTokenizer
 from vllm_engines import running, tiny_model_dir
 
+pytestmark = pytest.mark.server  # starts other programs as processes
+
 BLOCK = 128                 # the CPU backend's block size
 NUM_BLOCKS = 16             # --num-gpu-blocks-override: 2,048 tokens of KV cache per engine
 MAX_MODEL_LEN = 1024
