@@ -79,17 +79,15 @@ tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(RATELIMIT) $(TOOLS)/picker-loa
 KUBE_APISERVER := $(TOOLS)/kube-apiserver
 KUBE_VERSION   := v1.34.2
 KUBE_LDFLAGS   := $(foreach v,gitVersion=$(KUBE_VERSION) gitMajor=1 gitMinor=34 gitTreeState=clean,-X k8s.io/component-base/version.$(v))
-$(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
-	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
-		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
-
 # kube-controller-manager (its HPA controller, for tests/apiserver/test_hpa.py) from the same wrapper
-# module as kube-apiserver (cold: 18 min here beside kube-apiserver's own build, load average ~20 on 2
-# cores; most packages are shared with kube-apiserver).
+# module, in the same `go build`: most packages are shared, and one build compiles each once (two
+# builds side by side compiled them twice: 18 min cold, load average ~20 on 2 cores).
 KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
-$(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
+$(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) &: tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
-		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_CONTROLLER_MANAGER) k8s.io/kubernetes/cmd/kube-controller-manager
+		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(TOOLS)/ k8s.io/kubernetes/cmd/kube-apiserver \
+			k8s.io/kubernetes/cmd/kube-controller-manager
+	touch $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 
 # KEDA's operator and metrics API server, v2.20.2 (the newest release Go 1.26 builds), by the wrapper
 # module in tools/keda (it copies KEDA's `replace` directives). Cold: ~5 min each on 2 cores.
@@ -102,7 +100,7 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
 .PHONY: apiserver-tools test-apiserver autoscaling-tools test-autoscaling
-apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
+apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) | debian-packages
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
@@ -116,13 +114,27 @@ test-autoscaling: setup autoscaling-tools ## the whole autoscaling chain on loop
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
-redis-server:
+redis-server: | debian-packages
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 # Prometheus and promtool from Debian (bookworm: 2.42.0+ds-5+deb12u1), installed when missing.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+# Every Debian package the tests use, missing ones in one apt-get run before the targets that need
+# them (each still installs its own when run alone): make runs the setup's parts side by side, and
+# several apt-gets at once would queue on dpkg's lock.
+DEBIAN_PACKAGES := etcd-server redis-server prometheus
+.PHONY: debian-packages
+debian-packages:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	browser=$$(test -x $(CHROMIUM) || echo chromium); \
+	if [ -n "$$missing$$browser" ]; then $(SUDO) apt-get update -qq && \
+		{ [ -z "$$missing" ] || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
+			--no-install-recommends $$missing >/dev/null; } && \
+		{ [ -z "$$browser" ] || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
+			chromium >/dev/null; }; fi
 .PHONY: promtool
-promtool:
+promtool: | debian-packages
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
@@ -198,10 +210,23 @@ validate-manifests:
 validate-policy:
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
-	$(MAKE) --no-print-directory validate
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation tests/lifecycle tests/conformance tests/e2e
+test: ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
+	@# what the suites need, built side by side (Go builds, pip installs and apt overlap on a fresh machine)
+	@$(MAKE) --no-print-directory -j3 setup vllm $(CHROMIUM)
+	@$(MAKE) --no-print-directory -j2 --output-sync=line test-stack-lane test-lane
+
+# `make test` in two lanes side by side. The stack lane holds every test that starts the local data
+# plane (one per machine: Envoy Gateway binds fixed ports) or real vLLM; those mostly wait (on
+# Envoy, engines, timeouts), while the other lane computes: validation, the unit suites, the
+# gateway translations, the API server.
+.PHONY: test-stack-lane test-lane
+test-stack-lane:
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/e2e tests/conformance tests/lifecycle
 	$(PY) -m pytest -q monitoring/tests
+
+test-lane:
+	$(MAKE) --no-print-directory validate
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation
 	$(MAKE) --no-print-directory test-apiserver
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
@@ -255,8 +280,8 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 	$(PY) -m loadtest sweep --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/sweep-$$(date +%Y%m%d-%H%M%S) $(SWEEP_ARGS)
 
-$(CHROMIUM):
-	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null
+$(CHROMIUM): | debian-packages
+	test -x $@ || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null; }
 
 bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench

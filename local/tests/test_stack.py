@@ -204,18 +204,18 @@ def test_demo_order_sets_which_listener_loadtest_compare_loads_first(tmp_path, c
     assert "--order" in capsys.readouterr().err
 
 
-def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path):
-    """Envoy Gateway binds fixed ports: with one of them taken, nothing starts and the error says why."""
+def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Envoy Gateway binds fixed ports: with one of them taken, nothing starts and the error says why.
+    The test holds a free port and has the launcher probe that one in their place: binding the real
+    ones would break a stack another test starts meanwhile (`make test` runs lanes side by side)."""
+    import functools
+
     from local import dataplane
 
-    port = dataplane.ENVOY_GATEWAY_PORTS[1]
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-            s.listen()
-        except OSError:
-            pass  # already taken (another stack runs): the launcher must refuse all the same
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        monkeypatch.setattr(dataplane, "busy_ports", functools.partial(dataplane.busy_ports, ports=(s.getsockname()[1],)))
         stack = Stack(StackConfig(name="second", run_root=tmp_path, groups=1, sim_ports=[1]))
         with pytest.raises(StackError, match="Only one local stack can run at a time"):
             stack.start()
