@@ -195,7 +195,8 @@ async def test_a_missing_key_secret_fails_closed_before_the_picker(stack):
                     out.append((r.status, await r.json(content_type=None) if r.status != 401 else {}))
         return out
 
-    async with aiohttp.ClientSession() as session:
+    # a request that hangs fails the test in 30 s, naming it, instead of at pytest's 300 s timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         set_budget(stack, 10_000_000)
         assert [s for s, _ in await answers(session)] == [200, 200, 401] * 2
         try:
