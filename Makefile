@@ -44,7 +44,17 @@ $(VENV)/.stamp: requirements.txt picker/pyproject.toml
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e picker
 	touch $@
 
-setup: $(VENV)/.stamp tools promtool ## build the virtualenv and the pinned tools into the working tree
+# The picker's compiled ext_proc transport (Rust: picker/Cargo.toml, picker/native/), built in place
+# next to the Python package so every checkout runs its own (crates from crates.io, Cargo.lock pins
+# them; cold: see picker/README.md "Protocol"). One cargo target directory for every checkout.
+CARGO_TARGET := $(CURDIR)/.cache/cargo-target
+export CARGO_TARGET_DIR := $(CARGO_TARGET)
+EXTPROC     := picker/src/picker/_extproc.abi3.so
+$(EXTPROC): picker/Cargo.toml picker/Cargo.lock $(wildcard picker/native/*.rs)
+	cd picker && cargo build --release --locked --features extension-module
+	cp $(CARGO_TARGET)/release/lib_extproc.so $@
+
+setup: $(VENV)/.stamp $(EXTPROC) tools promtool ## build the virtualenv, the picker's compiled transport and the pinned tools into the working tree
 
 $(KUBECONFORM):
 	mkdir -p $(TOOLS)
@@ -186,10 +196,10 @@ validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; 
 UNIT_TESTS_A := picker/tests tests/policy
 UNIT_TESTS_B := local/tests lab/tests loadtest/tests bench/tests monitoring/tests tests/docs
 UNIT_ONLY    := -m "not server and not e2e and not soak"
-.PHONY: check-lint check-units-a check-units-b
+.PHONY: check-lint check-units-a check-units-b check-units-native
 check: setup $(EXTRA_CRDS_DIR) ## the inner loop (<2 min warm): lint (ruff), manifests validated, every component's unit tests; starts no server
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
-	@$(MAKE) --no-print-directory -j2 --output-sync=target check-units-a check-lint validate-manifests check-units-b
+	@$(MAKE) --no-print-directory -j2 --output-sync=target check-units-a check-lint validate-manifests check-units-native check-units-b
 
 check-lint:
 	$(PY) -m ruff check .
@@ -199,6 +209,9 @@ check-units-a:
 
 check-units-b:
 	$(PY) -m pytest -q $(UNIT_ONLY) $(UNIT_TESTS_B)
+
+check-units-native:
+	cd picker && cargo test --release --locked --no-default-features
 
 # The two halves of `make validate`, run side by side (each keeps its own schema cache).
 .PHONY: validate-manifests validate-policy
@@ -221,12 +234,13 @@ test: ## make validate, then every test suite: unit, protocol, lab smoke, confor
 # gateway translations, the API server.
 .PHONY: test-stack-lane test-lane
 test-stack-lane:
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/e2e tests/conformance tests/lifecycle
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/e2e tests/conformance
 	$(PY) -m pytest -q monitoring/tests
 
 test-lane:
 	$(MAKE) --no-print-directory validate
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation
+	cd picker && cargo test --release --locked --no-default-features
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation tests/lifecycle
 	$(MAKE) --no-print-directory test-apiserver
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
