@@ -1,6 +1,7 @@
 """The engine's own eviction, on two real vLLM engines (the CPU build serving the tiny model,
 `make vllm`; skipped where it is not installed) with a deliberately small KV cache: it makes the
-approximate prefix index wrong and precise routing (the engines' KV-cache events) right.
+approximate prefix index wrong and precise routing (the engines' KV-cache events) right. Over 30 s:
+the first test waits for two real vLLM servers to start (CPU build, ~30 s on 2 cores).
 
 1. A tenant's first chat request goes to engine A through both pickers (the protocol's subset
    hint pins it there) and A serves it: both pickers hold its prefix on A.

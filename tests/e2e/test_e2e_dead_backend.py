@@ -3,7 +3,9 @@ overlays/a10 renders it (active /health checks every 3 s, outlier detection, ret
 saw the request): on 8080 (Envoy's own least request) a killed group costs at most a handful of
 failed requests and none once the health checks have taken it out; a stalled group (SIGSTOP: it
 accepts connections and never answers) is out within TAKEN_OUT seconds. 8081 is measured the same way.
-The figures are printed (pytest -s)."""
+The figures are printed (pytest -s). Each case takes ~30 s: the load runs until 40 requests were sent
+after the group is out (TAKEN_OUT, set by the rendered health check's 3 s interval), and the next
+case waits until the health checks and the picker have the group back."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Real vLLM behind the real gateway: two groups of vLLM's CPU build serving the tiny model
 (`make vllm`), the picker in front of them with the model's tokenizer, Envoy Gateway + Envoy.
 Both listeners serve completions and chat, streamed or not, to the official OpenAI client; the
-picker decides every llm-gw request, reads the engines' metrics and follows their KV events."""
+picker decides every llm-gw request, reads the engines' metrics and follows their KV events.
+Over 30 s: the first test waits for two real vLLM servers to start (CPU build, ~45 s on 2 cores)."""
 
 from __future__ import annotations
 
