@@ -246,7 +246,11 @@ test-lane:
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
-up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+# What the local stack runs (a newcomer's first `make demo` builds only these): the virtualenv, the
+# picker's compiled transport and Envoy Gateway; `--token-budget` needs `make tools` too.
+STACK_NEEDS := $(VENV)/.stamp $(EXTPROC) $(ENVOY_GATEWAY)
+
+up: $(STACK_NEEDS) $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
 		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
 		$(if $(filter off,$(PRECISE)),--no-precise-prefix)
@@ -259,7 +263,7 @@ down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
 DEMO_ARGS ?=
-demo: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
+demo: $(STACK_NEEDS) $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
 	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) \
 		$(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
 
