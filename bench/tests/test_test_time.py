@@ -34,3 +34,6 @@ def test_the_report_states_each_target_met_or_not():
     assert "- 62 s call `tests/e2e/test_e2e_edge_abuse.py::test_slow_clients_are_cut_at_the_header_timeout`" in text
     ci = "\n".join(test_time.ci_report({"ci": run(1400.0)}))
     assert "| `.ci/run` | 1,400 | <= 1500 | yes |" in ci
+    failing = run(90.0) | {"exit_code": 2, "pytest": [{"counts": {"passed": 10, "failed": 1}, "seconds": 80.0}]}
+    assert "| `make check` | 90 | <= 120 | yes | 10, 1 failed (exit code 2) |" in "\n".join(
+        test_time.report({"check": failing, "test": run(700.0)}))
