@@ -197,7 +197,10 @@ UNIT_TESTS_A := picker/tests tests/policy
 UNIT_TESTS_B := local/tests lab/tests loadtest/tests bench/tests monitoring/tests tests/docs
 UNIT_ONLY    := -m "not server and not e2e and not soak"
 .PHONY: check-lint check-units-a check-units-b check-units-native
-check: setup $(EXTRA_CRDS_DIR) ## the inner loop (<2 min warm): lint (ruff), manifests validated, every component's unit tests; starts no server
+# What `make check` runs on: the virtualenv, the picker's compiled transport, kubeconform, Envoy
+# Gateway's egctl (validation translates the gateway objects), promtool; not the servers' tools.
+CHECK_NEEDS := $(VENV)/.stamp $(EXTPROC) $(KUBECONFORM) $(EGCTL) promtool
+check: $(CHECK_NEEDS) $(EXTRA_CRDS_DIR) ## the inner loop (<2 min warm): lint (ruff), manifests validated, every component's unit tests; starts no server
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
 	@$(MAKE) --no-print-directory -j2 --output-sync=target check-units-a check-lint validate-manifests check-units-native check-units-b
 
