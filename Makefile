@@ -32,6 +32,8 @@ EDGE_SECURITY ?= on
 PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
+# With APT_ALL=1 (`make test`), the targets that install a Debian package wait for debian-packages.
+APT_FIRST   := $(if $(APT_ALL),| debian-packages)
 
 .PHONY: help setup tools lock crds tiny-model vllm check validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
@@ -110,7 +112,7 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
 .PHONY: apiserver-tools test-apiserver autoscaling-tools test-autoscaling
-apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) | debian-packages
+apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) $(APT_FIRST)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
@@ -124,15 +126,15 @@ test-autoscaling: setup autoscaling-tools ## the whole autoscaling chain on loop
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
-redis-server: | debian-packages
+redis-server: $(APT_FIRST)
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 # Prometheus and promtool from Debian (bookworm: 2.42.0+ds-5+deb12u1), installed when missing.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 # Every Debian package the tests use, missing ones in one apt-get run before the targets that need
-# them (each still installs its own when run alone): make runs the setup's parts side by side, and
-# several apt-gets at once would queue on dpkg's lock.
+# them when `make test` builds its prerequisites side by side (APT_ALL=1, APT_FIRST above): several
+# apt-gets at once would fight over dpkg's lock. Run alone, each of those targets installs its own.
 DEBIAN_PACKAGES := etcd-server redis-server prometheus
 .PHONY: debian-packages
 debian-packages:
@@ -144,7 +146,7 @@ debian-packages:
 		{ [ -z "$$browser" ] || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
 			chromium >/dev/null; }; fi
 .PHONY: promtool
-promtool: | debian-packages
+promtool: $(APT_FIRST)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
@@ -228,7 +230,7 @@ validate-policy:
 
 test: ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
 	@# what the suites need, built side by side (Go builds, pip installs and apt overlap on a fresh machine)
-	@$(MAKE) --no-print-directory -j3 setup vllm $(CHROMIUM)
+	@$(MAKE) --no-print-directory -j3 APT_ALL=1 setup vllm $(CHROMIUM)
 	@$(MAKE) --no-print-directory -j2 --output-sync=line test-stack-lane test-lane
 
 # `make test` in two lanes side by side. The stack lane holds every test that starts the local data
@@ -301,7 +303,7 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 	$(PY) -m loadtest sweep --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/sweep-$$(date +%Y%m%d-%H%M%S) $(SWEEP_ARGS)
 
-$(CHROMIUM): | debian-packages
+$(CHROMIUM): $(APT_FIRST)
 	test -x $@ || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null; }
 
 bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
