@@ -238,15 +238,22 @@ test: ## make validate, then every test suite: unit, protocol, lab smoke, confor
 # Envoy, engines, timeouts), while the other lane computes: validation, the unit suites, the
 # gateway translations, the API server.
 .PHONY: test-stack-lane test-lane
+# Each lane runs all of its suites even after one fails, so that one run reports every failure;
+# it fails if any did.
 test-stack-lane:
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/e2e tests/conformance
-	$(PY) -m pytest -q monitoring/tests
+	@status=0; \
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/e2e tests/conformance || status=1; \
+	$(PY) -m pytest -q monitoring/tests || status=1; \
+	exit $$status
 
 test-lane:
-	$(MAKE) --no-print-directory validate
-	cd picker && cargo test --release --locked --no-default-features
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation tests/lifecycle
-	$(MAKE) --no-print-directory test-apiserver
+	@status=0; \
+	$(MAKE) --no-print-directory validate || status=1; \
+	(cd picker && cargo test --release --locked --no-default-features) || status=1; \
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs \
+		tests/translation tests/lifecycle || status=1; \
+	$(MAKE) --no-print-directory test-apiserver || status=1; \
+	exit $$status
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver

@@ -71,13 +71,13 @@ def describe_holders(ports: list[int]) -> str:
             continue
         ours = Path(cwd) == REPO and pgid != os.getpgid(0)
         lines.append(f"  {port}: pid {pid} (process group {pgid}) {cmd}"
-                     + (" <- a leftover of a local stack of this checkout" if ours else ""))
+                     + (" <- started by a local stack of this checkout" if ours else ""))
         if ours and pgid not in groups:
             groups.append(pgid)
     if groups:
-        lines.append("the stack that started these is no longer recorded, so `make down` cannot find "
-                     "them; free the ports with: kill -TERM " + " ".join(f"-- -{g}" if i == 0 else f"-{g}"
-                                                                     for i, g in enumerate(groups)))
+        lines.append("if `make down` (or `python -m local.stack down --name <name>`) finds no stack, these "
+                     "are leftovers of one whose record is gone; free the ports with: kill -TERM -- "
+                     + " ".join(f"-{g}" for g in groups))
     return "\n".join(lines)
 
 

@@ -111,7 +111,7 @@ def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypat
     config = StackConfig(name="broken", run_root=tmp_path, groups=2, sim_ports=ports[:2], http_port=ports[2],
                          llm_port=ports[3], picker_grpc_port=ports[5],
                          picker_health_port=ports[6], picker_metrics_port=ports[7],
-                         picker_outcomes_port=ports[8],
+                         picker_outcomes_port=ports[8], kv_events_base_port=ports[4],
                          sim_args=["--no-such-option"], startup_timeout=30)
     stack = Stack(config)
     with pytest.raises(StackError, match="exited"):
@@ -289,18 +289,30 @@ def test_ports_held_by_a_leftover_say_how_to_free_them(tmp_path, monkeypatch, en
     monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)
     port = free_port()
     proc = engine_like(tmp_path, port, engines)  # as if its stack's record were lost
-    stack = Stack(StackConfig(name="again", run_root=tmp_path, groups=1, sim_ports=[port]))
+    stack = Stack(free_port_config("again", tmp_path, sim_port=port))
     with pytest.raises(StackError) as refused:
         stack.start()
     message = str(refused.value)
-    assert f"{port}: pid " in message and "a leftover of a local stack of this checkout" in message
-    assert f"kill -TERM -- -{proc.pid}" in message, message
+    assert f"{port}: pid " in message and "started by a local stack of this checkout" in message
+    kill = message.split("free the ports with: kill -TERM -- ", 1)[1].split()
+    assert f"-{proc.pid}" in kill, message
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_config(name: str, run_root, sim_port: int, **overrides) -> StackConfig:
+    """A one-group stack on free ports only: none of the defaults (18080, 9002, the KV events'
+    18101...), which a stack another test runs meanwhile may hold (`make test` runs lanes side by side)."""
+    from local.stack.processes import free_ports
+
+    http, llm, grpc, health, metrics, outcomes, kv = free_ports(7)
+    return StackConfig(name=name, run_root=run_root, groups=1, sim_ports=[sim_port], http_port=http, llm_port=llm,
+                       picker_grpc_port=grpc, picker_health_port=health, picker_metrics_port=metrics,
+                       picker_outcomes_port=outcomes, kv_events_base_port=kv, **overrides)
 
 
 def test_run_state_round_trips_through_its_file(tmp_path):
