@@ -35,5 +35,5 @@ def test_the_report_states_each_target_met_or_not():
     ci = "\n".join(test_time.ci_report({"ci": run(1400.0)}))
     assert "| `.ci/run` | 1,400 | <= 1500 | yes |" in ci
     failing = run(90.0) | {"exit_code": 2, "pytest": [{"counts": {"passed": 10, "failed": 1}, "seconds": 80.0}]}
-    assert "| `make check` | 90 | <= 120 | yes | 10, 1 failed (exit code 2) |" in "\n".join(
+    assert "| `make check` | 90 | <= 120 | no (failed) | 10, 1 failed (exit code 2) |" in "\n".join(
         test_time.report({"check": failing, "test": run(700.0)}))

@@ -226,7 +226,8 @@ async def test_a_window_edge_lets_a_client_spend_up_to_twice_the_budget(stack, r
     """The budget's window is fixed (the rate limit service counts per calendar minute, hour, ...):
     a client that spends its budget just before a window ends gets a whole budget again when the next
     one starts. Measured with a per-minute budget: spent from second 50, then again from second 0,
-    within a few seconds; at most 2 budgets plus the one request that crosses each."""
+    within a few seconds; at most 2 budgets plus the one request that crosses each. Over 30 s: it
+    waits for second 50 of the current minute (up to a minute) to spend the budget at a window's edge."""
     budget, max_tokens = 1500, 60
     set_budget(stack, budget, unit="Minute")
     now = time.time()
