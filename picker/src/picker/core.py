@@ -13,12 +13,15 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from picker import defaults
 from picker.discovery.objects import Objective, Rewrite
 from picker.errors import PickerError, clip
+from picker.lengths.features import Features
+from picker.lengths.predictor import Forecast, LengthPredictor, PredictorSettings
+from picker.lengths.work import WorkTracker, project
 from picker.openai import parse_body, rewrite_model
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.prefilter import LeastLoaded, prefilter
@@ -28,6 +31,7 @@ from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
 from picker.scheduling.saturation import pool_saturation
 from picker.signals.metrics import MetricsParseError, ModelServerMetrics, parse_vllm_metrics
+from picker.signals.outcomes import Outcome
 from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load, PeerSync,
                                   add_inflight, end_inflight, own_load, record_scrape,
                                   set_peer_load)
@@ -47,6 +51,8 @@ class RouterSettings:
     default_objective: str | None = None
     avg_prompt_alpha: float = defaults.AVG_PROMPT_ALPHA
     timeouts_to_unready: int = defaults.SCRAPE_FAILURES_TO_UNREADY  # see on_scrape_failed
+    # Output lengths learned from outcomes (picker.lengths); None: no forecasts, no learning.
+    lengths: PredictorSettings | None = field(default_factory=PredictorSettings)
 
 
 @dataclass(slots=True)
@@ -69,6 +75,8 @@ class Decision:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     client_request_id: str = ""  # the request's x-request-id (clipped), for logs only
+    features: str = ""           # what the predictor learns this request's outcome under
+    forecast: Forecast | None = None  # its predicted answer length (None: predictor off)
 
 
 class Router:
@@ -104,6 +112,11 @@ class Router:
         self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
         self.set_objects(objectives, rewrites)
         self.precise: PrecisePrefix | None = None  # precise prefix routing (enable_precise)
+        # Output lengths (picker.lengths): the predictor learns from outcomes, the tracker keeps
+        # each endpoint's requests in flight with their forecasts.
+        lengths = self.settings.lengths
+        self.predictor: LengthPredictor | None = LengthPredictor(lengths) if lengths else None
+        self.work = WorkTracker()
 
     # ---- discovery -------------------------------------------------------------------------
     def set_endpoints(self, addresses: Iterable[str]) -> None:
@@ -115,6 +128,7 @@ class Router:
                 if self.precise is not None:
                     self.precise.forget(addr)
                 self._least.forget(addr)
+                self.work.forget(addr)
                 if self.metrics is not None:
                     self.metrics.forget_endpoint(addr)
         for addr in wanted:
@@ -149,6 +163,9 @@ class Router:
         was_ready = state.ready
         had_since = state.since_scrape != state.peer_since_scrape
         record_scrape(state, metrics, self.clock() if now is None else now)
+        work = self.work.endpoints.get(address)
+        if work is not None:
+            work.on_scrape(state.scraped_at, metrics.waiting + state.since_scrape)
         self._least.observe(state)
         if self.precise is not None:
             self.precise.on_metrics(address, metrics.num_gpu_blocks, metrics.block_size,
@@ -298,8 +315,23 @@ class Router:
             if usage and self.metrics is not None:
                 self.metrics.record_usage(usage)
 
+    def on_outcome(self, outcome: Outcome) -> None:
+        """A finished request as the gateway's access log reports it: its entry in flight ends,
+        the predictor learns its answer's length, its endpoint's timings are updated."""
+        self.work.finish(outcome.request_id)
+        if outcome.status != 200 or outcome.completion_tokens is None:
+            return
+        if outcome.endpoint in self.endpoints:
+            self.work.learn_timings(outcome.endpoint, outcome.ttft, outcome.duration,
+                                    outcome.completion_tokens)
+        if self.predictor is not None and outcome.features:
+            features = Features.from_key(outcome.features)
+            if features is not None:
+                self.predictor.learn(features, outcome.completion_tokens)
+
     def reap(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
+        self.work.reap(now)
         limit = now - self.settings.inflight_timeout
         lost = [rid for rid, e in self.inflight.items() if e.sent_at < limit]
         for rid in lost:
@@ -420,6 +452,12 @@ class Router:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
             if prep is not None:
                 precise.apply_to(ctx, prep)
+        features = None
+        if self.predictor is not None:
+            features = Features.of(info.path, info.headers, parsed.obj, target, parsed.prompt,
+                                   prompt_tokens, parsed.max_tokens, ctx.hashes)
+            ctx.forecast = self.predictor.forecast(features)
+            ctx.projection = self._projector(target, now)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
         if self.gate is not None:
@@ -427,6 +465,8 @@ class Router:
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = prompt_tokens - cached
+        if features is not None:
+            self.work.add(request_id, chosen.address, now, uncached, ctx.forecast)
         if prep is not None:
             precise.after_decision(prep, chosen.address, now)
         if ctx.hashes:
@@ -445,7 +485,25 @@ class Router:
         if prep is not None:   # reported in the tokenizer's units
             prompt_tokens, cached = precise.reported(prep, ctx, chosen.address, cached)
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
-                        prompt_tokens, cached, client_id)
+                        prompt_tokens, cached, client_id,
+                        features.key() if features is not None else "", ctx.forecast)
+
+    def _projector(self, model: str, now: float):
+        """Per endpoint, the projection of its KV over its running requests' predicted ends
+        (picker.lengths.work), made at most once per decision."""
+        made: dict[str, Any] = {}
+        fallback = self.predictor.prior(model)
+
+        def projection(e: EndpointState):
+            p = made.get(e.address)
+            if p is None:
+                m = e.metrics
+                cap = m.kv_capacity_tokens or 0
+                p = made[e.address] = project(self.work.work(e.address), now, cap, m.kv_usage * cap,
+                                              m.running, m.waiting + e.since_scrape,
+                                              self.avg_prompt_tokens, fallback)
+            return p
+        return projection
 
     def _prefilter(self, candidates: list[EndpointState], by_addr: dict[str, EndpointState] | None,
                    ctx: SchedulingContext) -> list[EndpointState]:

@@ -6,6 +6,7 @@ metrics count as unknown-and-saturated: the worst score on every load signal.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from picker.scheduling.context import SchedulingContext
@@ -130,7 +131,7 @@ KV_PRESSURE = 0.5  # KV usage at which a prefix miss costs miss_weight times its
 
 def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens: float,
                         kv_wait_tokens: float, output_reserve_tokens: int,
-                        miss_weight: float = 1.0) -> float:
+                        miss_weight: float = 1.0, wait: WaitModel | None = None) -> float:
     """Prefill work (in tokens) this request would wait for and do on endpoint e.
 
     queue ahead:  waiting requests (size unknown: the recent mean prompt) plus the prompt tokens
@@ -141,7 +142,9 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
                   endpoint waits for, and their blocks displace other prompts' cached
                   prefixes, so a miss costs the pool more than this request's own wait;
     admission:    if the KV cache cannot hold the uncached prompt now, a wait of kv_wait_tokens
-                  plus the shortfall (requests must finish before blocks free up).
+                  plus the shortfall (requests must finish before blocks free up); with a wait
+                  model and the predictor on (picker.lengths), the wait until the running
+                  requests' predicted ends free enough KV, in prefill tokens.
     """
     m = e.metrics
     if m is None or e.stale:
@@ -155,7 +158,12 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
     used = m.kv_usage + (e.since_scrape_tokens / capacity if capacity else 0.0)
     weight = 1.0 + (miss_weight - 1.0) * min(1.0, used / KV_PRESSURE)
     cost = ahead + m.running * running_tokens + weight * uncached
-    if capacity:
+    projection = ctx.projection(e) if wait is not None and ctx.projection is not None else None
+    if projection is not None:
+        reserve = output_reserve_tokens + wait.reserve * ctx.forecast.median
+        cost += wait.tokens_per_second * projection.wait_seconds(uncached + reserve)
+        cost += wait.work * projection.remaining_tokens
+    elif capacity:
         free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
         need = uncached + output_reserve_tokens
         if need > free:
@@ -165,12 +173,30 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
     return cost
 
 
+@dataclass(frozen=True, slots=True)
+class WaitModel:
+    """How predicted-ttft uses the predicted ends of the running requests (picker.lengths).
+
+    tokens_per_second: prefill tokens an engine computes per second (converts a wait into the
+                       cost's units);
+    reserve:           the share of the request's own forecast answer (median) its KV must find
+                       room for beside its prompt;
+    work:              cost per output token the endpoint's running requests still produce."""
+    tokens_per_second: float = 1600.0
+    reserve: float = 0.0
+    work: float = 0.0
+
+
 def predicted_ttft_scorer(running_tokens: float = 16.0, kv_wait_tokens: float = 8192.0,
-                          output_reserve_tokens: int = 256, miss_weight: float = 1.0) -> Scorer:
-    """Scores min_cost / cost over the candidates, cost = predicted_ttft_cost (+1 block)."""
+                          output_reserve_tokens: int = 256, miss_weight: float = 1.0,
+                          predicted_wait: dict | None = None) -> Scorer:
+    """Scores min_cost / cost over the candidates, cost = predicted_ttft_cost (+1 block).
+    `predicted_wait` (a WaitModel's fields) turns on the wait from predicted ends."""
+    wait = WaitModel(**predicted_wait) if predicted_wait is not None else None
+
     def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
         costs = [predicted_ttft_cost(ctx, e, running_tokens, kv_wait_tokens, output_reserve_tokens,
-                                    miss_weight)
+                                    miss_weight, wait)
                  + ctx.block_size_tokens for e in eps]
         best = min(costs)
         if best == math.inf:
