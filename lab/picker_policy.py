@@ -234,6 +234,9 @@ class PickerPolicy(Policy):
         if request.router_id is not None and request.first_token_at is not None:
             self._queue_outcome(request, endpoint)
 
+    def report(self) -> dict:
+        return forecast_accuracy([(f, r.max_tokens) for r, f in self.forecasts])
+
     def _queue_outcome(self, request: LabRequest, endpoint) -> None:
         """The request's access-log entry, delivered at the next flush of Envoy's buffer."""
         now = self.clock()
@@ -244,3 +247,25 @@ class PickerPolicy(Policy):
                           getattr(request, "features", ""), deliver)
         self.outcome_seq += 1
         heapq.heappush(self.outcomes, (deliver, self.outcome_seq, outcome))
+
+
+LEARNED_AFTER = 50     # accuracy "once learned": the forecasts made after this many decisions
+
+
+def forecast_accuracy(pairs: list) -> dict:
+    """The predictor's accuracy over (forecast, true length) pairs in decision order: the median
+    absolute error of the median forecast (tokens, and relative to the true length), and how
+    often the true length stayed at or below the forecast's 0.9 quantile; the same over the
+    forecasts made once LEARNED_AFTER requests had been decided."""
+    if not pairs:
+        return {}
+    out = {}
+    for suffix, part in (("", pairs), ("_learned", pairs[LEARNED_AFTER:])):
+        if not part:
+            continue
+        errors = sorted(abs(f.median - n) for f, n in part)
+        relative = sorted(abs(f.median - n) / n for f, n in part)
+        out[f"length_abs_error_median{suffix}"] = errors[len(errors) // 2]
+        out[f"length_rel_error_median{suffix}"] = relative[len(relative) // 2]
+        out[f"length_p90_coverage{suffix}"] = sum(n <= f.high for f, n in part) / len(part)
+    return out

@@ -129,6 +129,11 @@ class Policy:
         at every engine start, as vLLM numbers them). Only called when `kv_events` is True; the
         policy models its own delivery delay."""
 
+    def report(self) -> dict:
+        """Figures of the policy's own to add to the run's summary (e.g. the picker's forecast
+        accuracy), computed after the run."""
+        return {}
+
     # Late binding: a policy whose pick() raises Deferred answers these.
     def next_wakeup(self) -> Optional[float]:
         """When held requests may go (virtual time), None if nothing is held."""

@@ -367,6 +367,7 @@ class Lab:
                 prefix_cache_queries=e.prefix_cache_queries,
                 prefix_cache_hits=e.prefix_cache_hits, generation_tokens=e.generation_tokens)
         summary["per_endpoint"] = per_endpoint
+        summary.update(self.policy.report())
         if cfg.outages:
             summary.update(outage_windows(self.samples, cfg.outages[0]))
         return LabRun(summary, self.samples, self.series, per_endpoint)

@@ -318,9 +318,12 @@ class Router:
     def on_outcome(self, outcome: Outcome) -> None:
         """A finished request as the gateway's access log reports it: its entry in flight ends,
         the predictor learns its answer's length, its endpoint's timings are updated."""
-        self.work.finish(outcome.request_id)
+        self.work.outcomes += 1
+        entry = self.work.finish(outcome.request_id)
         if outcome.status != 200 or outcome.completion_tokens is None:
             return
+        if entry is not None and outcome.prompt_tokens:
+            self.work.learn_token_ratio(entry.counted, outcome.prompt_tokens)
         if outcome.endpoint in self.endpoints:
             self.work.learn_timings(outcome.endpoint, outcome.ttft, outcome.duration,
                                     outcome.completion_tokens)
@@ -457,7 +460,8 @@ class Router:
             features = Features.of(info.path, info.headers, parsed.obj, target, parsed.prompt,
                                    prompt_tokens, parsed.max_tokens, ctx.hashes)
             ctx.forecast = self.predictor.forecast(features)
-            ctx.projection = self._projector(target, now)
+            if self.work.outcomes:   # the outcome path works: entries end when requests do
+                ctx.projection = self._projector(target, now)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
         if self.gate is not None:
@@ -465,8 +469,8 @@ class Router:
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = prompt_tokens - cached
-        if features is not None:
-            self.work.add(request_id, chosen.address, now, uncached, ctx.forecast)
+        if features is not None and self.work.outcomes:
+            self.work.add(request_id, chosen.address, now, uncached, prompt_tokens, ctx.forecast)
         if prep is not None:
             precise.after_decision(prep, chosen.address, now)
         if ctx.hashes:
@@ -501,7 +505,8 @@ class Router:
                 cap = m.kv_capacity_tokens or 0
                 p = made[e.address] = project(self.work.work(e.address), now, cap, m.kv_usage * cap,
                                               m.running, m.waiting + e.since_scrape,
-                                              self.avg_prompt_tokens, fallback)
+                                              self.avg_prompt_tokens, fallback,
+                                              self.work.token_ratio)
             return p
         return projection
 

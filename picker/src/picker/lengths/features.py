@@ -77,6 +77,11 @@ class Features:
     mode: str
     cap_tokens: int | None = None   # the cap itself (forecasts never exceed it); not in the key
 
+    @property
+    def prompt_octave(self) -> str:
+        """The prompt's length by octave (two half-octave buckets together)."""
+        return self.prompt if self.prompt == "-" else str(int(self.prompt) // 2)
+
     @classmethod
     def of(cls, path: str, headers: dict[str, str], obj: dict, model: str, prompt_text: str,
            prompt_tokens: int, max_tokens: int | None, hashes: list[int]) -> "Features":

@@ -40,13 +40,14 @@ FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("context", ("context",)),
     ("cap", ("cap",)),
     ("prompt", ("prompt",)),
+    ("prompt-octave", ("prompt_octave",)),
     ("mode", ("mode",)),
     ("client+template", ("client", "template")),
     ("client+mode", ("client", "mode")),
     ("template+prompt", ("template", "prompt")),
 )
 # Probabilities of the quantiles a forecast carries (residual work is averaged over them).
-LEVELS = tuple((i + 0.5) / 8 for i in range(8))
+LEVELS = tuple((i + 0.5) / 16 for i in range(16))
 
 
 def length_bin(n: int) -> int:
@@ -94,13 +95,13 @@ class Forecast:
     @property
     def median(self) -> float:
         q = self.quantiles
-        return 0.5 * (q[3] + q[4])
+        return 0.5 * (q[7] + q[8])
 
     @property
     def high(self) -> float:
-        """The 0.9 quantile (interpolated between the two highest levels)."""
+        """The 0.9 quantile (interpolated between the levels around it)."""
         q = self.quantiles
-        return q[6] + (q[7] - q[6]) * (0.9 - LEVELS[6]) / (LEVELS[7] - LEVELS[6])
+        return q[13] + (q[14] - q[13]) * (0.9 - LEVELS[13]) / (LEVELS[14] - LEVELS[13])
 
     @property
     def mean(self) -> float:
@@ -120,7 +121,7 @@ class Forecast:
 class PredictorSettings:
     memory: float = 64.0          # answers a key remembers (older ones fade)
     prior_memory: float = 512.0   # the same for the pool-wide prior
-    prior_weight: float = 3.0     # pseudo-answers of the prior in every forecast
+    prior_weight: float = 1.0     # pseudo-answers of the prior in every forecast
     max_keys: int = 2048          # per family and model, LRU
     loss_alpha: float = 0.03      # EWMA weight of a family's recent forecast errors
     default_length: float = 256.0  # the forecast before the first answer of a model

@@ -150,20 +150,24 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
     if m is None or e.stale:
         return math.inf
     uncached = ctx.prompt_tokens - ctx.cached_tokens(e.address)
-    ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
     capacity = m.kv_capacity_tokens
     # A miss displaces other prompts' cached blocks only when the KV cache is under pressure: on
     # an empty cache it costs just its own prefill. Without this, a burst sharing a prefix no
     # group holds yet piles onto the first group that got it (cold start).
     used = m.kv_usage + (e.since_scrape_tokens / capacity if capacity else 0.0)
     weight = 1.0 + (miss_weight - 1.0) * min(1.0, used / KV_PRESSURE)
-    cost = ahead + m.running * running_tokens + weight * uncached
+    cost = m.running * running_tokens + weight * uncached
     projection = ctx.projection(e) if wait is not None and ctx.projection is not None else None
     if projection is not None:
+        # The queue ahead and the KV wait from the running requests' predicted ends, in
+        # prefill tokens.
         reserve = output_reserve_tokens + wait.reserve * ctx.forecast.median
-        cost += wait.tokens_per_second * projection.wait_seconds(uncached + reserve)
-        cost += wait.work * projection.remaining_tokens
-    elif capacity:
+        tps = wait.tokens_per_second
+        need = uncached * projection.token_ratio + reserve
+        return cost + tps * projection.wait_seconds(need, 1.0 / tps) \
+            + wait.work * projection.remaining_tokens
+    cost += m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
+    if capacity:
         free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
         need = uncached + output_reserve_tokens
         if need > free:
