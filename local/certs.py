@@ -107,7 +107,7 @@ def _tls_secret(name: str, namespace: str | None, files: dict[str, bytes]) -> di
 
 def secrets_for(gateway: list[dict], certs: RunCerts) -> list[dict]:
     """The Secrets the gateway objects name, filled from this run's files, as an operator creates
-    them in a cluster (README "Deploy"): each listener certificate of the Gateway (the listeners'
+    them in a cluster (docs/deploy.md): each listener certificate of the Gateway (the listeners'
     tls.crt/tls.key) and each CA a Backend verifies its endpoints with (the picker's Secret:
     tls.crt, tls.key, ca.crt)."""
     ca = certs.ca.read_bytes()

@@ -29,8 +29,8 @@ def envoy_gateway() -> str:
     return chart_version("envoy-gateway")
 
 
-# Argo CD itself is installed by hand (README.md, "Install Argo CD"), not by an app: its version
-# is pinned here, and tests/policy/test_pins.py checks that the README installs this one.
+# Argo CD itself is installed by hand (docs/deploy.md, "Install Argo CD"), not by an app: its version
+# is pinned here, and tests/policy/test_pins.py checks that docs/deploy.md installs this one.
 ARGO_CD = "v3.5.1"
 
 

@@ -54,7 +54,7 @@ def test_report_keeps_sections_of_benchmarks_not_run(tmp_path, monkeypatch):
                                             "| old table |\n\n## Local gateway streaming\n\n(not run)\n")
     (tmp_path / "lab-matrix.json").write_text(json.dumps(matrix_bench()))
     text = report.write()
-    assert "## Validation time\n\n| old table |\n\n## Picker" in text          # kept
+    assert "## Validation time\n\n| old table |\n\n## Local gateway streaming\n\n(not run)\n\n## Picker" in text  # kept
     assert "## Picker decision throughput and latency\n\n(not run)" in text   # never run
     assert "| base: base desc |" in text and "old header" not in text
 

@@ -49,7 +49,7 @@ def test_the_built_envoy_gateway_is_the_pinned_one_and_runs_the_pinned_envoy():
     assert re.search(rf"ENVOY_PROXY_VERSION: \S*v{re.escape(dataplane.ENVOY_VERSION)}$", version, re.M), version
 
 
-def test_the_readme_installs_the_pinned_argo_cd():
-    readme = (ROOT / "README.md").read_text()
+def test_the_deploy_doc_installs_the_pinned_argo_cd():
+    readme = (ROOT / "docs" / "deploy.md").read_text()
     installed = set(re.findall(r"argoproj/argo-cd/(v[\d.]+)/manifests/install", readme))
     assert installed == {pins.ARGO_CD}
