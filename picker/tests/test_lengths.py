@@ -10,7 +10,7 @@ import pytest
 from picker.core import RequestInfo, Router, RouterSettings
 from picker.lengths.features import MAX_CAP, Features, half_octave
 from picker.lengths.predictor import LEVELS, LengthPredictor, PredictorSettings
-from picker.lengths.work import EndpointWork, Projection, WorkTracker, project
+from picker.lengths.work import EndpointWork, WorkTracker, _play, project
 from picker.scheduling.profile import load_profile
 from picker.signals.outcomes import Outcome
 
@@ -128,7 +128,7 @@ def test_residual_work_given_what_was_produced():
         p.learn(feats(), n)
     f = p.forecast(feats())
     assert len(f.quantiles) == len(LEVELS)
-    assert f.residual(0) == pytest.approx(f.mean)
+    assert f.residual(0) == pytest.approx(f.median)
     assert f.residual(450) < f.residual(0)
     # past every quantile: a long tail, the request keeps going for a while
     assert f.residual(5000) == pytest.approx(1250)
@@ -145,14 +145,29 @@ def test_bad_predictor_settings_are_refused(bad):
 
 def test_the_wait_is_the_first_predicted_end_after_which_the_request_fits():
     # 1,000 tokens free; three running requests ending after 10, 50 and 200 steps, holding 3,000,
-    # 2,000 and 1,000 tokens; 500 tokens of prompts waiting ahead.
-    p = Projection(free_now=1000, ends=[(10, 3000), (50, 2000), (200, 1000)],
-                   alive_after=[2, 1, 0], waiting_tokens=500, remaining_tokens=260, tpot=0.1)
-    assert p.wait_steps(400) == 0            # 400 + 500 fit in 1,000
-    assert p.wait_steps(3000) == 10          # 1,000 + 3,000 - 2 x 10 >= 3,500
-    assert p.wait_steps(5400) == 50          # 1,000 + 5,000 - 50 >= 5,900
-    assert p.wait_seconds(5400) == pytest.approx(5.0)
+    # 2,000 and 1,000 tokens; nothing queued.
+    p = _play([[10, 3000], [50, 2000], [200, 1000]], [], free=1000, tpot=0.1)
+    assert p.first == -1 and p.wait_steps(900) == 0
+    assert p.wait_steps(3900) == 10          # 1,000 + 3,000 - 2 x 10 running tokens = 3,980
+    assert p.wait_steps(5900) == 50          # + 2,000 - 40 more
+    assert p.wait_seconds(5900) == pytest.approx(5.0)
     assert p.wait_steps(50_000) == 200       # never fits: after the last end
+
+
+def test_the_queue_ahead_is_admitted_first():
+    # 500 tokens of prompt waiting ahead: admitted at the first end, it holds KV from then on.
+    alone = _play([[10, 3000], [50, 2000]], [], free=1000, tpot=0.1)
+    behind = _play([[10, 3000], [50, 2000]], [(2500.0, 100.0)], free=1000, tpot=0.1)
+    assert behind.first == 0 and behind.free_at_end[0] == pytest.approx(3990 - 2500)
+    assert alone.wait_steps(2000) == 10 and behind.wait_steps(2000) == 50
+
+
+def test_when_kv_runs_out_the_newest_request_is_preempted():
+    # Two requests grow into 100 free tokens: after 50 steps the newest is preempted and goes
+    # back to the queue; it is readmitted only after the first end.
+    p = _play([[400, 1000], [300, 1000]], [], free=100, tpot=0.1)
+    assert p.end_steps[0] == pytest.approx(400)      # the oldest runs to its end
+    assert p.free_at_end[0] > 1000                  # and frees all it grew to
 
 
 def test_the_projection_splits_running_from_waiting_by_arrival_order():
@@ -161,23 +176,37 @@ def test_the_projection_splits_running_from_waiting_by_arrival_order():
     tracker = WorkTracker()
     tracker.endpoints["e"] = w
     for i, t in enumerate((0.0, 1.0, 2.0)):
-        tracker.add(f"r{i}", "e", t, 500, f)
+        tracker.add(f"r{i}", "e", t, 500, 600, f)
     w.on_scrape(2.0, waiting=1)                          # the newest one waits
     assert [w.entries[r].started_at for r in ("r0", "r1", "r2")] == [2.0, 2.0, None]
-    proj = project(w, now=7.0, capacity=4000, used=1000, running=2, waiting=1, avg_prompt=500,
+    proj = project(w, now=7.0, capacity=4000, used=1100, running=2, waiting=1, avg_prompt=500,
                    fallback=None)
-    assert proj.waiting_tokens == 500 and len(proj.ends) == 2
-    assert proj.free_now == 3000
-    # 5 s at 0.1 s per token, less the prompt's prefill (500 / 2,048 of a step): ~50 produced
-    assert proj.ends[0][0] == pytest.approx(100 - (50 - 500 / 2048))
-    assert sum(kv for _, kv in proj.ends) == pytest.approx(1000)   # scaled to the scrape's usage
+    # the queued one is admitted at once: 2,900 free less its 500
+    assert proj.first == -1 and proj.free_now == pytest.approx(2400)
+    # each running one has produced ~50 of its 100 (5 s at 0.1 s a token, less its prefill)
+    assert proj.end_steps[0] == pytest.approx(50, abs=1)
+    assert len(proj.end_steps) == 3
+
+
+def test_requests_the_scrape_no_longer_shows_running_have_ended():
+    short = LengthPredictor().forecast(feats(cap=10))
+    long = LengthPredictor(PredictorSettings(default_length=4000)).forecast(feats())
+    w = EndpointWork(tpot=0.1, ttft=0.0)
+    tracker = WorkTracker()
+    tracker.endpoints["e"] = w
+    tracker.add("a", "e", 0.0, 100, 100, short)    # produced ~300 of its 10: surely done
+    tracker.add("b", "e", 0.0, 100, 100, long)
+    w.on_scrape(0.0, waiting=0)
+    proj = project(w, now=30.0, capacity=10_000, used=500, running=1, waiting=0, avg_prompt=0,
+                   fallback=None)
+    assert len(proj.end_steps) == 1 and proj.end_steps[0] > 1000    # b's end, not a's
 
 
 def test_lost_entries_are_reaped_and_finished_ones_removed():
     f = LengthPredictor().forecast(feats())
     tracker = WorkTracker()
-    tracker.add("a", "e", 0.0, 10, f)
-    tracker.add("b", "e", 100.0, 10, f)
+    tracker.add("a", "e", 0.0, 10, 10, f)
+    tracker.add("b", "e", 100.0, 10, 10, f)
     assert tracker.finish("b").address == "e" and tracker.finish("b") is None
     assert tracker.reap(now=30.0) == 0 and tracker.reap(now=1000.0) == 1
     assert not tracker.by_id and not tracker.endpoints["e"].entries
@@ -225,11 +254,12 @@ def make_router(lengths=PredictorSettings()):
 
 def test_the_router_learns_each_clients_answers_from_outcomes():
     r = make_router()
-    for _ in range(30):
+    for i in range(30):
         (a,) = routed(r, "chat")
         (b,) = routed(r, "reasoner")
         assert a.features and a.forecast is not None
-        assert a.request_id in r.work.by_id
+        # tracked once outcomes flow (without them an entry could only be reaped)
+        assert (a.request_id in r.work.by_id) == (i > 0)
         r.on_outcome(outcome(a, 120))
         r.on_outcome(outcome(b, 2400))
         assert a.request_id not in r.work.by_id and b.request_id not in r.work.by_id

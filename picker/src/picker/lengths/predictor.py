@@ -107,14 +107,22 @@ class Forecast:
     def mean(self) -> float:
         return sum(self.quantiles) / len(self.quantiles)
 
+    def survival(self, produced: float) -> float:
+        """How likely an answer that has reached `produced` tokens goes on (the share of the
+        quantiles above it, half a level at least)."""
+        above = sum(1 for q in self.quantiles if q > produced)
+        return max(0.5, above) / len(self.quantiles)
+
     def residual(self, produced: float) -> float:
-        """Expected tokens still to come once `produced` have been: the mean excess of the
-        quantiles above it; past all of them, a quarter of what was produced (a long tail's
-        mean residual life grows with age)."""
+        """Tokens still to come once `produced` have been: the median excess of the quantiles
+        above it (the median, not the mean: a heavy tail's mean residual is set by its rare
+        extremes, and every projection would wait for them); past all of them, a quarter of
+        what was produced (a long tail's residual life grows with age)."""
         left = [q - produced for q in self.quantiles if q > produced]
-        if not left:
+        n = len(left)
+        if not n:
             return max(1.0, 0.25 * produced)
-        return sum(left) / len(left)
+        return left[n // 2] if n % 2 else 0.5 * (left[n // 2 - 1] + left[n // 2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ TIMING_ALPHA = 0.1          # EWMA weight of a new outcome's timings
 PREFILL_CHUNK = 2048        # prompt tokens an engine prefills per step (vLLM's default budget)
 MAX_ENDS = 256              # a projection looks this many predicted ends ahead at most
 WATERMARK = 0.01            # KV share an engine keeps free when admitting (vLLM's default)
+MAX_CALIBRATION = 4.0       # the produced-tokens correction from KV usage stays within 1/4..4x
 MAX_ENTRIES = 2048          # requests tracked per endpoint at most (vLLM runs <= 256 at once)
 LOST_AFTER_FACTOR = 4.0     # an entry older than this x its forecast's high quantile x TPOT ...
 LOST_AFTER_MIN = 60.0       # ... and this many seconds has lost its outcome
@@ -161,83 +162,74 @@ class WorkTracker:
 class Projection:
     """One endpoint's KV cache played forward over its requests' predicted ends.
 
-    `free_at_end[k]` is the KV (tokens) free right after the k-th predicted end, at
-    `end_steps[k]` decode steps from now, once every request waiting there now has been
-    admitted (from `first` on; before it, the queue still holds some). Between ends the running
-    requests each take a token per step (`running_after[k]` of them after end k)."""
+    `free_now` is the KV (tokens) free once what is queued there and fits now is admitted;
+    `free_at_end[k]` the same right after the k-th predicted end, `end_steps[k]` decode steps
+    from now. From end `first` on, every request queued there now has been admitted (-1: all at
+    once), so a new request behind them may take what is free."""
     free_now: float
     end_steps: list[float]
     free_at_end: list[float]
-    running_after: list[int]
-    prefill_before: list[float]  # prompt tokens prefilled (admissions) before each end
-    first: int                  # the first end after which the queue ahead has been admitted
-    remaining_tokens: float     # output tokens the requests there still produce (forecasts)
-    tpot: float
-    queued_prefill: float = 0.0  # prompt tokens of the whole queue ahead
-    token_ratio: float = 1.0     # engine tokens per token the picker counts
-
-    def _end(self, need: float) -> int:
-        """The index of the end after which a new request behind the queue finds `need` KV
-        tokens free (-1: at once)."""
-        if self.first == 0 and self.free_now >= need:
-            return -1
-        free_at = self.free_at_end
-        for k in range(max(0, self.first - 1), len(free_at)):
-            if free_at[k] >= need:
-                return k
-        return len(free_at) - 1
+    first: int
+    tpot: float                 # seconds per decode step (the endpoint's time per output token)
+    token_ratio: float = 1.0    # engine tokens per token the picker counts
 
     def wait_steps(self, need: float) -> float:
-        """Decode steps until a new request, behind the queue, finds `need` KV tokens free."""
-        k = self._end(need)
-        return self.end_steps[k] if k >= 0 else 0.0
+        """Decode steps until a new request, behind the queue, finds `need` KV tokens free
+        (after the last predicted end at most)."""
+        if self.first < 0 and self.free_now >= need:
+            return 0.0
+        free_at = self.free_at_end
+        for k in range(max(0, self.first), len(free_at)):
+            if free_at[k] >= need:
+                return self.end_steps[k]
+        return self.end_steps[-1] if self.end_steps else 0.0
 
-    def wait_seconds(self, need: float, prefill_seconds: float) -> float:
-        """Seconds until then: the decode steps, and the prefill of the requests admitted
-        meanwhile (every admission's prompt holds up the engine's steps), at `prefill_seconds`
-        per prompt token."""
-        k = self._end(need)
-        if k < 0:
-            return self.queued_prefill * prefill_seconds
-        prefill = max(self.prefill_before[k], self.queued_prefill)
-        return self.end_steps[k] * self.tpot + prefill * prefill_seconds
+    def wait_seconds(self, need: float) -> float:
+        return self.wait_steps(need) * self.tpot
 
 
 def project(work: EndpointWork, now: float, capacity: float, used: float, running: float,
             waiting: float, avg_prompt: float, fallback: Forecast | None,
             token_ratio: float = 1.0) -> Projection:
     """The projection from the endpoint's last scrape (`used` KV tokens, `running` and `waiting`
-    requests) and this picker's entries there, as vLLM schedules: the newest `waiting` entries
-    are still queued and are admitted in order, each once KV for its prompt is free; every
-    running request takes a token per step and frees all it holds when it ends. Running
-    requests the picker did not send (another gateway, a lost entry) get the pool's forecast and
-    an equal share of the KV the picker cannot account for."""
+    requests) and this picker's entries there. The newest `waiting` entries are still queued;
+    of the others, the `running` likeliest still to run are (the rest have ended and their
+    outcomes are on their way: the access log flushes once a second). What they have produced
+    is the time-based estimate calibrated on the KV the scrape says they hold. Requests the
+    picker did not send (another gateway, a lost entry) get the pool's forecast and an equal
+    share of the KV the picker cannot account for."""
     entries = sorted(work.entries.values(), key=lambda e: e.sent_at)
     n_wait = min(len(entries), int(waiting))
     queued = entries[len(entries) - n_wait:] if n_wait else []
-    started = entries[:len(entries) - n_wait]
+    started = [(e, work.produced(e, now)) for e in entries[:len(entries) - n_wait]]
+    if len(started) > running:
+        started.sort(key=lambda ep: ep[0].forecast.survival(ep[1]), reverse=True)
+        started = started[:int(running)]
+    prompts = sum(e.prompt_tokens for e, _ in started)
+    made = sum(produced for _, produced in started)
+    if made > 0 and used > prompts:
+        k = min(MAX_CALIBRATION, max(1.0 / MAX_CALIBRATION, (used - prompts) / made))
+        started = [(e, produced * k) for e, produced in started]
     ends: list[list[float]] = []        # [steps until it ends, tokens it holds now]
-    kv_known = 0.0
-    for e in started:
-        produced = work.produced(e, now)
+    held = 0.0
+    for e, produced in started:
         kv = e.prompt_tokens + produced
-        kv_known += kv
+        held += kv
         ends.append([e.forecast.residual(produced), kv])
     unknown = int(running) - len(started)
     if unknown > 0 and fallback is not None:
-        share = max(0.0, used - kv_known) / unknown
-        ends.extend([fallback.mean, share] for _ in range(unknown))
-        kv_known = max(kv_known, used)
-    if kv_known > 0 and used > 0:
-        # The estimates of what each request holds add up to what the scrape says is held.
-        scale = used / kv_known
+        share = max(0.0, used - held) / unknown
+        ends.extend([fallback.median, share] for _ in range(unknown))
+        held = max(held, used)
+    if held > 0 and used > 0:       # what each holds adds up to what the scrape says is held
+        scale = used / held
         for end in ends:
             end[1] *= scale
-    queue = [(float(e.prompt_tokens), e.forecast.mean) for e in queued]
+    queue = [(e.prompt_tokens, e.forecast.median) for e in queued]
     extra = int(waiting) - n_wait
     if extra > 0:
-        mean = fallback.mean if fallback is not None else 0.0
-        queue.extend((avg_prompt * token_ratio, mean) for _ in range(extra))
+        length = fallback.median if fallback is not None else 0.0
+        queue.extend((avg_prompt * token_ratio, length) for _ in range(extra))
     p = _play(ends, queue, max(0.0, capacity - used), work.tpot, WATERMARK * capacity)
     p.token_ratio = token_ratio
     return p
@@ -245,50 +237,44 @@ def project(work: EndpointWork, now: float, capacity: float, used: float, runnin
 
 def _play(ends: list[list[float]], queue: list[tuple[float, float]], free: float,
           tpot: float, watermark: float = 0.0) -> Projection:
-    """Walk the predicted ends in order, admitting the queue as KV frees (see project).
-
-    Like vLLM's scheduler: a queued request is admitted once its prompt fits above the
-    watermark; every running request takes a token per step; when the free KV runs out before
-    the next end, the newest running request is preempted (it frees what it holds and goes back
-    to the head of the queue, to recompute all it had)."""
+    """Walk the predicted ends in order, as vLLM's scheduler would: a queued request is admitted
+    once its prompt fits above the watermark (its answer then ends after its prefill and its
+    forecast length); every running request takes a token per step; when the free KV runs out
+    before the next end, the newest running request is preempted (it frees what it holds and
+    goes back to the head of the queue, to recompute it all, after the next end)."""
     # Running requests in admission order: [ends at step, held at `since`, since, alive].
-    runs = [[left, held, 0.0, True] for left, held in sorted(ends, key=lambda e: -e[0])]
+    runs = [[left, kv, 0.0, True] for left, kv in sorted(ends, key=lambda e: -e[0])]
     heap = [(r[0], i) for i, r in enumerate(runs)]
     heapq.heapify(heap)
     queue = list(queue)
-    remaining = sum(left for left, _ in ends)
-    free_now = free
-    step, alive, head = 0.0, len(runs), 0
+    free_now = None
+    step, alive, head, newest = 0.0, len(runs), 0, len(runs) - 1
     end_steps: list[float] = []
     free_at_end: list[float] = []
-    running_after: list[int] = []
-    prefill_before: list[float] = []
-    prefilled = 0.0
-    queued_prefill = sum(prompt for prompt, _ in queue)
-    first = 0 if not queue else -1
-    newest = len(runs) - 1
-    preempted = False            # the queue waits for the next end after a preemption
-    while len(end_steps) < MAX_ENDS:
+    first = None
+    preempted = False
+    while True:
         while not preempted and head < len(queue) and free - queue[head][0] >= watermark:
             prompt, length = queue[head]
             free -= prompt
-            prefilled += prompt
             head += 1
             ends_at = step + prompt / PREFILL_CHUNK + length
             runs.append([ends_at, prompt, step, True])
             heapq.heappush(heap, (ends_at, len(runs) - 1))
-            remaining += length
             alive += 1
             newest = len(runs) - 1
-        if first < 0 and head == len(queue):
-            first = len(end_steps)
+        if end_steps:
+            free_at_end[-1] = free       # after the end and what it let in
+        else:
+            free_now = free
+        if first is None and head == len(queue):
+            first = len(end_steps) - 1
         while heap and not runs[heap[0][1]][3]:
             heapq.heappop(heap)
-        if not heap:
+        if not heap or len(end_steps) >= MAX_ENDS:
             break
         at = heap[0][0]
         if alive and free - alive * (at - step) < 0:
-            # The KV runs out first: preempt the newest running request.
             step += max(0.0, free) / alive
             free = 0.0
             while not runs[newest][3]:
@@ -296,9 +282,9 @@ def _play(ends: list[list[float]], queue: list[tuple[float, float]], free: float
             victim = runs[newest]
             victim[3] = False
             alive -= 1
-            held = victim[1] + max(0.0, step - victim[2])
-            free += held
-            queue.insert(head, (held, max(1.0, victim[0] - step)))
+            kv = victim[1] + (step - victim[2])
+            free += kv
+            queue.insert(head, (kv, max(1.0, victim[0] - step)))
             preempted = True
             continue
         _, i = heapq.heappop(heap)
@@ -311,9 +297,6 @@ def _play(ends: list[list[float]], queue: list[tuple[float, float]], free: float
         preempted = False
         end_steps.append(step)
         free_at_end.append(free)
-        running_after.append(alive)
-        prefill_before.append(prefilled)
-    if first < 0:
+    if first is None:
         first = len(end_steps)
-    return Projection(free_now, end_steps, free_at_end, running_after, prefill_before, first,
-                      remaining, tpot, queued_prefill)
+    return Projection(free_now, end_steps, free_at_end, first, tpot)

@@ -142,9 +142,10 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
                   endpoint waits for, and their blocks displace other prompts' cached
                   prefixes, so a miss costs the pool more than this request's own wait;
     admission:    if the KV cache cannot hold the uncached prompt now, a wait of kv_wait_tokens
-                  plus the shortfall (requests must finish before blocks free up); with a wait
-                  model and the predictor on (picker.lengths), the wait until the running
-                  requests' predicted ends free enough KV, in prefill tokens.
+                  plus the shortfall (requests must finish before blocks free up);
+    predicted:    with a wait model (`predicted_wait`) and learned output lengths
+                  (picker.lengths), a share of the decode time until the running requests'
+                  predicted ends free enough KV for it behind the queue, in prefill tokens.
     """
     m = e.metrics
     if m is None or e.stale:
@@ -156,17 +157,14 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
     # group holds yet piles onto the first group that got it (cold start).
     used = m.kv_usage + (e.since_scrape_tokens / capacity if capacity else 0.0)
     weight = 1.0 + (miss_weight - 1.0) * min(1.0, used / KV_PRESSURE)
-    cost = m.running * running_tokens + weight * uncached
-    projection = ctx.projection(e) if wait is not None and ctx.projection is not None else None
-    if projection is not None:
-        # The queue ahead and the KV wait from the running requests' predicted ends, in
-        # prefill tokens.
-        reserve = output_reserve_tokens + wait.reserve * ctx.forecast.median
-        tps = wait.tokens_per_second
-        need = uncached * projection.token_ratio + reserve
-        return cost + tps * projection.wait_seconds(need, 1.0 / tps) \
-            + wait.work * projection.remaining_tokens
-    cost += m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
+    ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
+    cost = ahead + m.running * running_tokens + weight * uncached
+    if wait is not None and ctx.projection is not None:
+        # Learned output lengths (picker.lengths): the decode steps until the running requests'
+        # predicted ends free KV for this request behind the queue there, in prefill tokens.
+        projection = ctx.projection(e)
+        need = uncached * projection.token_ratio + output_reserve_tokens
+        cost += wait.weight * wait.tokens_per_second * projection.wait_seconds(need)
     if capacity:
         free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
         need = uncached + output_reserve_tokens
@@ -179,16 +177,20 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
 
 @dataclass(frozen=True, slots=True)
 class WaitModel:
-    """How predicted-ttft uses the predicted ends of the running requests (picker.lengths).
+    """How predicted-ttft adds the wait for KV from the running requests' predicted ends
+    (picker.lengths; `predicted_wait` in a profile).
 
-    tokens_per_second: prefill tokens an engine computes per second (converts a wait into the
-                       cost's units);
-    reserve:           the share of the request's own forecast answer (median) its KV must find
-                       room for beside its prompt;
-    work:              cost per output token the endpoint's running requests still produce."""
+    tokens_per_second: prefill tokens an engine computes per second: converts the wait into the
+                       cost's units (the A10 QwQ-32B groups: ~1,600);
+    weight:            the share of that wait added to the cost. Beside the fixed admission
+                       term, not instead of it: tuned with the routing lab (picker/README.md,
+                       "Output lengths")."""
     tokens_per_second: float = 1600.0
-    reserve: float = 0.0
-    work: float = 0.0
+    weight: float = 0.5
+
+    def __post_init__(self):
+        if self.tokens_per_second <= 0 or self.weight < 0:
+            raise ValueError("predicted_wait: tokens_per_second must be > 0 and weight >= 0")
 
 
 def predicted_ttft_scorer(running_tokens: float = 16.0, kv_wait_tokens: float = 8192.0,
