@@ -4,7 +4,9 @@ Everything production would do, in virtual time:
 - every endpoint is scraped every `scrape_interval` seconds (the picker's default,
   `picker.defaults.SCRAPE_INTERVAL`), with the endpoints' scrape phases spread over one
   interval; the page is `local.sim.metrics.render_gauges` of the engine's state at the scrape
-  instant and goes through `Router.on_scrape_ok` (the picker's own parser, staleness rules);
+  instant, parsed by the picker's own parser (`parse_vllm_metrics`) and given to the Router
+  with `Router.on_metrics` (what `Router.on_scrape_ok` does; staleness rules). An engine state
+  seen before reuses its page's parse (the parse is a pure function of the page);
 - each request is decided by `Router.decide(RequestInfo(path, headers, body))` with the same JSON
   body a load-test client sends, and reported with `Router.on_request_done` when the picker
   would learn of its end: with the deployed EnvoyExtensionPolicy (request phase only) Envoy closes
@@ -41,6 +43,7 @@ from picker.errors import PickerError
 from picker.flowcontrol.controller import FlowControl, FlowSettings
 from picker.flowcontrol.queue import Held
 from picker.scheduling.profile import load_profile
+from picker.signals.metrics import parse_vllm_metrics
 
 from local.sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from local.sim.metrics import cache_config_labels, render_gauges
@@ -72,6 +75,7 @@ def picker_events(events: list) -> list:
 
 
 class PickerPolicy(Policy):
+    reads_engines = False        # only the scrapes recorded in LabEndpoint.history
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
@@ -110,7 +114,7 @@ class PickerPolicy(Policy):
         self.phase = [-iv + i * iv / n for i in range(n)]
         self.done_tick = [-math.inf] * n
         self.cache_config = [cache_config_labels(ep.engine) for ep in endpoints]
-        self.texts: dict = {}
+        self.pages: dict = {}            # (endpoint, running, waiting, kv) -> parsed page
         self.kv_queue: list = []         # heap of (deliver at, n, address, seq, published at, events)
         self.kv_batches = 0
         if self.kv_events:
@@ -149,13 +153,14 @@ class PickerPolicy(Policy):
             else:
                 running, waiting, kv = 0, 0, 0.0
             key = (i, running, waiting, kv)   # per endpoint: each has its own cache config
-            text = self.texts.get(key)
-            if text is None:
-                text = render_gauges(ep.model_name, running, waiting, kv, self.cache_config[i])
-                if len(self.texts) > 4096:
-                    self.texts.clear()
-                self.texts[key] = text
-            self.router.on_scrape_ok(ep.address, text, tick)
+            page = self.pages.get(key)
+            if page is None:
+                page = parse_vllm_metrics(render_gauges(ep.model_name, running, waiting, kv,
+                                                        self.cache_config[i]))
+                if len(self.pages) > 4096:
+                    self.pages.clear()
+                self.pages[key] = page
+            self.router.on_metrics(ep.address, page, tick)
             self.done_tick[i] = tick
             self.scrapes += 1
 
@@ -191,14 +196,16 @@ class PickerPolicy(Policy):
         now, iv = self.clock(), self.scrape_interval
         if self.out:
             return now
-        ticks = []
-        for i, done in enumerate(self.done_tick):
-            tick = self.phase[i] + (math.floor((now - self.phase[i]) / iv) + 1) * iv
-            while tick <= max(now, done) + 1e-9:  # float rounding: always a tick still to come
+        first = math.inf              # (called after every lab event while requests wait)
+        for phase, done in zip(self.phase, self.done_tick):
+            tick = phase + (math.floor((now - phase) / iv) + 1) * iv
+            bound = (now if now > done else done) + 1e-9
+            while tick <= bound:      # float rounding: always a tick still to come
                 tick += iv
-            ticks.append(tick)
+            if tick < first:
+                first = tick
         deadline = self.flow.next_deadline()
-        return min(ticks + ([deadline] if deadline is not None else []))
+        return first if deadline is None or first <= deadline else deadline
 
     def wake(self):
         self._catch_up()

@@ -100,7 +100,7 @@ class Stack:
         self.topology = topology(c)
         ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(),
                                                        c.picker_grpc_port, c.picker_health_port,
-                                                       c.picker_metrics_port,
+                                                       c.picker_metrics_port, c.picker_outcomes_port,
                                                        *kv_event_ports(c, self.topology)]
         if c.token_budget:
             ports += [*dataclasses.astuple(c.ratelimit_ports), ratelimit.XDS_PORT]
@@ -144,7 +144,7 @@ class Stack:
             topo.gateway,
             {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
              for name, addresses in topo.services.items()},
-            (c.host, c.picker_grpc_port), self.listener_ports())
+            (c.host, c.picker_grpc_port), self.listener_ports(), outcomes=(c.host, c.picker_outcomes_port))
         if c.edge_security:
             self.api_keys = new_api_keys(c.api_keys_file)
             resources += [api_keys_secret(topo.gateway, self.api_keys)]
@@ -226,7 +226,7 @@ def describe(stack: Stack) -> str:
         lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
                  f"{stack.topology.body_mode}), health {c.picker_health_port}, "
-                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics")
+                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics, outcomes {c.picker_outcomes_port}")
     timing = picker_timing(c)
     if timing is not None:
         lines.append(f"                 scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "

@@ -174,3 +174,125 @@ def test_block_hashes_are_chained():
     b = block_hashes(tokens(100, 4) + tokens(4, 4), 4)
     assert len(a) == 2 and a[1] != b[1]            # same second block, different prefix
     assert block_hashes(tokens(0, 7), 4) == a[:1]  # partial blocks are not hashed
+
+
+def test_a_non_streaming_engine_gives_the_same_token_times_and_schedule():
+    """stream=False (the lab's engines) skips the per-token outputs and histograms; each finished
+    request carries its tokens' times instead, equal to what the stream delivered, and every step
+    (preemptions, cache hits, KV events) is the same."""
+    import random
+    rng = random.Random(7)
+    shared = tokens(1000, 24)
+    work = [(f"r{i}", (shared if i % 2 else []) + tokens(100 * i, rng.randint(1, 20)),
+             rng.randint(1, 12)) for i in range(14)]
+
+    def drive(stream):
+        clock = Clock()
+        engine = Engine(TINY, clock, kv_events=True, stream=stream)
+        seen, times, steps = {}, {}, []
+        arrivals = list(work)
+        while arrivals or engine.has_work():
+            if arrivals and (not engine.has_work() or rng_steps.random() < 0.6):
+                rid, ids, n = arrivals.pop(0)
+                engine.add_request(rid, ids, max_tokens=n)
+            result = engine.step()
+            if result is None:
+                continue
+            clock.t = result.end_time
+            steps.append((result.duration_s, result.num_prefill_tokens, result.num_decode_seqs,
+                          [r.request_id for r in result.finished], engine.take_kv_events()))
+            for out in result.outputs:
+                seen.setdefault(out.request_id, []).append(result.end_time)
+            for r in result.finished:
+                times[r.request_id] = (r.first_token_time, r.token_gaps, r.last_token_time,
+                                       r.num_output)
+        return seen, times, steps, engine.num_preemptions
+
+    rng_steps = random.Random(3)
+    streamed, _, steps_streamed, preempted = drive(True)
+    rng_steps = random.Random(3)
+    outputs, times, steps, preempted_too = drive(False)
+    assert outputs == {} and steps == steps_streamed and preempted == preempted_too > 0
+    assert set(times) == set(streamed) == {rid for rid, _, _ in work}
+    for rid, stamps in streamed.items():
+        first, gaps, last, n = times[rid]
+        assert (first, last, n) == (stamps[0], stamps[-1], len(stamps))
+        assert gaps == [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stretches_of_decode_steps_change_nothing(seed):
+    """decode_runs=True plans stretches of pure decode steps and applies them without a pass over
+    the requests: every step's time, the finished requests, the KV events, the blocks and (once
+    synced) every request's counters and token times equal those of plain steps, with requests
+    arriving at random steps, shared prefixes, evictions and preemptions."""
+    import random
+    model = TINY.with_overrides(num_gpu_blocks=48, max_num_seqs=6, max_num_batched_tokens=24,
+                                max_model_len=96)
+    rng = random.Random(seed)
+    shared = tokens(5000, 16)
+    work = [(f"r{i}", (shared if rng.random() < 0.5 else []) + tokens(100 * i, rng.randint(1, 24)),
+             rng.randint(1, 60)) for i in range(30)]
+    arrive = sorted(rng.sample(range(400), len(work)))
+
+    def drive(runs):
+        clock = Clock()
+        engine = Engine(model, clock, kv_events=True, stream=False, decode_runs=runs)
+        trace, added, step, in_stretch = [], 0, 0, 0
+        while added < len(work) or engine.has_work():
+            while added < len(work) and arrive[added] <= step:
+                rid, ids, n = work[added]
+                engine.add_request(rid, ids, max_tokens=n)
+                added += 1
+            step += 1
+            result = engine.step()
+            if result is None:
+                continue
+            clock.t = result.end_time
+            in_stretch += engine._run is not None
+            engine.sync()
+            trace.append((result.duration_s, result.end_time, result.num_decode_seqs,
+                          [(r.request_id, r.first_token_time, list(r.token_gaps), r.num_output)
+                           for r in result.finished],
+                          engine.take_kv_events(), engine.used, len(engine.evictable),
+                          sorted((r.request_id, r.num_output, r.num_computed, r.last_token_time,
+                                  len(r.token_gaps)) for r in engine.running)))
+        return (trace, engine.stats(), engine.num_preemptions), in_stretch
+
+    (plain, none), (stretched, some) = drive(False), drive(True)
+    assert plain == stretched
+    assert none == 0 and some > 50      # many steps were stretch steps
+
+
+def test_a_copied_engine_has_every_field_of_every_request():
+    """Engine.copy writes each request field out by hand: a field added to EngineRequest and
+    not copied fails here. The copy's cached-block list is its own; its block hashes are the
+    original's list, which a copy only extends with the hashes the request will have."""
+    from local.sim.engine import EngineRequest
+    engine, clock = make()
+    engine.add_request("a", tokens(0, 9), max_tokens=8)
+    engine.add_request("b", tokens(0, 13), max_tokens=3)
+    for _ in range(3):
+        clock.t += engine.step().duration_s
+    copy_clock = Clock()
+    copy_clock.t = clock.t
+    copy = engine.copy(copy_clock)
+    reset = {"hashed", "token_gaps", "_hit_epoch", "_hit_blocks", "_hit_evictions"}
+    for rid, r in engine.requests.items():
+        c = copy.requests[rid]
+        for name in EngineRequest.__slots__:
+            if name not in reset:
+                assert getattr(c, name) == getattr(r, name), name
+        assert c.hashed == r.hashed and c.hashed is not r.hashed and c.token_gaps == []
+        assert c.block_hashes is r.block_hashes
+    assert [r.request_id for r in copy.running] == [r.request_id for r in engine.running]
+    assert copy.refs == engine.refs and copy.refs is not engine.refs
+
+    def drain(e, clk):
+        done = {}
+        while (result := e.step()) is not None:
+            clk.t = result.end_time
+            done.update((r.request_id, (r.num_output, r.last_token_time)) for r in result.finished)
+        return done
+    copied = drain(copy, copy_clock)                   # first: it extends the shared hashes
+    assert drain(engine, clock) == copied and set(copied) == {"a", "b"}

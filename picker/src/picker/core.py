@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from picker import defaults
@@ -28,6 +28,7 @@ from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
 from picker.scheduling.saturation import pool_saturation
 from picker.signals.metrics import MetricsParseError, ModelServerMetrics, parse_vllm_metrics
+from picker.signals.outcomes import Outcome
 from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load, PeerSync,
                                   add_inflight, end_inflight, own_load, record_scrape,
                                   set_peer_load)
@@ -55,6 +56,11 @@ class RequestInfo:
     headers: dict[str, str]           # lower-case keys
     body: bytes | None
     subset: list[str] | None = None   # subset hint from the proxy, if any
+    # What decide() derives from the body alone, kept for the next decision of the same request
+    # (flow control decides a held request again whenever the signals change): the parsed body,
+    # and the prefix hashes with the (model, block size, blocks) they were made for.
+    parsed: Any = field(default=None, repr=False, compare=False)
+    prefix_hashes: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -69,19 +75,26 @@ class Decision:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     client_request_id: str = ""  # the request's x-request-id (clipped), for logs only
+    features: str = ""  # what the output-length predictor saw; comes back in the Outcome
 
 
 class Router:
     def __init__(self, profile: Profile, objectives: Iterable[Objective] = (),
                  rewrites: Iterable[Rewrite] = (), clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, settings: RouterSettings | None = None,
-                 metrics: Any = None):
+                 metrics: Any = None, id_prefix: str = "picker-"):
         self.profile = profile
         self.clock = clock
         self.rng = rng or random.Random()
         self.settings = settings or RouterSettings()
         self.metrics = metrics  # observability.metrics.PickerMetrics or None
         self.count_scrape_errors = True  # one worker per replica counts them (workers.py)
+        self.count_outcomes = True       # likewise: every worker receives every outcome
+        # Request ids: id_prefix + a counter. The picker writes them into its answer and Envoy's
+        # access log brings them back with the outcome; runtime.build_router makes the prefix
+        # "<replica>.<worker>." so that they are unique across workers and replicas.
+        self.id_prefix = id_prefix
+        self.replica_prefix = id_prefix.split(".", 1)[0] + "." if "." in id_prefix else id_prefix
         if metrics is not None:
             metrics.model_label = self.metric_label
         self.endpoints: dict[str, EndpointState] = {}
@@ -298,6 +311,21 @@ class Router:
             if usage and self.metrics is not None:
                 self.metrics.record_usage(usage)
 
+    def on_outcome(self, outcome: Outcome) -> None:
+        """A request Envoy served completed (signals/outcomes.py): the endpoint, status, token
+        counts and timings it had."""
+        if self.metrics is not None and self.count_outcomes:
+            self.metrics.record_outcome(outcome, self.metric_label(outcome.model),
+                                        self._matched(outcome.request_id))
+
+    def _matched(self, request_id: str) -> str:
+        """Whose decision an outcome's request id names: "replica" (this one), "other" (another
+        replica, or this one before a restart) or "none" (not decided by a picker: refused at the
+        edge or by the picker itself)."""
+        if not request_id:
+            return "none"
+        return "replica" if request_id.startswith(self.replica_prefix) else "other"
+
     def reap(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
         limit = now - self.settings.inflight_timeout
@@ -354,7 +382,7 @@ class Router:
     def _request_id(self) -> str:
         """In-flight entries are keyed by ids only the picker makes: a client's x-request-id can
         neither replace nor collide with another request's entry."""
-        return f"picker-{next(self._ids)}"
+        return f"{self.id_prefix}{next(self._ids)}"
 
     def _objective(self, headers: dict[str, str]) -> tuple[str | None, int]:
         name = headers.get(OBJECTIVE_HEADER) or self.settings.default_objective
@@ -367,7 +395,9 @@ class Router:
         if body and len(body) > self.settings.max_body_bytes:  # the request's own faults first
             raise PickerError(413, f"request body of {len(body)} bytes exceeds the limit of "
                                    f"{self.settings.max_body_bytes} bytes", "body_too_large")
-        parsed = parse_body(body) if body else None
+        parsed = info.parsed
+        if parsed is None and body:
+            parsed = info.parsed = parse_body(body)
         ready = self._ready(info.subset)
         if not ready:
             raise PickerError(503, "no ready endpoint in the pool", "no_ready_endpoint")
@@ -414,8 +444,10 @@ class Router:
                                 profile.block_size_tokens,
                                 avg_prompt_tokens=self.avg_prompt_tokens)
         if profile.needs_prefix:
-            ctx.hashes = block_hashes(target, parsed.prompt, profile.block_size_tokens,
-                                      profile.max_prefix_blocks)
+            key = (target, profile.block_size_tokens, profile.max_prefix_blocks)
+            if info.prefix_hashes is None or info.prefix_hashes[0] != key:
+                info.prefix_hashes = (key, block_hashes(target, parsed.prompt, *key[1:]))
+            ctx.hashes = info.prefix_hashes[1]
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
             if prep is not None:
