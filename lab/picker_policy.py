@@ -42,8 +42,10 @@ from picker.core import RequestInfo, Router, RouterSettings
 from picker.errors import PickerError
 from picker.flowcontrol.controller import FlowControl, FlowSettings
 from picker.flowcontrol.queue import Held
+from picker.lengths.predictor import PredictorSettings
 from picker.scheduling.profile import load_profile
 from picker.signals.metrics import parse_vllm_metrics
+from picker.signals.outcomes import Outcome
 
 from local.sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from local.sim.metrics import cache_config_labels, render_gauges
@@ -56,6 +58,12 @@ PHASES = ("request", "response")
 # wall) and hands index changes to the workers within its 10 ms flush interval, about 7.5 ms
 # wall on average = 38 ms of model time at speedup 5, 12.5 ms wall at most = 62 ms: 50 ms.
 KV_EVENTS_DELAY = 0.05
+# Outcomes (what the picker learns answer lengths and timings from) come with Envoy's access log:
+# its gRPC access log sink flushes its buffer every second (Envoy's default
+# buffer_flush_interval), so a request's outcome reaches the picker at the next full second
+# after its last byte.
+OUTCOME_FLUSH = 1.0
+LENGTHS_ON = PredictorSettings()     # the picker's default: output lengths learned from outcomes
 
 
 def picker_events(events: list) -> list:
@@ -75,10 +83,12 @@ def picker_events(events: list) -> list:
 
 
 class PickerPolicy(Policy):
+    reads_engines = False        # only the scrapes recorded in LabEndpoint.history
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
-                 kv_delay: float | None = None, objectives: tuple = ()):
+                 kv_delay: float | None = None, objectives: tuple = (),
+                 lengths: PredictorSettings | None = LENGTHS_ON):
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
         self.phases = phases
@@ -97,8 +107,11 @@ class PickerPolicy(Policy):
             self.name += "+precise" if kv_delay is None else f"+precise={kv_delay:g}"
         self.profile = load_profile(profile)
         self.scrape_interval = scrape_interval or defaults.SCRAPE_INTERVAL
-        self.settings = RouterSettings() if staleness is None else RouterSettings(staleness=staleness)
+        self.settings = RouterSettings(lengths=lengths)
+        if staleness is not None:
+            self.settings.staleness = staleness
         self.scrapes = 0
+        self.forecasts: list = []   # (request, Forecast) of every decided request, for accuracy
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
@@ -117,6 +130,8 @@ class PickerPolicy(Policy):
         self.pages: dict = {}            # (endpoint, running, waiting, kv) -> parsed page
         self.kv_queue: list = []         # heap of (deliver at, n, address, seq, published at, events)
         self.kv_batches = 0
+        self.outcomes: list = []         # heap of (deliver at, n, Outcome)
+        self.outcome_seq = 0
         if self.kv_events:
             from picker.tokenizer import load_tokenizer
             from lab.tokenizer import tokenizer_dir
@@ -140,6 +155,9 @@ class PickerPolicy(Policy):
         now, iv = self.clock(), self.scrape_interval
         if self.kv_queue:
             self._apply_kv(now)
+        outcomes = self.outcomes
+        while outcomes and outcomes[0][0] <= now:
+            self.router.on_outcome(heapq.heappop(outcomes)[2])
         for ep in self.endpoints:
             i = ep.index
             tick = self.phase[i] + math.floor((now - self.phase[i]) / iv) * iv
@@ -186,6 +204,9 @@ class PickerPolicy(Policy):
 
     def _bound(self, request: LabRequest, decision):
         request.router_id = decision.request_id
+        request.features = decision.features
+        if decision.forecast is not None:
+            self.forecasts.append((request, decision.forecast))
         if self.phases == "request":  # Envoy closes the stream once the request phase is answered
             self.router.on_request_done(decision.request_id)
         return self.by_address[decision.endpoint]
@@ -197,14 +218,16 @@ class PickerPolicy(Policy):
         now, iv = self.clock(), self.scrape_interval
         if self.out:
             return now
-        ticks = []
-        for i, done in enumerate(self.done_tick):
-            tick = self.phase[i] + (math.floor((now - self.phase[i]) / iv) + 1) * iv
-            while tick <= max(now, done) + 1e-9:  # float rounding: always a tick still to come
+        first = math.inf              # (called after every lab event while requests wait)
+        for phase, done in zip(self.phase, self.done_tick):
+            tick = phase + (math.floor((now - phase) / iv) + 1) * iv
+            bound = (now if now > done else done) + 1e-9
+            while tick <= bound:      # float rounding: always a tick still to come
                 tick += iv
-            ticks.append(tick)
+            if tick < first:
+                first = tick
         deadline = self.flow.next_deadline()
-        return min(ticks + ([deadline] if deadline is not None else []))
+        return first if deadline is None or first <= deadline else deadline
 
     def wake(self):
         self._catch_up()
@@ -217,3 +240,41 @@ class PickerPolicy(Policy):
         self._catch_up()
         if self.phases == "response" and request.router_id is not None:
             self.router.on_request_done(request.router_id)
+        if request.router_id is not None and request.first_token_at is not None:
+            self._queue_outcome(request, endpoint)
+
+    def report(self) -> dict:
+        return forecast_accuracy([(f, r.max_tokens) for r, f in self.forecasts])
+
+    def _queue_outcome(self, request: LabRequest, endpoint) -> None:
+        """The request's access-log entry, delivered at the next flush of Envoy's buffer."""
+        now = self.clock()
+        deliver = math.floor(now / OUTCOME_FLUSH + 1.0) * OUTCOME_FLUSH
+        outcome = Outcome(request.router_id, endpoint.address, 200, len(request.token_ids),
+                          request.completion_tokens, request.first_token_at - request.sent_at,
+                          now - request.sent_at, request.client, self.endpoints[0].model_name,
+                          getattr(request, "features", ""), deliver)
+        self.outcome_seq += 1
+        heapq.heappush(self.outcomes, (deliver, self.outcome_seq, outcome))
+
+
+LEARNED_AFTER = 50     # accuracy "once learned": the forecasts made after this many decisions
+
+
+def forecast_accuracy(pairs: list) -> dict:
+    """The predictor's accuracy over (forecast, true length) pairs in decision order: the median
+    absolute error of the median forecast (tokens, and relative to the true length), and how
+    often the true length stayed at or below the forecast's 0.9 quantile; the same over the
+    forecasts made once LEARNED_AFTER requests had been decided."""
+    if not pairs:
+        return {}
+    out = {}
+    for suffix, part in (("", pairs), ("_learned", pairs[LEARNED_AFTER:])):
+        if not part:
+            continue
+        errors = sorted(abs(f.median - n) for f, n in part)
+        relative = sorted(abs(f.median - n) / n for f, n in part)
+        out[f"length_abs_error_median{suffix}"] = errors[len(errors) // 2]
+        out[f"length_rel_error_median{suffix}"] = relative[len(relative) // 2]
+        out[f"length_p90_coverage{suffix}"] = sum(n <= f.high for f, n in part) / len(part)
+    return out

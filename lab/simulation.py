@@ -103,7 +103,11 @@ def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
     for i, (s, ids) in enumerate(zip(specs, all_ids)):
         out.append(LabRequest(index=i, request_id=f"req-{i}", prompt=s.prompt, token_ids=ids,
                               hashes=block_hashes(ids, block_size), max_tokens=s.output_tokens,
-                              group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None)))
+                              group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None),
+                              client=getattr(s, "client", ""), cap=getattr(s, "cap", None),
+                              extra=getattr(s, "extra", None),
+                              length_class=getattr(s, "length_class", ""),
+                              length_dist=getattr(s, "length_dist", None)))
     return out
 
 
@@ -180,10 +184,14 @@ class Lab:
 
     def _policy(self) -> Policy:
         """The policy, to be called now: every engine's requests brought up to date first, as
-        the policy may read them (the oracle copies whole engines)."""
+        the policy may read them (the oracle copies whole engines), unless it never does."""
+        if self.policy.reads_engines:
+            self._sync_engines()
+        return self.policy
+
+    def _sync_engines(self) -> None:
         for ep in self.endpoints:
             ep.engine.sync()
-        return self.policy
 
     # ----- event plumbing ------------------------------------------------------------------
 
@@ -307,6 +315,7 @@ class Lab:
             latency=client.last - client.sent, itl=client.itl,
             prompt_tokens=len(req.token_ids), output_tokens=client.tokens, end=client.last,
             target=ep.address, endpoint=req.path, group=req.group))
+        req.sent_at, req.first_token_at, req.completion_tokens = client.sent, client.first, client.tokens
         self._policy().on_done(req, ep)
 
     # ----- engine side ---------------------------------------------------------------------
@@ -410,7 +419,7 @@ class Lab:
 
     def _result(self) -> LabRun:
         cfg = self.config
-        self._policy()           # every engine's counters up to date
+        self._sync_engines()     # every engine's counters up to date
         summary = summarize(
             self.samples, label=f"lab:{self.policy.name}", backend="lab",
             model_id=cfg.model_name, num_prompts=len(self.requests),
@@ -427,6 +436,7 @@ class Lab:
                 prefix_cache_queries=e.prefix_cache_queries,
                 prefix_cache_hits=e.prefix_cache_hits, generation_tokens=e.generation_tokens)
         summary["per_endpoint"] = per_endpoint
+        summary.update(self.policy.report())
         if cfg.outages:
             summary.update(outage_windows(self.samples, cfg.outages[0]))
         return LabRun(summary, self.samples, self.series, per_endpoint)

@@ -44,7 +44,6 @@ step would cross module boundaries for each block.
 from __future__ import annotations
 
 import bisect
-import sys
 import time
 import zlib
 from collections import OrderedDict, deque
@@ -109,6 +108,7 @@ class StepResult(NamedTuple):
 # A stretch's block events as ints: step << _STEP_SHIFT | _PUBLISH (else an allocation) | the
 # request's position among the running ones (fewer than max_num_batched_tokens).
 _STEP_SHIFT, _PUBLISH, _POSITION = 33, 1 << 32, (1 << 32) - 1
+_RUN_HORIZON = 128          # steps planned at once (see Engine._plan_decode_run)
 
 
 class _DecodeRun:
@@ -157,7 +157,7 @@ def default_output_token(seed: int, index: int) -> int:
 
 class EngineRequest:
     __slots__ = ("request_id", "prompt_len", "token_ids", "output_seed", "block_hashes",
-                 "own_hashes", "max_tokens", "stop_at",
+                 "max_tokens", "stop_at",
                  "num_output", "num_computed", "prefill_len", "hashed", "private",
                  "registered", "arrival_time", "first_token_time", "last_token_time",
                  "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
@@ -169,11 +169,11 @@ class EngineRequest:
         self.prompt_len = prompt_len
         self.token_ids = token_ids          # the prompt's (not copied: never changed)
         self.output_seed = zlib.crc32(request_id.encode())
-        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. The
-        # list may be the caller's (the lab reuses them across runs): extended in place only
-        # once copied (own_hashes).
+        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens,
+        # appended as they fill. A function of the prompt and the request id alone (generated
+        # token i is output_token(output_seed, i)), so copies of the request (Engine.copy)
+        # share the list: what one appends is what the others would compute.
         self.block_hashes = block_hashes
-        self.own_hashes = False
         self.max_tokens = max_tokens
         self.stop_at = stop_at              # output length at which generation ends
         self.num_output = 0
@@ -199,6 +199,26 @@ class EngineRequest:
     @property
     def num_blocks(self) -> int:
         return len(self.hashed) + self.private
+
+    def copy(self) -> "EngineRequest":
+        """The request in a copied engine (Engine.copy): every field, its own list of cached
+        blocks, no token times, the same block hashes (see __init__). Written out
+        (not a loop over __slots__): the oracle copies thousands of requests per run;
+        local/tests/test_engine.py checks that every slot is copied."""
+        c = EngineRequest.__new__(EngineRequest)
+        c.request_id, c.prompt_len, c.token_ids = self.request_id, self.prompt_len, self.token_ids
+        c.output_seed, c.block_hashes = self.output_seed, self.block_hashes    # shared
+        c.max_tokens, c.stop_at = self.max_tokens, self.stop_at
+        c.num_output, c.num_computed = self.num_output, self.num_computed
+        c.prefill_len, c.hashed, c.private = self.prefill_len, list(self.hashed), self.private
+        c.registered, c.arrival_time = self.registered, self.arrival_time
+        c.first_token_time, c.last_token_time = self.first_token_time, self.last_token_time
+        c.finished, c.finish_reason = self.finished, self.finish_reason
+        c.num_preemptions, c.num_cached_tokens = self.num_preemptions, self.num_cached_tokens
+        c.token_gaps = []               # the copy's own (its steps must not reach the original's)
+        c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
+        c._hit_blocks = 0
+        return c
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> list:
@@ -244,6 +264,7 @@ class Engine:
         self.engine_model = engine_model
         self.clock = clock
         self.stream = stream
+        self.token_times = not stream     # each request's token_gaps (a copy keeps none)
         self.decode_runs = decode_runs
         self._run: Optional[_DecodeRun] = None   # the stretch of decode steps in progress
         self.kv_events: Optional[list] = [] if kv_events else None   # recorded, not yet taken
@@ -257,6 +278,7 @@ class Engine:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cache_epoch = 0                     # bumps whenever the set of cached hashes changes
         self.evictions = 0                       # bumps whenever cached hashes are dropped
+        self._compacted_at = 0                   # evictions when refs was last rebuilt (copy)
         self.watermark_blocks = int(engine_model.watermark * engine_model.num_gpu_blocks)
         # counters
         self.prefix_cache_queries = 0
@@ -300,6 +322,8 @@ class Engine:
         self._end_run()
         if hashes is None:
             hashes = block_hashes(token_ids, p.block_size) if p.enable_prefix_caching else []
+        else:
+            hashes = list(hashes)      # its own: the blocks it generates are appended to it
         stop = max_tokens if stop_at is None else max(1, min(stop_at, max_tokens))
         req = EngineRequest(request_id, prompt_len, hashes, max_tokens, stop, self.clock(),
                             token_ids)
@@ -331,6 +355,35 @@ class Engine:
         return bool(self.running or self.waiting)
 
     # ----- KV-cache events ------------------------------------------------------------------
+
+    def copy(self, clock: Callable[[], float]) -> "Engine":
+        """An independent copy of the scheduling state (not its histograms or counters) on
+        `clock`, that streams and publishes nothing and plays stretches of decode steps at once
+        (decode_run): what the oracle plays forward."""
+        self.sync()
+        if self.evictions - self._compacted_at > 256:
+            # dict.copy() is a plain memory copy only while the dict has few holes; evictions
+            # leave holes: a fresh dict (same items, same order) has none.
+            self.refs, self._compacted_at = dict(self.refs), self.evictions
+        c = Engine.__new__(Engine)
+        c.engine_model, c.clock = self.engine_model, clock
+        c.kv_events, c.output_token = None, self.output_token
+        c.stream = c.decode_runs = c.token_times = False
+        c._run = None
+        requests = {rid: r.copy() for rid, r in self.requests.items()}
+        c.requests = requests
+        c.waiting = deque(requests[r.request_id] for r in self.waiting)
+        c.running = [requests[r.request_id] for r in self.running]
+        c.used = self.used
+        c.refs = self.refs.copy()
+        c.evictable = self.evictable.copy()
+        c.cache_epoch, c.evictions, c._compacted_at = self.cache_epoch, self.evictions, 0
+        c.watermark_blocks = self.watermark_blocks
+        c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
+        c.prompt_tokens = c.generation_tokens = 0
+        c.request_success = {}
+        c.version = 0
+        return c
 
     def take_kv_events(self) -> list:
         """The events recorded since the last call, in order (empty when not recording)."""
@@ -461,9 +514,6 @@ class Engine:
             return
         hashes = req.block_hashes
         if full > len(hashes):             # blocks filled by generated tokens: hash them now
-            if not req.own_hashes:         # the caller's list: extend a copy of it
-                hashes = req.block_hashes = list(hashes)
-                req.own_hashes = True
             prev = hashes[-1] if hashes else 0
             for k in range(len(hashes), full):
                 prev = hash((prev, *self._block_tokens(req, k))) & HASH_MASK
@@ -513,7 +563,7 @@ class Engine:
         """Run one iteration. None when there is nothing to run."""
         run = self._run
         if run is None and self.decode_runs:
-            run = self._run = self._plan_decode_run(sys.maxsize)
+            run = self._run = self._plan_decode_run(_RUN_HORIZON)
         if run is not None:
             duration, end = self._run_steps(run, self.clock())
             if run.applied >= run.steps:
@@ -582,7 +632,7 @@ class Engine:
                                         + p.stage_decode_seq_s * decode_seqs
                                         + p.stage_context_token_s * context)
         end = self.clock() + duration
-        stream, caching = self.stream, p.enable_prefix_caching
+        stream, caching, token_times = self.stream, p.enable_prefix_caching, self.token_times
         outputs: list = []
         finished: list = []
         generated = 0
@@ -610,7 +660,7 @@ class Engine:
                     self.ttft.observe(end - r.arrival_time)
             elif stream:
                 self.itl.observe(end - r.last_token_time)
-            else:
+            elif token_times:
                 r.token_gaps.append(end - r.last_token_time)
             r.last_token_time = end
             if num_output >= r.stop_at:
@@ -703,7 +753,9 @@ class Engine:
                         return None
                 if p.enable_prefix_caching and hits < limit:
                     watch = head.block_hashes[hits]
-        steps = min(max_steps, min(r.stop_at - r.num_output for r in running) - 1)
+        # At most _RUN_HORIZON steps at a time: a longer stretch is planned again from where it
+        # got (the same steps), and a request added meanwhile cuts it short (planned in vain).
+        steps = min(max_steps, _RUN_HORIZON, min(r.stop_at - r.num_output for r in running) - 1)
         if steps <= 0:
             return None
         # Each request's block allocations and cache publications in these steps, in the order
@@ -779,13 +831,15 @@ class Engine:
         applied = run.applied
         if done == applied:
             return
-        gaps = [ends[i] - ends[i - 1] for i in range(done + 1, applied)]
         first, last = ends[done], ends[applied - 1]
+        if self.token_times:
+            gaps = [ends[i] - ends[i - 1] for i in range(done + 1, applied)]
+            for r in run.requests:
+                r.token_gaps.append(first - r.last_token_time)
+                r.token_gaps += gaps
         for r, computed in zip(run.requests, run.start_computed):
             r.num_computed = computed + applied
             r.num_output += applied - done
-            r.token_gaps.append(first - r.last_token_time)
-            r.token_gaps += gaps
             r.last_token_time = last
         self.generation_tokens += run.n * (applied - done)
         self.version += applied - done

@@ -60,6 +60,7 @@ class StackConfig:
     picker_grpc_port: int = 9002
     picker_health_port: int = 9003
     picker_metrics_port: int = 9090
+    picker_outcomes_port: int = 9004  # Envoy's access log service (the picker's --outcomes-port)
     profile: str = "default"
     # The picker's scrape interval and staleness in MODEL seconds (None: the picker's own defaults,
     # which are meant for real time). The launcher divides them by the speedup, so the picker sees

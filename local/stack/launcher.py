@@ -18,8 +18,8 @@ from local import certs, dataplane, ratelimit
 from local.stack.api_keys import api_keys_secret, bearer, new_api_keys, read_api_keys
 from local.stack.config import API_KEYS_FILE, RUN_ROOT, StackConfig, StackError
 from local.stack.plan import kv_event_ports, objects_file, picker_timing, plan, tokenizer_dir
-from local.stack.processes import (Proc, RunState, alive, port_free, process_cpu_seconds, spawn, stop_group,
-                                   stop_groups, wait_healthy)
+from local.stack.processes import (Proc, RunState, alive, describe_holders, port_free, process_cpu_seconds, spawn,
+                                   stop_group, stop_groups, wait_healthy)
 from local.stack.topology import Topology, listener_ports, picker_tls, topology
 from local.tinymodel.tokenizer import ensure_tokenizer
 
@@ -100,13 +100,15 @@ class Stack:
         self.topology = topology(c)
         ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(),
                                                        c.picker_grpc_port, c.picker_health_port,
-                                                       c.picker_metrics_port,
+                                                       c.picker_metrics_port, c.picker_outcomes_port,
                                                        *kv_event_ports(c, self.topology)]
         if c.token_budget:
             ports += [*dataclasses.astuple(c.ratelimit_ports), ratelimit.XDS_PORT]
         busy = [p for p in ports if not port_free(c.host, p)]
         if busy:
-            raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
+            holders = describe_holders(busy)
+            raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)"
+                             + (f"; held by:\n{holders}" if holders else ""))
         try:
             ensure_tokenizer(tokenizer_dir(c))          # the tiny model's: built once, offline
             procs = plan(c, self.topology)
@@ -144,7 +146,7 @@ class Stack:
             topo.gateway,
             {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
              for name, addresses in topo.services.items()},
-            (c.host, c.picker_grpc_port), self.listener_ports())
+            (c.host, c.picker_grpc_port), self.listener_ports(), outcomes=(c.host, c.picker_outcomes_port))
         if c.edge_security:
             self.api_keys = new_api_keys(c.api_keys_file)
             resources += [api_keys_secret(topo.gateway, self.api_keys)]
@@ -226,7 +228,7 @@ def describe(stack: Stack) -> str:
         lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
                  f"{stack.topology.body_mode}), health {c.picker_health_port}, "
-                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics")
+                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics, outcomes {c.picker_outcomes_port}")
     timing = picker_timing(c)
     if timing is not None:
         lines.append(f"                 scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "
@@ -260,10 +262,15 @@ def down(name: str, run_root: Path = RUN_ROOT) -> int:
     if state is None:
         print(f"no running stack {name!r} ({RunState.file(run_dir)} not found)")
         return 0
-    ours = [p for p in state.procs if p.running()]
+    ours = [p for p in state.procs if p.leftovers()]
     stop_groups([p.pid for p in ours])
     for p in ours:
         print(f"stopped {p.name} (pid {p.pid})")
+    left = {p.name: p.leftovers() for p in state.procs}
+    left = {name: pids for name, pids in left.items() if pids}
+    if left:  # keep the record: it is what finds them next time
+        print(f"still running after SIGKILL: {left}; state kept in {RunState.file(run_dir)}", file=sys.stderr)
+        return 1
     RunState.remove(run_dir)
     return 0
 

@@ -164,6 +164,7 @@ def picker_proc(config: StackConfig, topo: Topology) -> Proc:
     c = config
     cmd = [sys.executable, "-m", "picker", "--grpc-port", str(c.picker_grpc_port),
            "--health-port", str(c.picker_health_port), "--metrics-port", str(c.picker_metrics_port),
+           "--outcomes-port", str(c.picker_outcomes_port),
            "--secure-serving" if picker_tls(topo) else "--no-secure-serving",
            "--discovery", "static", "--endpoints", ",".join(s.address for s in topo.sims),
            "--objects", str(objects_file(c)), "--profile", c.profile,

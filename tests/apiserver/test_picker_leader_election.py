@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.apiserver.conftest import ROOT, wait_until
-from tests.apiserver.test_picker_rbac import NAMESPACE, PICKER, STARTUP, apply_role, deployed, picker_token  # noqa: F401
+from tests.apiserver.test_picker_rbac import apply_role, deployed, picker_token  # noqa: F401 (fixtures)
+from tests.helpers.kube import NAMESPACE, PICKER, ROOT, STARTUP, wait_until
 from validation.apiserver import free_port
 
 LEASE = "reasoning-pool-picker"     # the default: <pool-name>-picker
@@ -78,7 +78,7 @@ class Candidate:
             [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", endpoint,
              "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
              "--grpc-port", str(free_port()), "--health-port", str(self.health_port),
-             "--metrics-port", str(self.metrics_port), "--scrape-interval", "0.1",
+             "--metrics-port", str(self.metrics_port), "--outcomes-port", "0", "--scrape-interval", "0.1",
              "--leader-election", *extra],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")

@@ -124,7 +124,7 @@ def test_picker_grpc_open_to_all_is_caught():
     policy(objs, "inference-gateway-ext-proc")["spec"]["ingress"][0]["from"].append(
         {"namespaceSelector": {}})
     problems = isolation.picker_isolated(objs)
-    assert len(problems) == 1 and "from[1]" in problems[0] and "[9002, 9003]" in problems[0]
+    assert len(problems) == 1 and "from[1]" in problems[0] and "[9002, 9003, 9004]" in problems[0]
 
 
 def test_picker_metrics_open_to_all_is_caught():

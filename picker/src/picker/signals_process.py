@@ -13,6 +13,8 @@ processes need to share. The workers only apply the results to their Routers.
     signals --("models", [(address, names listed in /v1/models)])--> every worker
     signals --("kv", index deltas, per-endpoint status or None)--> every worker   (with precise
               routing: the engines' KV-cache events, followed here; kvsubscriber.py)
+    signals --("outcomes", [Outcome field tuples])--> every worker   (with --outcomes-port: the
+              requests Envoy's access log service reported as completed; accesslog.py)
     signals --("peers", {address: summed load of the others}, their prefix adds, partial,
               arrivals)--> the other workers at once (partial: the changed endpoints; the
               sender's arrivals as it sent them), and every PEER_SYNC_INTERVAL each worker the
@@ -96,8 +98,12 @@ class Collector:
 
 class SignalsHub:
     def __init__(self, conns: list[Connection], interval: float, staleness: float,
-                 peer_store: str | None = None, pool: str = "pool", kv: dict | None = None):
+                 peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
+                 outcomes: dict | None = None):
         self.conns = conns
+        self.outcome_settings = outcomes  # accesslog.start_server's port, host, secure, cert_path
+        self.outcome_server = None
+        self.outcomes: list[tuple] = []  # received, not yet sent to the workers
         self.peers = None
         if peer_store:
             from picker.peer_store import RedisPeers
@@ -125,6 +131,7 @@ class SignalsHub:
             loop.add_reader(conn.fileno(), self._on_readable, i)
             os.set_blocking(conn.fileno(), True)  # libuv made it non-blocking (see workers.py)
         await self.scraper.start()
+        await self._start_outcomes()
         if self.kv is not None:
             self.kv.start()
             await self.kv_sources.start()
@@ -145,6 +152,8 @@ class SignalsHub:
             for conn in self.conns:
                 loop.remove_reader(conn.fileno())
             await self.scraper.close()
+            if self.outcome_server is not None:
+                await self.outcome_server.stop(0)
             if self.kv is not None:
                 await self.kv_sources.close()
                 self.kv.stop()
@@ -152,6 +161,24 @@ class SignalsHub:
                 await self.peers.close()
             for s in self.senders:
                 s.send(None)
+
+    async def _start_outcomes(self) -> None:
+        """The access log server (accesslog.py). A port that cannot be bound is logged and left
+        off: routing does not depend on it."""
+        if not self.outcome_settings:
+            return
+        from picker.accesslog import start_server  # grpc only where outcomes are on
+        try:
+            self.outcome_server, port, _ = await start_server(self._on_outcomes,
+                                                              **self.outcome_settings)
+        except (RuntimeError, OSError, ValueError) as exc:
+            log.error("outcome port not served", extra={"error": str(exc),
+                                                        "port": self.outcome_settings["port"]})
+            return
+        log.info("outcome port", extra={"port": port})
+
+    def _on_outcomes(self, batch: list[tuple]) -> None:
+        self.outcomes.extend(batch)  # sent with the next flush (FLUSH_EVERY)
 
     def _on_readable(self, i: int) -> None:
         conn = self.conns[i]
@@ -193,6 +220,10 @@ class SignalsHub:
                 msg = ("kv", deltas, fresh)
                 for s in self.senders:
                     s.send(msg)
+        if self.outcomes:
+            msg, self.outcomes = ("outcomes", self.outcomes), []
+            for s in self.senders:
+                s.send(msg)
         if self.collector.models:
             models, self.collector.models = self.collector.models, []
             for s in self.senders:
@@ -248,12 +279,13 @@ class SignalsHub:
 
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
-         peer_store: str | None = None, pool: str = "pool", kv: dict | None = None) -> None:
+         peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
+         outcomes: dict | None = None) -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
     import uvloop
-    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv)
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, outcomes)
     try:
         uvloop.run(hub.run())
     except KeyboardInterrupt:
