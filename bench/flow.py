@@ -162,7 +162,7 @@ def report(d: dict) -> list[str]:
              f"bound, then `--flow-at-bound {defaults.FLOW_AT_BOUND}` (dispatch-uncontested: sent to an engine's "
              "queue when no other band or client is active, else refused with 503); a "
              f"{defaults.FLOW_HOLDBACK:g} KV reserve (`--flow-holdback`) left free by a "
-             "lower band while a higher one is active and by a client over its share of its band. `reject at "
+             "lower band while a higher one is active and, while the pool is saturated, by a client over its share of its band. `reject at "
              "bound`: always refused with 503 there.", "",
              f"**Fairness**: a light client ({LIGHT:g}x capacity) and a heavy one ({HEAVY:g}x), same priority. Target: the "
              "light client's mean TTFT within 1.5x of what it gets alone.", "",
