@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, flow, flow_clients_http, keda_chain, kv_http,
-                   kv_suites, lab_suites, outcomes_http, phases, robustness, validation_time, vllm_engine)
+                   kv_suites, lab_suites, lengths_http, outcomes_http, phases, robustness, validation_time,
+                   vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -126,6 +127,11 @@ BENCHMARKS = [
               "received, their lag, what a picker restart loses (run under flock /work/heavy.lock)",
               lambda a: outcomes_http.run(),
               titled("Outcomes: what the access log to the picker costs and loses", outcomes_http.report)),
+    Benchmark("lengths-http", "routing on learned output lengths through the real data plane: "
+              "chat-reasoning and client-mix, least request vs the picker's default and lengths profiles, "
+              "each run cold (run under flock /work/heavy.lock)",
+              lambda a: lengths_http.main(a.seeds[:1] if a.seeds else None),
+              titled("Learned output lengths through HTTP", lengths_http.report)),
     Benchmark("vllm", "real vLLM's CPU build (make vllm): server start, memory, request latency on this "
               "CPU, the conformance suite's wall time", lambda a: vllm_engine.run_vllm(),
               titled("Real vLLM on this machine (CPU build, tiny model)", vllm_engine.report)),
