@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, flow, flow_clients_http, keda_chain, kv_http,
-                   kv_suites, lab_suites, lengths_http, outcomes_http, phases, robustness, validation_time,
+                   kv_suites, lab_suites, lengths_http, outcomes_http, phases, robustness, test_time,
+                   validation_time,
                    vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
@@ -149,5 +150,11 @@ BENCHMARKS = [
               "streamed and not (run under flock /tmp/local-stack.lock)",
               lambda a: robustness.token_budget(),
               titled("Token budgets per client", robustness.token_budget_report)),
+    Benchmark("test-time", "make check (once to warm its caches, then timed) and make test, warm, with "
+              "pytest's durations", lambda a: test_time.run_warm(),
+              titled("How long the checks take: make check and make test", test_time.report)),
+    Benchmark("ci-time", "a fresh clone's .ci/run (its own virtualenvs and tools; ~30 min of both cores)",
+              lambda a: test_time.run_fresh(),
+              titled("A fresh clone's CI run (.ci/run)", test_time.ci_report)),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}

@@ -9,9 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from loadtest.tests.conftest import REPO, env_with_repo
 from loadtest.metrics import read_samples
 from loadtest.workloads import build_workload
+
+pytestmark = pytest.mark.server  # starts other programs as processes
 
 LOCUST = str(Path(sys.executable).with_name("locust"))
 

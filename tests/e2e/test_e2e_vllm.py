@@ -1,7 +1,8 @@
 """Real vLLM behind the real gateway: two groups of vLLM's CPU build serving the tiny model
 (`make vllm`), the picker in front of them with the model's tokenizer, Envoy Gateway + Envoy.
 Both listeners serve completions and chat, streamed or not, to the official OpenAI client; the
-picker decides every llm-gw request, reads the engines' metrics and follows their KV events."""
+picker decides every llm-gw request, reads the engines' metrics and follows their KV events.
+Over 30 s: the first test waits for two real vLLM servers to start (CPU build, ~45 s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from local.stack.demo import REAL_ENGINE_CALLS, real_engine_call
 from local.stack.processes import free_ports
 from tests.conformance.exchanges import words
 from tests.e2e.conftest import picker_decisions
+from tests.e2e.test_e2e_down import assert_down_stops_everything
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 12
@@ -81,3 +83,12 @@ def test_picker_reads_the_engines_and_follows_their_kv_events(stack):
     assert in_sync == {e: 1.0 for e in engines}, "the picker is not in sync with every engine"
     assert sum(blocks.values()) > 0, "no KV block reached the picker"
     assert set(picker_samples(stack, "picker_endpoint_kv_usage")) == engines
+
+
+def test_make_down_stops_both_vllm_servers_and_their_engine_cores(stack):
+    """Last in this module: `python -m local.stack down` from another process (as `make down` after
+    `make up ENGINE=vllm`) stops every process of the stack, vLLM's engine cores included, and
+    frees the engines' ports (the module's fixture then has nothing left to stop)."""
+    ports = [s.port for s in stack.topology.sims] + list(stack.listener_ports().values())
+    assert_down_stops_everything(stack.config.name, stack.config.run_root, ports)
+
