@@ -38,12 +38,19 @@ KEPT = ("completed", "failed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", 
 
 
 def _config(workload: str, profile: str, seed: int):
-    from local.stack.config import StackConfig
+    """The stack for one workload and profile, on free loopback ports; the picker on its
+    approximate prefix index, as the lab's matrix runs it."""
     from local.sim.engines import A10_QWQ32B
+    from local.stack.config import StackConfig
+    from local.stack.processes import free_ports
     _, kv = WORKLOADS[workload]
     sim_args = ["--num-gpu-blocks", str(int(A10_QWQ32B.num_gpu_blocks * kv))] if kv != 1.0 else []
+    ports = free_ports(9)
     return StackConfig(name=f"bench-lengths-{profile}", seed=seed, speedup=SPEEDUP, profile=profile,
-                       sim_args=sim_args)
+                       sim_args=sim_args, sim_ports=ports[6:9], http_port=ports[0], llm_port=ports[1],
+                       picker_grpc_port=ports[2], picker_health_port=ports[3],
+                       picker_metrics_port=ports[4], picker_outcomes_port=ports[5],
+                       precise_prefix=False)
 
 
 def forecast_error(metrics_text: str) -> dict:

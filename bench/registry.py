@@ -47,6 +47,10 @@ BENCHMARKS = [
     Benchmark("matrix", "python -m lab matrix: every scenario x policy x seed (--matrix-args for more options)",
               lambda a: lab_suites.run_matrix(a.seeds, a.matrix_args.split()),
               titled("Routing lab: scenario matrix", lab_suites.matrix_report), results=("lab-matrix",)),
+    Benchmark("lengths-gap", "the lab on the length-sensitive scenarios: the learned-lengths profile, told "
+              "each class's distribution or each true length, both oracles (where its gap goes)",
+              lambda a: lab_suites.run_lengths_gap(a.seeds),
+              titled("Learned output lengths: where the gap to the oracles goes", lab_suites.lengths_gap_report)),
     Benchmark("autoscale", "python -m lab plan on the day trace: fixed pools of 2..6 groups vs the shipped "
               "autoscaler settings, --seeds", lambda a: autoscale.run_autoscale(a.seeds),
               titled("Autoscaling: fixed pools vs the shipped scaler over a day", autoscale.report)),
