@@ -285,3 +285,23 @@ def test_with_the_predictor_off_decisions_carry_no_features():
     (d,) = routed(r, "team")
     assert d.features == "" and d.forecast is None and not r.work.by_id
     r.on_outcome(outcome(d, 100))     # harmless
+
+
+def test_forecast_errors_of_own_decisions_reach_the_metrics():
+    from picker.config import parser as build_parser
+    from picker.observability.metrics import PickerMetrics
+    metrics = PickerMetrics()
+    r = make_router()
+    r.metrics = metrics
+    metrics.model_label = r.metric_label
+    (first,) = routed(r, "team")
+    r.on_outcome(outcome(first, 100))          # outcomes flow: the next decisions are tracked
+    (d,) = routed(r, "team")
+    r.on_outcome(outcome(d, 400))              # forecast 100 (what it learned), 400 came: 2 off
+    text = __import__("prometheus_client").generate_latest(metrics.registry).decode()
+    assert 'picker_length_forecast_error_log2_count{family="client",model="qwq"} 1.0' in text \
+        or 'picker_length_forecast_error_log2_count{family="prior",model="qwq"} 1.0' in text
+    assert 'picker_length_forecast_error_log2_sum' in text
+    base = ["--discovery", "static"]
+    assert build_parser().parse_args(base + ["--no-lengths"]).lengths is False
+    assert build_parser().parse_args(base).lengths is True

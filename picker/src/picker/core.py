@@ -337,8 +337,13 @@ class Router:
         entry = self.work.finish(outcome.request_id)
         if outcome.status != 200 or outcome.completion_tokens is None:
             return
-        if entry is not None and outcome.prompt_tokens:
-            self.work.learn_token_ratio(entry.counted, outcome.prompt_tokens)
+        if entry is not None:
+            if outcome.prompt_tokens:
+                self.work.learn_token_ratio(entry.counted, outcome.prompt_tokens)
+            if self.metrics is not None:
+                self.metrics.record_forecast_error(self.metric_label(outcome.model),
+                                                   entry.forecast.family, entry.forecast.median,
+                                                   outcome.completion_tokens)
         if outcome.endpoint in self.endpoints:
             self.work.learn_timings(outcome.endpoint, outcome.ttft, outcome.duration,
                                     outcome.completion_tokens)
