@@ -42,6 +42,48 @@ def run_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -
     return run_suite("lab-matrix", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)
 
 
+# Where the learned lengths' gap to the oracles goes: the picker told each request's class
+# distribution or its true length instead of learning it, beside the learner and both oracles.
+LENGTHS_SCENARIOS = ["chat-reasoning", "kv-0.8x", "client-mix", "reasoning-mix"]
+LENGTHS_POLICIES = [("least-request", "least request"), ("picker", "default"),
+                    ("picker:lengths", "lengths, learned"),
+                    ("picker-told-distributions", "lengths, told each class's distribution"),
+                    ("picker-told-lengths", "lengths, told each true length"),
+                    ("oracle-dist", "oracle knowing distributions"), ("oracle", "oracle")]
+
+
+def run_lengths_gap(seeds: list[int] | None = None) -> dict:
+    """`python -m lab matrix` on LENGTHS_SCENARIOS with LENGTHS_POLICIES."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lengths-gap"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds),
+           *(a for s in LENGTHS_SCENARIOS for a in ("--scenario", s)),
+           *(a for p, _ in LENGTHS_POLICIES for a in ("--policy", p))]
+    return run_suite("lengths-gap", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)
+
+
+def lengths_gap_report(d: dict) -> list[str]:
+    m = d["matrix"]
+    rows = []
+    for s in m["scenarios"]:
+        p = s["policies"]
+        lr, orc = p["least-request"]["mean_ttft_ms"]["mean"], p["oracle"]["mean_ttft_ms"]["mean"]
+        cells = []
+        for name, _ in LENGTHS_POLICIES:
+            mean = p[name]["mean_ttft_ms"]["mean"]
+            gap = f" ({(lr - mean) / (lr - orc) * 100:.0f} %)" if lr > orc and name != "least-request" else ""
+            cells.append(f"{num(mean)} ± {num(p[name]['mean_ttft_ms']['std'])}{gap}")
+        rows.append([s["name"], *cells])
+    return [f"Command: `{d['command']}` (lab/matrix.py on {', '.join(LENGTHS_SCENARIOS)}; "
+            f"{len(m['seeds'])} seeds, {d['wall_s'] / 60:.1f} min wall). The profile `lengths` as "
+            "deployed (learning from the outcomes, cold at the start of every run), then told what "
+            "the distribution oracle knows (each request's class distribution) or what the clairvoyant "
+            "one knows (each request's length) instead of learning it; everything else as deployed (its "
+            "view of the engines: a scrape every 0.1 s, which request runs and how far it got "
+            "estimated). Cells: mean TTFT ms ± std over the seeds (share of the oracle's gap closed).",
+            ""] + md_table(["scenario", *(label for _, label in LENGTHS_POLICIES)], rows)
+
+
 # The replica experiment: both lab workloads on 16 groups at the same load per group as the
 # 3-group runs (concurrency 160). At a low Poisson rate the outcome swings with each replica's
 # tie-break draws far more than with sharing, so the closed loop is what is compared.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from loadtest import lengths
-from lab.oracle import MAX_STEPS, Oracle, copy_engine, work_left
+from lab.oracle import Oracle, copy_engine, play_to_first_token, ttft_lower_bound, work_left
 from lab.policy_api import LabEndpoint, LabRequest
 
 
@@ -61,6 +61,8 @@ class DistributionOracle(Oracle):
                    limit: float) -> tuple[float, float]:
         """(seconds to the request's first token there, work left there), with every length
         replaced by its distribution's expectation."""
+        if limit < math.inf and ttft_lower_bound(ep, request, now) > limit + 1e-6:
+            return math.inf, math.inf     # its queue alone takes longer (no length enters it)
         t = [max(now, ep.step_end) if ep.busy else now]
         engine = copy_engine(ep.engine, lambda: t[0])
         room = engine.engine_model.max_model_len
@@ -69,19 +71,9 @@ class DistributionOracle(Oracle):
             r.stop_at = r.max_tokens = min(room - r.prompt_len, r.num_output + left)
         own = min(self._expected(request), room - len(request.token_ids))
         try:
-            engine.add_request(request.request_id, request.token_ids, max(1, own),
-                               hashes=request.hashes)
+            target = engine.add_request(request.request_id, request.token_ids, max(1, own),
+                                        hashes=request.hashes)
         except ValueError:
             return math.inf, math.inf
         work = work_left(engine)
-        for _ in range(MAX_STEPS):
-            result = engine.step()
-            if result is None:
-                return math.inf, work
-            t[0] = result.end_time
-            if t[0] - now > limit:
-                return math.inf, work
-            for out in result.outputs:
-                if out.first_token and out.request_id == request.request_id:
-                    return result.end_time - now, work
-        return math.inf, work
+        return play_to_first_token(engine, target, t, now, limit), work

@@ -64,6 +64,7 @@ KV_EVENTS_DELAY = 0.05
 # after its last byte.
 OUTCOME_FLUSH = 1.0
 LENGTHS_ON = PredictorSettings()     # the picker's default: output lengths learned from outcomes
+TOLD = (None, "length", "distribution")
 
 
 def picker_events(events: list) -> list:
@@ -88,9 +89,12 @@ class PickerPolicy(Policy):
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
                  kv_delay: float | None = None, objectives: tuple = (),
-                 lengths: PredictorSettings | None = LENGTHS_ON):
+                 lengths: PredictorSettings | None = LENGTHS_ON, told: str | None = None):
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
+        if told not in TOLD:
+            raise ValueError(f"told must be one of {TOLD}, not {told!r}")
+        self.told = told
         self.phases = phases
         self.objectives = list(objectives)   # picker.discovery.objects.Objective
         self.profile_name = profile
@@ -118,6 +122,8 @@ class PickerPolicy(Policy):
         self.router = Router(self.profile, objectives=self.objectives, clock=clock,
                              rng=random.Random(rng.random()), settings=self.settings)
         self.router.set_endpoints([ep.address for ep in endpoints])
+        if self.told is not None:
+            self.router.predictor = ToldPredictor(self.router.predictor, self.told)
         self.by_address = {ep.address: ep for ep in endpoints}
         self.flow = FlowControl(self.router, self.flow_settings) if self.flow_settings else None
         self.held = 0   # requests flow control held (not decided when they arrived)
@@ -188,6 +194,8 @@ class PickerPolicy(Policy):
 
     def pick(self, request: LabRequest):
         self._catch_up()
+        if self.told is not None:
+            self.router.predictor.request = request
         body = json.dumps(request.body(self.endpoints[0].model_name)).encode()
         info = RequestInfo(request.path, request.headers(), body)
         try:
@@ -278,3 +286,28 @@ def forecast_accuracy(pairs: list) -> dict:
         out[f"length_rel_error_median{suffix}"] = relative[len(relative) // 2]
         out[f"length_p90_coverage{suffix}"] = sum(n <= f.high for f, n in part) / len(part)
     return out
+
+
+class ToldPredictor:
+    """For the lab's analysis only (policies `picker-told-lengths`, `picker-told-distributions`):
+    the picker told each request's true length, or its class's length distribution, instead of
+    its learned forecast; everything else (learning, the projection, timings) as deployed. The
+    gap between these and the learner is what learning costs; between them and the oracles, what
+    the picker's view of the engines costs."""
+
+    def __init__(self, learner, told: str):
+        self.learner, self.told = learner, told
+        self.request: LabRequest | None = None     # set before each decision
+
+    def forecast(self, features):
+        from loadtest import lengths
+        from picker.lengths.predictor import LEVELS, Forecast
+        r = self.request
+        if self.told == "length" or r.length_dist is None:
+            return Forecast((float(r.max_tokens),) * len(LEVELS), "told", 1.0)
+        grid = lengths.quantiles(r.length_dist)
+        step = len(grid) / len(LEVELS)
+        return Forecast(tuple(grid[int((i + 0.5) * step)] for i in range(len(LEVELS))), "told", 1.0)
+
+    def __getattr__(self, name):        # learn, prior, learned, ...: the learner's
+        return getattr(self.learner, name)

@@ -24,6 +24,7 @@ Everything is deterministic for a given seed.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -137,12 +138,17 @@ _KIND_PARAMS = {
     "class-mix": {"classes", "prompt_len", "template_len", "cap"},
 }
 
+# Any workload: `cap` = the max_tokens every request sends instead of its length (at least the
+# length; the length then goes as min_tokens, loadtest/openai_api.py), as real clients send caps.
+COMMON_PARAMS = {"cap"}
+
+
 def workload_settings(name: str, **overrides) -> dict:
     """The named workload's settings with overrides applied (None overrides are ignored)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
     settings = dict(WORKLOADS[name])
-    allowed = _KIND_PARAMS[settings["kind"]] | set(RUN_KEYS)
+    allowed = _KIND_PARAMS[settings["kind"]] | set(RUN_KEYS) | COMMON_PARAMS
     for key, value in overrides.items():
         if key not in allowed:
             raise ValueError(f"workload {name!r} ({settings['kind']}) has no parameter {key!r}; "
@@ -155,6 +161,15 @@ def workload_settings(name: str, **overrides) -> dict:
 def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]:
     """Build the prompts of workload `name` (see WORKLOADS), deterministic for `seed`."""
     s = workload_settings(name, **overrides)
+    specs = _build(s, seed)
+    cap = s.get("cap")
+    if cap is not None and s["kind"] != "class-mix":    # a class mix applies its own
+        specs = [replace(p, cap=max(int(cap), p.output_tokens)) if p.cap is None else p
+                 for p in specs]
+    return specs
+
+
+def _build(s: dict, seed: int) -> list[PromptSpec]:
     if s["kind"] == "trace":
         return trace_workload(seed, s["path"], s["num_prompts"])
     rng = np.random.default_rng(seed)

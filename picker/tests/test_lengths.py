@@ -179,8 +179,10 @@ def test_the_projection_splits_running_from_waiting_by_arrival_order():
         tracker.add(f"r{i}", "e", t, 500, 600, f)
     w.on_scrape(2.0, waiting=1)                          # the newest one waits
     assert [w.entries[r].started_at for r in ("r0", "r1", "r2")] == [2.0, 2.0, None]
-    proj = project(w, now=7.0, capacity=4000, used=1100, running=2, waiting=1, avg_prompt=500,
+    lazy = project(w, now=7.0, capacity=4000, used=1100, running=2, waiting=1, avg_prompt=500,
                    fallback=None)
+    assert lazy.wait_steps(100) == 0                   # admitted behind the queued one at once
+    proj = lazy._projection()
     # the queued one is admitted at once: 2,900 free less its 500
     assert proj.first == -1 and proj.free_now == pytest.approx(2400)
     # each running one has produced ~50 of its 100 (5 s at 0.1 s a token, less its prefill)
@@ -197,8 +199,10 @@ def test_requests_the_scrape_no_longer_shows_running_have_ended():
     tracker.add("a", "e", 0.0, 100, 100, short)    # produced ~300 of its 10: surely done
     tracker.add("b", "e", 0.0, 100, 100, long)
     w.on_scrape(0.0, waiting=0)
-    proj = project(w, now=30.0, capacity=10_000, used=500, running=1, waiting=0, avg_prompt=0,
+    lazy = project(w, now=30.0, capacity=10_000, used=500, running=1, waiting=0, avg_prompt=0,
                    fallback=None)
+    assert lazy.wait_steps(9000) == 0 and lazy._made is None     # room now: nothing walked
+    proj = lazy._projection()
     assert len(proj.end_steps) == 1 and proj.end_steps[0] > 1000    # b's end, not a's
 
 
@@ -285,3 +289,23 @@ def test_with_the_predictor_off_decisions_carry_no_features():
     (d,) = routed(r, "team")
     assert d.features == "" and d.forecast is None and not r.work.by_id
     r.on_outcome(outcome(d, 100))     # harmless
+
+
+def test_forecast_errors_of_own_decisions_reach_the_metrics():
+    from picker.config import parser as build_parser
+    from picker.observability.metrics import PickerMetrics
+    metrics = PickerMetrics()
+    r = make_router()
+    r.metrics = metrics
+    metrics.model_label = r.metric_label
+    (first,) = routed(r, "team")
+    r.on_outcome(outcome(first, 100))          # outcomes flow: the next decisions are tracked
+    (d,) = routed(r, "team")
+    r.on_outcome(outcome(d, 400))              # forecast 100 (what it learned), 400 came: 2 off
+    text = __import__("prometheus_client").generate_latest(metrics.registry).decode()
+    assert 'picker_length_forecast_error_log2_count{family="client",model="qwq"} 1.0' in text \
+        or 'picker_length_forecast_error_log2_count{family="prior",model="qwq"} 1.0' in text
+    assert 'picker_length_forecast_error_log2_sum' in text
+    base = ["--discovery", "static"]
+    assert build_parser().parse_args(base + ["--no-lengths"]).lengths is False
+    assert build_parser().parse_args(base).lengths is True

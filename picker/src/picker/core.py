@@ -39,6 +39,7 @@ from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load,
 __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+PROJECTION_TTL = 0.1   # seconds a projection is reused while nothing else changes (~a decode step)
 REQUEST_ID_HEADER = "x-request-id"
 UNKNOWN_LABEL = "unknown"  # metric label of every model name neither configured nor served
 
@@ -337,8 +338,13 @@ class Router:
         entry = self.work.finish(outcome.request_id)
         if outcome.status != 200 or outcome.completion_tokens is None:
             return
-        if entry is not None and outcome.prompt_tokens:
-            self.work.learn_token_ratio(entry.counted, outcome.prompt_tokens)
+        if entry is not None:
+            if outcome.prompt_tokens:
+                self.work.learn_token_ratio(entry.counted, outcome.prompt_tokens)
+            if self.metrics is not None:
+                self.metrics.record_forecast_error(self.metric_label(outcome.model),
+                                                   entry.forecast.family, entry.forecast.median,
+                                                   outcome.completion_tokens)
         if outcome.endpoint in self.endpoints:
             self.work.learn_timings(outcome.endpoint, outcome.ttft, outcome.duration,
                                     outcome.completion_tokens)
@@ -521,19 +527,26 @@ class Router:
 
     def _projector(self, model: str, now: float):
         """Per endpoint, the projection of its KV over its running requests' predicted ends
-        (picker.lengths.work), made at most once per decision."""
-        made: dict[str, Any] = {}
-        fallback = self.predictor.prior(model)
+        (picker.lengths.work). Kept until the endpoint's scrape, its requests or its timings
+        change, or PROJECTION_TTL passes (what its requests produced meanwhile)."""
+        cache = self.work.projections
+        prior = None
+        tick = int(now / PROJECTION_TTL)
 
         def projection(e: EndpointState):
-            p = made.get(e.address)
-            if p is None:
-                m = e.metrics
-                cap = m.kv_capacity_tokens or 0
-                p = made[e.address] = project(self.work.work(e.address), now, cap, m.kv_usage * cap,
-                                              m.running, m.waiting + e.since_scrape,
-                                              self.avg_prompt_tokens, fallback,
-                                              self.work.token_ratio)
+            nonlocal prior
+            work = self.work.work(e.address)
+            key = (e.epoch, e.since_scrape, work.version, tick, model)
+            hit = cache.get(e.address)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+            if prior is None:
+                prior = self.predictor.prior(model)
+            m = e.metrics
+            cap = m.kv_capacity_tokens or 0
+            p = project(work, now, cap, m.kv_usage * cap, m.running, m.waiting + e.since_scrape,
+                        self.avg_prompt_tokens, prior, self.work.token_ratio)
+            cache[e.address] = (key, p)
             return p
         return projection
 

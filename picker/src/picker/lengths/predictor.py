@@ -25,6 +25,7 @@ cost for the same thing, and none of them forgets by count.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,7 +47,11 @@ FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("client+mode", ("client", "mode")),
     ("template+prompt", ("template", "prompt")),
 )
-# Probabilities of the quantiles a forecast carries (residual work is averaged over them).
+# Every outcome scores the families' forecasts for its model's first SCORE_ALL answers, then
+# every SCORE_EVERY-th (scoring a dozen families costs more than the rest of the learning; the
+# errors' EWMA needs a sample, not every answer).
+SCORE_ALL, SCORE_EVERY = 256, 4
+# Probabilities of the quantiles a forecast carries.
 LEVELS = tuple((i + 0.5) / 16 for i in range(16))
 
 
@@ -110,19 +115,21 @@ class Forecast:
     def survival(self, produced: float) -> float:
         """How likely an answer that has reached `produced` tokens goes on (the share of the
         quantiles above it, half a level at least)."""
-        above = sum(1 for q in self.quantiles if q > produced)
-        return max(0.5, above) / len(self.quantiles)
+        q = self.quantiles
+        return max(0.5, len(q) - bisect_right(q, produced)) / len(q)
 
     def residual(self, produced: float) -> float:
         """Tokens still to come once `produced` have been: the median excess of the quantiles
         above it (the median, not the mean: a heavy tail's mean residual is set by its rare
         extremes, and every projection would wait for them); past all of them, a quarter of
         what was produced (a long tail's residual life grows with age)."""
-        left = [q - produced for q in self.quantiles if q > produced]
-        n = len(left)
+        q = self.quantiles                     # ascending
+        i = bisect_right(q, produced)
+        n = len(q) - i
         if not n:
             return max(1.0, 0.25 * produced)
-        return left[n // 2] if n % 2 else 0.5 * (left[n // 2 - 1] + left[n // 2])
+        mid = i + n // 2
+        return (q[mid] if n % 2 else 0.5 * (q[mid - 1] + q[mid])) - produced
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +182,8 @@ class LengthPredictor:
         tables = self.models.get(features.model)
         if tables is None:
             tables = self.models[features.model] = _ModelTables()
-        self._score(tables, features, completion_tokens)
+        if tables.answers < SCORE_ALL or tables.answers % SCORE_EVERY == 0:
+            self._score(tables, features, completion_tokens)
         b = length_bin(completion_tokens)
         tables.prior.add(b, self._prior_keep)
         for i, (_, fields) in enumerate(FAMILIES[1:], start=1):

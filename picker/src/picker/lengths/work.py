@@ -27,7 +27,7 @@ DEFAULT_TPOT = 0.12
 DEFAULT_TTFT = 1.0
 TIMING_ALPHA = 0.1          # EWMA weight of a new outcome's timings
 PREFILL_CHUNK = 2048        # prompt tokens an engine prefills per step (vLLM's default budget)
-MAX_ENDS = 256              # a projection looks this many predicted ends ahead at most
+MAX_ENDS = 64               # a projection looks this many predicted ends ahead at most
 WATERMARK = 0.01            # KV share an engine keeps free when admitting (vLLM's default)
 MAX_CALIBRATION = 4.0       # the produced-tokens correction from KV usage stays within 1/4..4x
 MAX_ENTRIES = 2048          # requests tracked per endpoint at most (vLLM runs <= 256 at once)
@@ -51,6 +51,7 @@ class EndpointWork:
     tpot: float = DEFAULT_TPOT
     ttft: float = DEFAULT_TTFT
     timed: int = 0           # outcomes its timings were learned from
+    version: int = 0         # bumped at every change of its entries or timings (projection cache)
 
     def produced(self, entry: RunningEntry, now: float) -> float:
         """Tokens a running request has produced: decode steps since it started, less the
@@ -70,6 +71,7 @@ class EndpointWork:
         for e in sorted(entries.values(), key=lambda e: e.sent_at)[:running]:
             if e.started_at is None:
                 e.started_at = now
+                self.version += 1
 
 
 class WorkTracker:
@@ -78,6 +80,7 @@ class WorkTracker:
     def __init__(self):
         self.endpoints: dict[str, EndpointWork] = {}
         self.by_id: dict[str, RunningEntry] = {}
+        self.projections: dict[str, tuple] = {}     # address -> (key, Projection): Router's cache
         # Engine tokens per token the picker counts (~4 characters each; picker.openai): what
         # the outcomes' usage says the prompts were, over what the picker counted.
         self.token_ratio = 1.0
@@ -105,7 +108,9 @@ class WorkTracker:
         and all of it) in the picker's token counts."""
         entry = RunningEntry(address, sent_at, uncached * self.token_ratio, forecast, counted)
         self.by_id[request_id] = entry
-        entries = self.work(address).entries
+        work = self.work(address)
+        work.version += 1
+        entries = work.entries
         entries[request_id] = entry
         if len(entries) > MAX_ENTRIES:     # outcomes lost on a grand scale: forget the oldest
             self.finish(next(iter(entries)))
@@ -116,6 +121,7 @@ class WorkTracker:
             w = self.endpoints.get(entry.address)
             if w is not None:
                 w.entries.pop(request_id, None)
+                w.version += 1
         return entry
 
     def learn_timings(self, address: str, ttft: float | None, duration: float,
@@ -132,6 +138,7 @@ class WorkTracker:
         else:
             tpot = None
         a = TIMING_ALPHA if w.timed else 1.0
+        w.version += 1
         if tpot is not None and tpot > 0:
             w.tpot += a * (tpot - w.tpot)
         if first is not None:
@@ -139,6 +146,7 @@ class WorkTracker:
         w.timed += 1
 
     def forget(self, address: str) -> None:
+        self.projections.pop(address, None)
         w = self.endpoints.pop(address, None)
         if w is not None:
             for rid in w.entries:
@@ -188,9 +196,46 @@ class Projection:
         return self.wait_steps(need) * self.tpot
 
 
+class LazyProjection:
+    """A projection made only when a question needs it: an endpoint with nothing queued and the
+    KV free for the request answers at once (most of a pool with room), without walking its
+    requests' ends (project() below)."""
+
+    __slots__ = ("args", "free_now", "queued", "token_ratio", "_made")
+
+    def __init__(self, args: tuple, free_now: float, queued: bool, token_ratio: float):
+        self.args, self.free_now, self.queued = args, free_now, queued
+        self.token_ratio = token_ratio
+        self._made: Projection | None = None
+
+    def _projection(self) -> Projection:
+        if self._made is None:
+            self._made = _project(*self.args)
+        return self._made
+
+    def wait_steps(self, need: float) -> float:
+        if not self.queued and self.free_now >= need:
+            return 0.0
+        return self._projection().wait_steps(need)
+
+    def wait_seconds(self, need: float) -> float:
+        if not self.queued and self.free_now >= need:
+            return 0.0
+        return self._projection().wait_seconds(need)
+
+
 def project(work: EndpointWork, now: float, capacity: float, used: float, running: float,
             waiting: float, avg_prompt: float, fallback: Forecast | None,
-            token_ratio: float = 1.0) -> Projection:
+            token_ratio: float = 1.0) -> LazyProjection:
+    """The projection (made when first needed) from the endpoint's last scrape (`used` KV
+    tokens, `running` and `waiting` requests) and this picker's entries there: see _project."""
+    args = (work, now, capacity, used, running, waiting, avg_prompt, fallback, token_ratio)
+    return LazyProjection(args, max(0.0, capacity - used), waiting >= 1, token_ratio)
+
+
+def _project(work: EndpointWork, now: float, capacity: float, used: float, running: float,
+             waiting: float, avg_prompt: float, fallback: Forecast | None,
+             token_ratio: float = 1.0) -> Projection:
     """The projection from the endpoint's last scrape (`used` KV tokens, `running` and `waiting`
     requests) and this picker's entries there. The newest `waiting` entries are still queued;
     of the others, the `running` likeliest still to run are (the rest have ended and their
@@ -198,10 +243,14 @@ def project(work: EndpointWork, now: float, capacity: float, used: float, runnin
     is the time-based estimate calibrated on the KV the scrape says they hold. Requests the
     picker did not send (another gateway, a lost entry) get the pool's forecast and an equal
     share of the KV the picker cannot account for."""
-    entries = sorted(work.entries.values(), key=lambda e: e.sent_at)
+    entries = sorted(work.entries.values(), key=_sent_at)
     n_wait = min(len(entries), int(waiting))
     queued = entries[len(entries) - n_wait:] if n_wait else []
-    started = [(e, work.produced(e, now)) for e in entries[:len(entries) - n_wait]]
+    tpot, ttft = work.tpot, work.ttft
+    started = []
+    for e in entries[:len(entries) - n_wait]:       # work.produced, inlined: the hot loop
+        since = e.started_at if e.started_at is not None else e.sent_at + ttft
+        started.append((e, max(0.0, (now - since) / tpot - e.prompt_tokens / PREFILL_CHUNK)))
     if len(started) > running:
         started.sort(key=lambda ep: ep[0].forecast.survival(ep[1]), reverse=True)
         started = started[:int(running)]
@@ -233,6 +282,10 @@ def project(work: EndpointWork, now: float, capacity: float, used: float, runnin
     p = _play(ends, queue, max(0.0, capacity - used), work.tpot, WATERMARK * capacity)
     p.token_ratio = token_ratio
     return p
+
+
+def _sent_at(e: RunningEntry) -> float:
+    return e.sent_at
 
 
 def _play(ends: list[list[float]], queue: list[tuple[float, float]], free: float,
