@@ -21,6 +21,9 @@ RUN_DIR     ?= runs/local
 ENGINE      ?= sim
 GROUPS      ?= $(if $(filter vllm,$(ENGINE)),2,3)
 SPEEDUP     ?= 20
+# PICKERS=2: the picker as base/picker runs it, active-passive on a Lease of a real API server
+# (built by `make tools`), both replicas behind Envoy's health checks (docs/failover.md)
+PICKERS     ?= 1
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
 # `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
 # KV / DEMO_SCALE (as `make demo` does).
@@ -101,8 +104,10 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_OPERATOR) github.com/kedacore/keda/v2/cmd/operator && \
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
-.PHONY: apiserver-tools test-apiserver autoscaling-tools test-autoscaling
-apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
+.PHONY: apiserver-tools etcd test-apiserver autoscaling-tools test-autoscaling
+apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) etcd
+
+etcd:
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
@@ -187,8 +192,9 @@ test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, prot
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
-up: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+up: setup $(if $(filter vllm,$(ENGINE)),vllm) $(if $(filter-out 1,$(PICKERS)),$(KUBE_APISERVER) etcd) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker, PICKERS=2 for active-passive replicas; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
+		--pickers $(PICKERS) \
 		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
 		$(if $(filter off,$(PRECISE)),--no-precise-prefix)
 

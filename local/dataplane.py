@@ -13,7 +13,8 @@ meaning, and `localize` swaps exactly those:
 - a Service backendRef of an HTTPRoute becomes an Envoy Gateway `Backend` of the same name whose
   endpoints are the simulators the Service's selector matches (there is no kube-proxy or
   EndpointSlice here);
-- the picker's `Backend` points at the picker on 127.0.0.1 instead of its cluster DNS name;
+- the picker's `Backend` points at the picker replicas on 127.0.0.1 instead of their cluster DNS
+  name (which resolves to every replica);
 - every listener moves by LISTENER_PORT_OFFSET: standalone Envoy Gateway binds 8081 itself (its
   health probe), so the `llm-gw` listener cannot keep its cluster port here. Both listeners move
   by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`.
@@ -55,12 +56,12 @@ def local_listener_port(cluster_port: int, offset: int = LISTENER_PORT_OFFSET) -
 
 
 def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]]],
-             picker: tuple[str, int], listener_ports: dict[str, int] | None = None,
+             picker: list[tuple[str, int]], listener_ports: dict[str, int] | None = None,
              offset: int = LISTENER_PORT_OFFSET) -> list[dict]:
     """The gateway objects of `docs` as Envoy Gateway must see them on this machine.
 
     service_endpoints: Service name -> (ip, port) of every simulated leader it selects.
-    picker: where the picker's ext_proc port listens.
+    picker: where each picker replica's ext_proc port listens.
     listener_ports: listener name -> port, overriding `cluster port + offset` (tests use free ports).
     """
     out = [copy.deepcopy(d) for d in envoy_gateway_inputs(docs)]
@@ -83,7 +84,7 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
                 ns = meta.get("namespace", "")
                 backends[(ns, name)] = backend(name, ns, service_endpoints[name])
         elif kind == "Backend" and is_picker_backend(obj):
-            obj["spec"]["endpoints"] = [{"ip": {"address": picker[0], "port": picker[1]}}]
+            obj["spec"]["endpoints"] = [{"ip": {"address": host, "port": port}} for host, port in picker]
     return out + list(backends.values())
 
 

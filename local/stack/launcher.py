@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from local import certs, dataplane, ratelimit
+from local.stack import control_plane
 from local.stack.api_keys import api_keys_secret, bearer, new_api_keys, read_api_keys
 from local.stack.config import API_KEYS_FILE, RUN_ROOT, StackConfig, StackError
 from local.stack.plan import kv_event_ports, objects_file, picker_timing, plan, tokenizer_dir
@@ -98,9 +99,8 @@ class Stack:
                              f"stop it with `python -m local.stack down --name {c.name}`")
         self.check_no_other_data_plane()
         self.topology = topology(c)
-        ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(),
-                                                       c.picker_grpc_port, c.picker_health_port,
-                                                       c.picker_metrics_port,
+        pickers = [port for i in range(c.pickers) for port in c.picker_ports(i)[:4 if c.pickers > 1 else 3]]
+        ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(), *pickers,
                                                        *kv_event_ports(c, self.topology)]
         if c.token_budget:
             ports += [*dataclasses.astuple(c.ratelimit_ports), ratelimit.XDS_PORT]
@@ -109,7 +109,8 @@ class Stack:
             raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
         try:
             ensure_tokenizer(tokenizer_dir(c))          # the tiny model's: built once, offline
-            procs = plan(c, self.topology)
+            election = self._start_control_plane() if c.leader_election else None
+            procs = plan(c, self.topology, election)
             self._write_inputs()
             for p in procs:
                 self._start(p)
@@ -118,6 +119,16 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _start_control_plane(self) -> tuple[Path, str]:
+        """etcd and kube-apiserver for the picker replicas' Lease, healthy, with the picker's RBAC
+        objects of the render; the replicas' kubeconfig and the Lease's namespace."""
+        c = self.config
+        c.run_dir.mkdir(parents=True, exist_ok=True)
+        cp = control_plane.layout(c)
+        started = [self._start(p) for p in control_plane.procs(c, cp)]
+        wait_healthy(started, c.startup_timeout, None, c.run_dir)
+        return control_plane.bootstrap(c, cp, self.topology.docs)
 
     def check_no_other_data_plane(self) -> None:
         """Standalone Envoy Gateway binds fixed ports and Envoy its hot-restart socket: one data plane
@@ -144,7 +155,7 @@ class Stack:
             topo.gateway,
             {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
              for name, addresses in topo.services.items()},
-            (c.host, c.picker_grpc_port), self.listener_ports())
+            [(c.host, c.picker_ports(i)[0]) for i in range(c.pickers)], self.listener_ports())
         if c.edge_security:
             self.api_keys = new_api_keys(c.api_keys_file)
             resources += [api_keys_secret(topo.gateway, self.api_keys)]
@@ -163,9 +174,10 @@ class Stack:
         return {"extensionApis": {"enableLua": True, "enableEnvoyPatchPolicy": True},
                 **ratelimit.envoy_gateway_settings(self.config.ratelimit_ports)}
 
-    def _start(self, p: Proc) -> None:
+    def _start(self, p: Proc) -> Proc:
         self.procs.append(spawn(p))
         RunState(self.config.name, self.config, self.procs).write(self.config.run_dir)
+        return p
 
     # -- stop ------------------------------------------------------------------------------
 
@@ -192,6 +204,13 @@ class Stack:
         os.killpg(p.pid, sig)
         if p.popen is not None:
             p.popen.wait(timeout=10)
+
+    def signal_process(self, name: str, sig: int, group: bool = True) -> None:
+        """Send sig to the process (group: and its children, as a container's whole cgroup gets
+        SIGKILL or is frozen; else the main process only, as Kubernetes sends SIGTERM to PID 1)
+        without waiting."""
+        p = self.proc(name)
+        (os.killpg if group else os.kill)(p.pid, sig)
 
     def stop(self) -> None:
         live = [p.pid for p in self.procs if p.pid is not None]

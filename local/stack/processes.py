@@ -64,14 +64,14 @@ def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = Non
         return False
 
 
-def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+def grpc_serving(address: str, timeout: float = 1.0, service: str = HEALTH_SERVICE) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -132,7 +132,8 @@ class Proc:
     name: str
     cmd: list[str]
     log: str
-    # "http:<url>", "https:<url>#<CA file>" or "grpc:<address>"; several separated by spaces must all pass
+    # "http:<url>", "https:<url>#<CA file>", "grpc:<address>" (the ext_proc service SERVING) or
+    # "grpc:<address>#<service>"; several separated by spaces must all pass
     health: str
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
@@ -161,8 +162,11 @@ class Proc:
             if kind == "https":
                 url, _, cafile = target.partition("#")
                 ok = http_ok(url, headers=headers, cafile=cafile)
+            elif kind == "http":
+                ok = http_ok(target, headers=headers)
             else:
-                ok = http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)
+                address, _, service = target.partition("#")
+                ok = grpc_serving(address, service=service or HEALTH_SERVICE)
             if not ok:
                 return False
         return True

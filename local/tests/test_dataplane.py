@@ -31,7 +31,7 @@ def _without(obj: dict, *paths) -> dict:
 def test_only_the_off_cluster_parts_change(rendered):
     services = {"qwq-dist-v1": [("127.0.0.1", 8101), ("127.0.0.1", 8102)],
                 "qwq-leaders": [("127.0.0.1", 8101), ("127.0.0.1", 8102)]}
-    out = dataplane.localize(rendered, services, ("127.0.0.1", 9002))
+    out = dataplane.localize(rendered, services, [("127.0.0.1", 9002)])
     original = {(o["kind"], o["metadata"]["name"]): o for o in manifests.gateway_objects(rendered)}
     local = {(o["kind"], o["metadata"]["name"]): o for o in out}
     # every cluster object is there, plus one Backend per Service a route names
@@ -61,14 +61,14 @@ def test_only_the_off_cluster_parts_change(rendered):
 
 def test_explicit_listener_ports_win(rendered):
     services = {"qwq-dist-v1": [("127.0.0.1", 1)], "qwq-leaders": [("127.0.0.1", 1)]}
-    out = dataplane.localize(rendered, services, ("127.0.0.1", 9), {"http": 40001, "llm-gw": 40002})
+    out = dataplane.localize(rendered, services, [("127.0.0.1", 9)], {"http": 40001, "llm-gw": 40002})
     gateway = next(o for o in out if o["kind"] == "Gateway")
     assert [listener["port"] for listener in gateway["spec"]["listeners"]] == [40001, 40002]
 
 
 def test_a_route_to_a_service_without_leaders_is_refused(rendered):
     with pytest.raises(dataplane.DataPlaneError, match="qwq-leaders"):
-        dataplane.localize(rendered, {"qwq-dist-v1": [("127.0.0.1", 1)]}, ("127.0.0.1", 9))
+        dataplane.localize(rendered, {"qwq-dist-v1": [("127.0.0.1", 1)]}, [("127.0.0.1", 9)])
 
 
 def test_files_appear_whole(tmp_path):

@@ -61,7 +61,16 @@ async def start_ext_proc(router: Router, args: Namespace, grpc_port: int, health
     TLS, body mode, bind address and limits, and the worker's flow control (build_flow)."""
     return await start_servers(router, grpc_port, health_port, args.secure_serving,
                                args.cert_path, args.request_body_mode, args.bind,
-                               limits=server_limits(args), flow=flow)
+                               limits=server_limits(args), flow=flow,
+                               end_answered=getattr(args, "end_answered_streams", False))
+
+
+async def drain(servers: Servers, args: Namespace) -> None:
+    """Stopping: NOT_SERVING on this worker's health services, then --drain-seconds in which
+    the streams Envoy still sends (until its health check sees NOT_SERVING) are answered as
+    always."""
+    await servers.set_ready(False)
+    await asyncio.sleep(getattr(args, "drain_seconds", 0.0))
 
 
 def stop_on_signals(stop: Callable[[], None]) -> None:

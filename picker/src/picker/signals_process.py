@@ -19,7 +19,14 @@ processes need to share. The workers only apply the results to their Routers.
               whole table (no arrivals: each worker keeps its own window of them)
 
 With --peer-store, the workers' changes also go to the other replicas through Redis, and theirs
-come back the same way (peer_store.py): added to what each worker gets in "peers", at once.
+come back the same way (peer_store.py): added to what each worker gets in "peers", at once. With
+--peers, the same goes over the replicas' direct link instead (peer_link.py), which also carries
+the heartbeats and claims failover.py decides on:
+
+    worker 0 --("role", acting, leased, leaving)--> signals   (every peer_link.HEARTBEAT, and on a
+              change: sent on to the other replicas at once as the heartbeat)
+    signals --("serving", acting)--> workers 1..n-1   (on a change: their ext_proc port's health)
+    signals --("replicas", [failover.PeerState])--> worker 0   (on a change of any peer's state)
 
 Messages are pickled over one Pipe per worker. The signals process sends from one thread per
 worker, so a worker busy deciding never blocks it (and so never blocks the other workers).
@@ -96,12 +103,20 @@ class Collector:
 
 class SignalsHub:
     def __init__(self, conns: list[Connection], interval: float, staleness: float,
-                 peer_store: str | None = None, pool: str = "pool", kv: dict | None = None):
+                 peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
+                 link: dict | None = None):
         self.conns = conns
         self.peers = None
+        self.link = None
+        self._serving: bool | None = None
         if peer_store:
             from picker.peer_store import RedisPeers
             self.peers = RedisPeers(peer_store, pool, on_remote=self._on_remote)
+        elif link:
+            from picker.peer_link import PeerLink
+            self.peers = self.link = PeerLink(link["identity"], pool, tuple(link["listen"]),
+                                              link["peers"], on_remote=self._on_remote,
+                                              on_peers=self._on_peer_states)
         self.senders = [_Sender(c) for c in conns]
         self.base_interval = interval
         self.staleness = staleness
@@ -181,8 +196,23 @@ class SignalsHub:
                     s.send(msg)
         elif kind == "load":
             self._on_load(i, msg[1], msg[2], msg[3])
+        elif kind == "role":
+            self._on_role(*msg[1:])
         elif kind == "stop":
             self.stopped.set()
+
+    def _on_role(self, acting: bool, leased: bool, leaving: bool) -> None:
+        """Worker 0's role: the heartbeat to the other replicas, and to the other workers
+        whether their ext_proc port's health says SERVING."""
+        if self.link is not None:
+            self.link.send_role(acting, leased, leaving)
+        if acting != self._serving:
+            self._serving = acting
+            for s in self.senders[1:]:
+                s.send(("serving", acting))
+
+    def _on_peer_states(self, states: list) -> None:
+        self.senders[0].send(("replicas", states))
 
     def _flush_scrapes(self) -> None:
         if self.kv is not None:
@@ -248,12 +278,13 @@ class SignalsHub:
 
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
-         peer_store: str | None = None, pool: str = "pool", kv: dict | None = None) -> None:
+         peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
+         link: dict | None = None) -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
     import uvloop
-    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv)
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, link)
     try:
         uvloop.run(hub.run())
     except KeyboardInterrupt:

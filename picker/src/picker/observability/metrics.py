@@ -136,3 +136,39 @@ class LeaderCollector:
         for change, count in (elector.transitions.items() if elector is not None else ()):
             changes.add_metric([change], count)
         return [leader, changes]
+
+
+class FailoverCollector:
+    """With --leader-election or --peers: whether this replica answers Envoy (the acting leader),
+    whether it does so without holding the Lease (after a takeover, or riding an API outage
+    through), its takeovers by reason and the other replicas by state (failover.py,
+    peer_link.py). Read when Prometheus scrapes."""
+
+    def __init__(self, failover: Callable[[], Any], peers: Callable[[], list]):
+        self.failover = failover
+        self.peers = peers
+
+    def collect(self):
+        from picker.failover import GONE, LEFT, LIVE, SILENT
+        f = self.failover()
+        acting = GaugeMetricFamily("picker_acting_leader",
+                                   "1 if this replica answers SERVING to Envoy's health check "
+                                   "(the one Envoy sends its streams to)")
+        acting.add_metric([], 1.0 if f.role.acting else 0.0)
+        unleased = GaugeMetricFamily("picker_acting_without_lease",
+                                     "1 if this replica acts without holding the Lease (it took "
+                                     "over and waits for the Lease, or the API server is "
+                                     "unreachable)")
+        unleased.add_metric([], 1.0 if f.role.acting and f.role.without_lease else 0.0)
+        takeovers = CounterMetricFamily("picker_failovers",
+                                        "Times this replica took over from a leader, by why: "
+                                        "handover (it left), leader_gone (its process died), "
+                                        "leader_silent (it hung)", labels=["reason"])
+        for reason, count in f.takeovers.items():
+            takeovers.add_metric([reason], count)
+        peers = GaugeMetricFamily("picker_peers", "Other replicas on the peer link, by state",
+                                  labels=["state"])
+        states = [p.status for p in self.peers()]
+        for state in (LIVE, SILENT, LEFT, GONE):
+            peers.add_metric([state], states.count(state))
+        return [acting, unleased, takeovers, peers]

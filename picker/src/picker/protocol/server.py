@@ -1,4 +1,6 @@
-"""The gRPC servers: ext_proc (TLS by default) and gRPC health on its own port."""
+"""The gRPC servers: ext_proc (TLS by default) and gRPC health on its own port (the kubelet's
+probes, plaintext) and on the ext_proc port too (Envoy's active health check, over the same TLS
+as the streams: it sees the very server it sends streams to)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +17,9 @@ from picker.protocol.tls import server_credentials
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+# SERVING once the replica could serve (discovery synced, endpoints scraped), whether or not it is
+# the one that does: a standby's state, for launchers and startup probes
+WARM_SERVICE = "warm"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -34,6 +39,9 @@ class Servers:
         for name in READY_SERVICES:
             await self.health.set(name, SERVING if ready else NOT_SERVING)
 
+    async def set_warm(self, warm: bool) -> None:
+        await self.health.set(WARM_SERVICE, SERVING if warm else NOT_SERVING)
+
     async def stop(self, grace: float = 1.0) -> None:
         """Stop taking streams and end the open ones without failing their requests: held
         requests are sent now (FlowControl.release_all: they cannot wait for room within the
@@ -50,12 +58,13 @@ class Servers:
 async def start_servers(router: Router, grpc_port: int, health_port: int, secure: bool = True,
                         cert_path: str | None = None, default_body_mode: str = "full-duplex",
                         host: str = "[::]", limits: ServerLimits | None = None,
-                        flow: FlowControl | None = None) -> Servers:
+                        flow: FlowControl | None = None, end_answered: bool = False) -> Servers:
     """Start both servers (port 0 = any free port) with health NOT_SERVING until set_ready."""
     limits = limits or ServerLimits(max_body_bytes=router.settings.max_body_bytes)
     server = grpc.aio.server(options=limits.grpc_options(),
                              maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
-    servicer = ExtProcServicer(router, default_body_mode, limits.max_body_bytes, limits, flow)
+    servicer = ExtProcServicer(router, default_body_mode, limits.max_body_bytes, limits, flow,
+                               end_answered)
     ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     cert = None
     if secure:
@@ -68,7 +77,7 @@ async def start_servers(router: Router, grpc_port: int, health_port: int, secure
     health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
     hport = health_server.add_insecure_port(f"{host}:{health_port}")
     await hs.set("liveness", SERVING)
-    for name in READY_SERVICES:
+    for name in (*READY_SERVICES, WARM_SERVICE):
         await hs.set(name, NOT_SERVING)
     await server.start()
     await health_server.start()
