@@ -47,7 +47,17 @@ $(VENV)/.stamp: requirements.txt picker/pyproject.toml
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e picker
 	touch $@
 
-setup: $(VENV)/.stamp tools promtool ## build the virtualenv and the pinned tools into the working tree
+# The picker's compiled ext_proc transport (Rust: picker/Cargo.toml, picker/native/), built in place
+# next to the Python package so every checkout runs its own (crates from crates.io, Cargo.lock pins
+# them; cold: see picker/README.md "Protocol"). One cargo target directory for every checkout.
+CARGO_TARGET := $(CURDIR)/.cache/cargo-target
+export CARGO_TARGET_DIR := $(CARGO_TARGET)
+EXTPROC     := picker/src/picker/_extproc.abi3.so
+$(EXTPROC): picker/Cargo.toml picker/Cargo.lock $(wildcard picker/native/*.rs)
+	cd picker && cargo build --release --locked --features extension-module
+	cp $(CARGO_TARGET)/release/lib_extproc.so $@
+
+setup: $(VENV)/.stamp $(EXTPROC) tools promtool ## build the virtualenv, the picker's compiled transport and the pinned tools into the working tree
 
 $(KUBECONFORM):
 	mkdir -p $(TOOLS)
@@ -185,6 +195,7 @@ validate-policy:
 
 test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
 	$(MAKE) --no-print-directory validate
+	cd picker && cargo test --release --locked --no-default-features
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation tests/lifecycle tests/conformance tests/e2e
 	$(PY) -m pytest -q monitoring/tests
 	$(MAKE) --no-print-directory test-apiserver

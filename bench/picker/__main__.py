@@ -1,4 +1,4 @@
-"""python -m bench.picker ...: the picker service benchmark (see bench/picker/service.py)."""
-from bench.picker.service import main
+"""python -m bench.picker ...: the picker service benchmark (see bench/picker/run.py)."""
+from bench.picker.run import main
 
 main()

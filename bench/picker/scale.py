@@ -186,12 +186,12 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-def _start_picker(endpoints: list[str], workers: int) -> tuple[subprocess.Popen, int]:
+def _start_picker(endpoints: list[str], workers: int, server: str = "native") -> tuple[subprocess.Popen, int]:
     port = _free_port()
     cmd = [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", ",".join(endpoints),
            "--no-secure-serving", "--grpc-port", str(port), "--health-port", str(_free_port()),
            "--metrics-port", str(_free_port()), "--bind", "127.0.0.1", "--workers", str(workers),
-           "--log-level", "warning"]
+           "--log-level", "warning", "--ext-proc-server", server]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, port
 
@@ -209,20 +209,23 @@ def _wait_serving(port: int, bodies: str, workers: int) -> None:
     raise RuntimeError(f"picker with {workers} workers never served on port {port}")
 
 
-def workers_bench(n: int, counts: list[int], seconds: float, repeat: int, bodies: str,
-                  conns: int = 4, streams: int = 64) -> list[dict]:
-    pickers: dict[int, tuple[subprocess.Popen, int]] = {}
-    runs: dict[int, list[dict]] = {w: [] for w in counts}
+def workers_bench(n: int, counts: list[int] | list[tuple[str, int]], seconds: float, repeat: int,
+                  bodies: str, conns: int = 4, streams: int = 64) -> list[dict]:
+    """`python -m picker` per configuration: a worker count (the compiled ext_proc server) or
+    (ext_proc server, worker count); all started first, then run in turn, interleaved."""
+    configs = [c if isinstance(c, tuple) else ("native", c) for c in counts]
+    pickers: dict[tuple[str, int], tuple[subprocess.Popen, int]] = {}
+    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
     with service.fake_vllm_fleet(mp.get_context("spawn"), n) as ports:
         endpoints = [f"127.0.0.1:{p}" for p in ports]
         try:
-            for w in counts:
-                pickers[w] = _start_picker(endpoints, w)
-            for w, (proc, port) in pickers.items():
+            for server, w in configs:
+                pickers[(server, w)] = _start_picker(endpoints, w, server)
+            for (server, w), (proc, port) in pickers.items():
                 _wait_serving(port, bodies, w)
             time.sleep(1.0)
             for _ in range(repeat):  # interleaved: a slow spell of the machine hits every count alike
-                for w, (proc, port) in pickers.items():
+                for (server, w), (proc, port) in pickers.items():
                     cpu0, t0 = _tree_cpu(proc.pid), time.perf_counter()
                     try:
                         r = service._load_client(port, bodies, "buffered", seconds, streams=streams,
@@ -231,9 +234,9 @@ def workers_bench(n: int, counts: list[int], seconds: float, repeat: int, bodies
                         r = {"requests": 0, "errors": 1, "decisions_per_s": 0.0, "p50_ms": None,
                              "p99_ms": None, "first_error": "load client timed out"}
                     cpu, wall = _tree_cpu(proc.pid) - cpu0, time.perf_counter() - t0
-                    r.update(workers=w, endpoints=n, server_cpu_cores=cpu / wall,
+                    r.update(workers=w, server=server, endpoints=n, server_cpu_cores=cpu / wall,
                              server_cpu_ms_per_request=1000 * cpu / max(1, r["requests"]))
-                    runs[w].append(r)
+                    runs[(server, w)].append(r)
         finally:
             for proc, _ in pickers.values():
                 proc.terminate()
@@ -243,14 +246,15 @@ def workers_bench(n: int, counts: list[int], seconds: float, repeat: int, bodies
                 except subprocess.TimeoutExpired:
                     proc.kill()
     out = []
-    for w, rs in runs.items():
+    for rs in runs.values():
         m = _median(rs, "decisions_per_s")
-        m["repeats"] = [{"decisions_per_s": r["decisions_per_s"], "p99_ms": r["p99_ms"],
+        m["repeats"] = [{"decisions_per_s": r["decisions_per_s"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
                          "server_cpu_cores": r["server_cpu_cores"]} for r in rs]
         out.append(m)
-    base = statistics.median(r["decisions_per_s"] for r in runs[counts[0]])
+    base = statistics.median(r["decisions_per_s"] for r in runs[configs[0]])
     for o in out:
-        o["speedup_vs_first"] = statistics.median(r["decisions_per_s"] for r in runs[o["workers"]]) / base
+        o["speedup_vs_first"] = statistics.median(
+            r["decisions_per_s"] for r in runs[(o["server"], o["workers"])]) / base
     return out
 
 

@@ -1,11 +1,8 @@
-"""`make bench-picker`: decision throughput and latency through gRPC, and the CPU cost of scraping.
-
-    python -m bench.picker [--seconds 5] [--streams 64] [--endpoints 3,16,64]
-                           [--modes buffered,full-duplex] [--rates 250,500,750,1000 --hold 0.064]
-                           [--repeat 3] [--response-phase] [--json FILE]
+"""`make bench-picker` (run.py drives the parts): decision throughput and latency through gRPC,
+and the CPU cost of scraping.
 
 1. In-process: Router.decide() alone (what the routing lab pays per decision).
-2. Through gRPC: the picker's real server (plaintext, default profile, Prometheus metrics on,
+2. Through gRPC: the picker's real server, each ext_proc server in turn (compiled, Python; plaintext, default profile, Prometheus metrics on,
    each endpoint's parsed metrics fed every 100 ms in 10 ms batches, as the signals process
    delivers them) in a
    child process, driven by a compiled load client (bench/picker/loadclient) playing Envoy: per
@@ -18,7 +15,8 @@
    rate x hold streams open at once). Both `--repeat` times, interleaved: the closed loop is
    reported by its median-throughput run, each rate by its median-p99 run, and the highest rate
    at which it and every lower rate had round-trip p99 <= 5 ms. The server's CPU per decision is read from /proc/<pid>/stat (all
-   its threads). A null server (answers without deciding) shows the cost of Python gRPC itself.
+   its threads). A null server (answers without deciding) on each: the Python one shows the cost of
+   Python gRPC itself, the compiled one everything around decide().
 3. Scraping: 64 fake vLLM /metrics pages (realistic size, histograms included) served by a child
    process; a second child runs the real Scraper at the default interval; its CPU time is reported.
 
@@ -27,16 +25,13 @@ vLLM fleet, scraper), their start/stop and the CPU accounting; each part is read
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
 import multiprocessing as mp
 import os
 import random
-import resource
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 
@@ -139,7 +134,7 @@ def bench_inprocess(n: int, count: int = 3000, prefilter: bool = True) -> dict:
             "cpu_ms_per_decision": 1000 * sum(cpu) / count}
 
 
-def _serve(n: int, port_queue, ctl, timings) -> None:
+def _serve(n: int, port_queue, ctl, timings, server: str = "native") -> None:
     """Child: the real gRPC server (with its Prometheus metrics) and a router fed parsed scrapes
     of every endpoint once per the pool's scrape interval, in batches every 10 ms, as the
     signals process delivers them (the parsing itself happens in that other process). On each
@@ -165,7 +160,7 @@ def _serve(n: int, port_queue, ctl, timings) -> None:
         rng = random.Random(3)
         _refresh(router, addrs, rng)
         parsed = [parse_vllm_metrics(_page(rng)) for _ in range(50)]
-        servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+        servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", server=server)
         port_queue.put(servers.grpc_port)
         flush = 0.01
         per_batch = max(1, round(n * flush / defaults.scrape_interval_for(n)))
@@ -183,15 +178,52 @@ def _serve(n: int, port_queue, ctl, timings) -> None:
     run_loop(main())
 
 
-def _serve_null(port_queue) -> None:
-    """Child: an ext_proc server that answers without deciding (the cost of Python gRPC itself)."""
+class NullRouter:
+    """Decides nothing: every request goes to one endpoint (the native null server's Router)."""
+    metrics = None
+
+    def __init__(self, dest: str):
+        from picker.core import RouterSettings
+        self.settings = RouterSettings()
+        self.dest = dest
+
+    def decide(self, info):
+        from picker.core import Decision
+        return Decision(self.dest, "null", "", "", info.body or b"", None, 0)
+
+    def on_request_done(self, request_id, usage=None) -> None:
+        pass
+
+
+def _serve_null(port_queue, server: str = "python") -> None:
+    """Child: an ext_proc server that answers without deciding. `python`: a bare grpc.aio
+    servicer answering prebuilt messages (the cost of Python gRPC itself); `native`: the
+    compiled transport with the picker's own Python side (Request, answers) over a Router that
+    decides nothing (the cost of everything around decide())."""
+    from picker.runtime import run_loop
+    dest = "10.0.0.1:8000"
+
+    if server == "native":
+        async def main():
+            from picker.protocol.limits import ServerLimits
+            from picker.protocol.native import NativeExtProc
+            native = NativeExtProc(NullRouter(dest), ServerLimits(), host="127.0.0.1")
+            native.start()
+            port_queue.put(native.port)
+            await asyncio.Event().wait()
+        run_loop(main())
+        return
+
     import grpc
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    from picker.runtime import run_loop
+    from picker.protocol import answers
     from picker.protocol import messages as msg
-    dest = "10.0.0.1:8000"
+
+    def answer(body: bytes | None) -> answers.RouteAnswer:
+        return answers.RouteAnswer([(answers.DESTINATION_HEADER, dest)], answers.ROUTED_REMOVES,
+                                   {answers.LB_NAMESPACE: {answers.DESTINATION_HEADER: dest}}, body)
 
     class Null(ep_grpc.ExternalProcessorServicer):
         async def Process(self, it, ctx):
@@ -202,12 +234,10 @@ def _serve_null(port_queue) -> None:
                 kind = req.WhichOneof("request")
                 if kind == "request_headers" and not full_duplex:
                     yield msg.strip_headers_response()
-                elif kind == "request_body" and full_duplex:
-                    yield msg.headers_response(msg.routing_common(dest, None), dest)
-                    for r in msg.streamed_body_responses(req.request_body.body):
-                        yield r
                 elif kind == "request_body":
-                    yield msg.buffered_body_response(dest, None)
+                    for r in msg.route_responses(answer(req.request_body.body if full_duplex else None),
+                                                 False, full_duplex):
+                        yield r
                 elif kind == "response_headers":
                     yield msg.response_headers_response()
 
@@ -229,23 +259,25 @@ def _cpu_seconds(pid: int) -> float:
 
 def _load_client(port: int, bodies: str, mode: str, seconds: float, streams: int = 64,
                  rate: float = 0.0, hold: float = 0.0, response_phase: bool = False,
-                 conns: int = 1) -> dict:
+                 conns: int = 1, chunk: int = 0) -> dict:
     cmd = [LOAD_CLIENT, "-addr", f"127.0.0.1:{port}", "-bodies", bodies, "-mode", mode,
            "-seconds", str(seconds), "-streams", str(streams), "-warmup", "0", "-conns", str(conns),
-           "-rate", str(rate), "-hold", f"{hold}s", f"-response-phase={str(response_phase).lower()}"]
+           "-rate", str(rate), "-hold", f"{hold}s", f"-response-phase={str(response_phase).lower()}",
+           "-chunk", str(chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 120)
     return json.loads(out.stdout)
 
 
 def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: list[float],
-               hold: float, bodies: str, response_phase: bool = False, repeat: int = 3) -> dict:
-    """n endpoints (None: the null server). Closed loop (`streams` streams back to back: the
-    maximum throughput), then open loop at each rate (new streams/s, each open `hold` s),
-    both `repeat` times, interleaved; the closed loop is its median-throughput run, each rate
-    its median-p99 run."""
+               hold: float, bodies: str, response_phase: bool = False, repeat: int = 3,
+               server: str = "native") -> dict:
+    """n endpoints (None: the null server) on the `server` ext_proc server (native | python).
+    Closed loop (`streams` streams back to back: the maximum throughput), then open loop at
+    each rate (new streams/s, each open `hold` s), both `repeat` times, interleaved; the closed
+    loop is its median-throughput run, each rate its median-p99 run."""
     ctx = mp.get_context("spawn")
     q, ctl, timings = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    target, args = (_serve_null, (q,)) if n is None else (_serve, (n, q, ctl, timings))
+    target, args = (_serve_null, (q, server)) if n is None else (_serve, (n, q, ctl, timings, server))
     proc = ctx.Process(target=target, args=args, daemon=True)
     proc.start()
 
@@ -264,7 +296,7 @@ def bench_grpc(n: int | None, mode: str, streams: int, seconds: float, rates: li
     try:
         port = q.get(timeout=60)
         _load_client(port, bodies, mode, 1.0, streams)  # warm-up: connections, caches, prefix index
-        out = {"endpoints": n, "mode": mode, "response_phase": response_phase}
+        out = {"endpoints": n, "mode": mode, "response_phase": response_phase, "server": server}
         closed: list[dict] = []
         by_rate: dict[float, list[dict]] = {rate: [] for rate in rates}
         for _ in range(repeat):  # interleaved: a slow spell of the machine hits every run alike
@@ -386,102 +418,3 @@ def _write_bodies(path: str, count: int = 200) -> None:
     with open(path, "wb") as f:
         for _ in range(count):
             f.write(_request_body(rng) + b"\n")
-
-
-def main() -> None:
-    from picker.defaults import SCRAPE_INTERVAL
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--streams", type=int, default=64, help="closed-loop concurrent streams")
-    p.add_argument("--endpoints", default="3,16,64")
-    p.add_argument("--modes", default="buffered,full-duplex", help="request body modes to run")
-    p.add_argument("--rates", default="250,500,750,1000",
-                   help="open-loop new streams per second (list)")
-    p.add_argument("--hold", type=float, default=0.064,
-                   help="open-loop seconds each stream stays open (rate x hold streams open at once)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="runs of the closed loop and of each rate, interleaved; reported: the "
-                        "median-throughput closed run, each rate's median-p99 run")
-    p.add_argument("--response-phase", action="store_true",
-                   help="also send response_headers (a policy with a response phase); by default only "
-                        "the request phase, as the deployed EnvoyExtensionPolicy configures")
-    p.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
-    p.add_argument("--json", help="also write the results here")
-    a = p.parse_args()
-    if not os.access(LOAD_CLIENT, os.X_OK):
-        raise SystemExit(f"{LOAD_CLIENT} not found: build it with `make bench-picker` "
-                         "(or set PICKER_LOADCLIENT)")
-    sizes = [int(x) for x in a.endpoints.split(",")]
-    results = {"machine": {"cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]},
-               "inprocess": [], "grpc": [], "scrape": None}
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared machine?)")
-    print("\nRouter.decide() in process (default profile, ~4,000-token prompts):")
-    for n in sizes:
-        r = bench_inprocess(n)
-        results["inprocess"].append(r)
-        print(f"  {n:3d} endpoints: {r['decisions_per_s']:8.0f} decisions/s  "
-              f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
-    print(f"\nthrough gRPC (plaintext, ~24 KB bodies, Go load client), {a.seconds:g} s per run; "
-          "latency = stream opened -> routing answer received")
-    print(f"  closed = {a.streams} streams back to back (max throughput; latency is mostly queueing)")
-    rates = [float(x) for x in a.rates.split(",") if x]
-    print(f"  open   = {a.rates} new streams/s, each held open {a.hold:g} s after its answer "
-          f"({'with' if a.response_phase else 'without'} a response phase); {a.repeat} runs per "
-          "rate, interleaved: the median-p99 run, [every run's p99]")
-    print("  decide = the server's own decide() time (picker_decision_duration_seconds) in that run")
-    with tempfile.TemporaryDirectory() as tmp:
-        bodies = os.path.join(tmp, "bodies.jsonl")
-        _write_bodies(bodies)
-        for mode in a.modes.split(","):
-            print(f" {mode}:")
-            for n in [None] + sizes:
-                r = bench_grpc(n, mode, a.streams, a.seconds, rates, a.hold, bodies,
-                               a.response_phase, a.repeat)
-                results["grpc"].append(r)
-                print("  " + _grpc_line(r))
-    s = bench_scrape(64, a.scrape_interval, a.seconds)
-    results["scrape"] = s
-    print(f"\nscraping {s['endpoints']} endpoints every {s['interval_s']} s ({s['page_bytes']} B pages): "
-          f"{s['scrapes_per_s']:.0f} scrapes/s, {s['cpu_cores']:.2f} CPU cores, "
-          f"{s['cpu_ms_per_scrape']:.2f} ms CPU per scrape, {s['ready_endpoints']} ready")
-    results["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
-    results["machine"]["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
-
-
-def _grpc_line(r: dict) -> str:
-    c = r["closed_loop"]
-    label = "null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints"
-    lines = [f"{label:>13}: closed {c['decisions_per_s']:5.0f}/s {_runs(c, 'decisions_per_s', 0)} "
-             f"p50 {c['p50_ms']:7.1f} p99 "
-             f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
-             f"({c['server_cpu_cores']:.2f} cores){_decide(c)}{_errors(c)}"]
-    for o in r["open_loops"]:
-        lines.append(f"{'':>13}  open {o['offered_per_s']:5.0f}/s offered: {o['decisions_per_s']:5.0f}/s "
-                     f"p50 {o['p50_ms']:7.1f} p99 {o['p99_ms']:7.1f} ms {_runs(o)}, server "
-                     f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_decide(o)}{_errors(o)}")
-    best = r["max_rate_p99_within_target"]
-    lines.append(f"{'':>13}  p99 <= {P99_TARGET_MS:g} ms at every rate up to: "
-                 + (f"{best:.0f}/s offered" if best else "none of the offered rates"))
-    return "\n  ".join(lines)
-
-
-def _runs(r: dict, key: str = "p99_ms", digits: int = 1) -> str:
-    return "[" + " ".join(f"{x[key]:.{digits}f}" for x in r.get("repeats", [])) + "]"
-
-
-def _decide(r: dict) -> str:
-    d = r.get("decide")
-    if not d or not d["count"]:
-        return ""
-    return f", decide p50 {d['p50_ms']:.2f} p99 {d['p99_ms']:.2f} ms"
-
-
-def _errors(r: dict) -> str:
-    return f", {r['errors']} errors ({r.get('first_error')})" if r["errors"] else ""
-
-
-if __name__ == "__main__":
-    main()

@@ -117,7 +117,7 @@ def test_picker_section_states_each_part_of_the_target_separately():
     met = {"result": {"grpc": [grpc_run(None, 2000, 0, {500: 3.0, 1000: 4.0}),
                                grpc_run(16, 1500, 0.3, {500: 2.0, 1000: 4.5})]}}
     text = "\n".join(BY_NAME["picker"].section(met))
-    assert "| 16 endpoints | buffered | 1,500 | 30.0 / 50.0 | 0.30 | 0.60 | 2.0 | 4.5 | 1,000/s | 0 |" in text
+    assert "| 16 endpoints | Python | buffered | 1,500 | 30.0 / 50.0 | 0.30 | 0.60 | 2.0 | 4.5 | 1,000/s | 0 |" in text
     met["result"]["grpc"][1]["open_loops"][0]["repeats"] = [{"p99_ms": 2.0, "errors": 0}, {"p99_ms": 7.5, "errors": 0}]
     assert "| 2.0 [2.0 7.5] | 4.5 |" in "\n".join(BY_NAME["picker"].section(met))
     assert "1,500/s (median run), met;" in text and "0.30 ms, met;" in text and "up to 1,000/s offered." in text
@@ -127,6 +127,44 @@ def test_picker_section_states_each_part_of_the_target_separately():
     text = "\n".join(BY_NAME["picker"].section(missed))
     assert "900/s (median run), not met;" in text and "6.00 ms, not met;" in text
     assert "up to 500/s offered, not at 1,000/s." in text
+
+
+def test_picker_section_sets_the_two_servers_side_by_side_and_states_their_targets():
+    def run(endpoints, server, cpu, per_s):
+        r = grpc_run(endpoints, per_s, 0.3, {500: 2.0})
+        r["server"], r["closed_loop"]["server_cpu_ms_per_request"] = server, cpu
+        return r
+    long = {"chunk_bytes": 16384, "held_requests": 128, "endpoints": 16,
+            "inprocess": [{"tokens": t, "body_bytes": 5 * t, "prompt_tokens": t, "cpu_ms_per_decision": c,
+                           "cpu_p50_ms": c, "held_bytes_per_request": 5 * t + 500, "held_overhead_bytes": 500}
+                          for t, c in ((1000, 0.3), (100_000, 1.8))],
+            "grpc": [{"server": srv, "tokens": t, "held": 128, "held_bytes_per_request": 6 * t,
+                      "closed_loop": {"decisions_per_s": 100.0, "server_cpu_ms_per_request": c, "errors": 0}}
+                     for srv, t, c in (("native", 1000, 0.5), ("native", 100_000, 1.4),
+                                       ("python", 1000, 1.0), ("python", 100_000, 5.0))]}
+    d = {"result": {"grpc": [run(None, "native", 0.25, 4000), run(None, "python", 0.9, 1400),
+                             run(16, "native", 0.6, 2500), run(16, "python", 1.3, 900)], "long": long}}
+    text = "\n".join(BY_NAME["picker"].section(d))
+    assert "| 16 endpoints | buffered | 0.60 | 1.30 | 0.46 | 2,500 | 900 | 2.78 |" in text
+    assert "- null server, buffered: CPU per request at most a third of the Python server's: 0.25 against " \
+           "0.90 ms (0.28), met." in text
+    assert "- 16 endpoints, buffered: CPU per request at most half of the Python server's: 0.60 against " \
+           "1.30 ms (0.46), met." in text
+    assert "| 100,000 tokens | compiled | 100 | 1.40 | 2.80 | 128 | 586 | 0 |" in text
+    assert "- target, compiled server: a 100k-token prompt at most 3x the CPU of a 1k-token one: 2.8x, met." in text
+    assert "- target, Python server: a 100k-token prompt at most 3x the CPU of a 1k-token one: 5.0x, not met." in text
+    assert "Target at 16 endpoints (buffered), compiled server:" in text
+    assert "Go endpoint picker" in text and "1,725-2,234 decisions/s" in text
+    pod = lambda server, w, per_s, p50, p99: {"server": server, "workers": w, "decisions_per_s": per_s,  # noqa: E731
+                                              "p50_ms": p50, "p99_ms": p99, "server_cpu_cores": 1.5,
+                                              "server_cpu_ms_per_request": 0.5,
+                                              "repeats": [{"decisions_per_s": per_s}]}
+    d["result"]["pod"] = [pod("python", 2, 800, 80.0, 120.0), pod("native", 1, 2000, 30.0, 50.0),
+                          pod("native", 2, 2600, 24.0, 45.0)]
+    text = "\n".join(BY_NAME["picker"].section(d))
+    assert "| compiled server, 2 workers | 2,600 [2,600] | 3.25 | 24.0 / 45.0 | 1.50 | 0.50 |" in text
+    assert "- target: one pod at least 2x today's decisions/s: 3.25x (2 workers), met;" in text
+    assert "24.0 / 45.0 ms at 2,600/s, not met." in text  # p50 above the Go picker's 19 ms
 
 
 def test_demo_section_shows_both_listeners_cpu_and_envoy_counters():

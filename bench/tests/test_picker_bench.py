@@ -43,12 +43,13 @@ def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "bench.picker", "--seconds", "0.5", "--endpoints", "3",
          "--modes", "buffered,full-duplex", "--streams", "8", "--rates", "100", "--repeat", "2",
-         "--json", str(out)],
+         "--parts", "inprocess,grpc,scrape", "--servers", "native,python", "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert [(g["endpoints"], g["mode"]) for g in r["grpc"]] == [
-        (None, "buffered"), (3, "buffered"), (None, "full-duplex"), (3, "full-duplex")]
+    assert [(g["endpoints"], g["mode"], g["server"]) for g in r["grpc"]] == [
+        (n, mode, server) for mode in ("buffered", "full-duplex") for n in (None, 3)
+        for server in ("native", "python")]
     for g in r["grpc"]:
         runs = [g["closed_loop"], *g["open_loops"]]
         assert all(x["errors"] == 0 and x["requests"] > 0 for x in runs), runs

@@ -268,7 +268,7 @@ def test_shutdown_sends_every_held_request_in_order_and_holds_nothing_after():
 # ---- the ext_proc server ----------------------------------------------------------------------
 
 @pytest.fixture
-async def held_picker():
+async def held_picker(ext_proc_server):
     metrics = PickerMetrics()
     router = make_router(profile="default", n=2, metrics=metrics, objectives=OBJECTIVES,
                          waiting=3, kv=0.5)
@@ -276,7 +276,8 @@ async def held_picker():
     for a in router.endpoints:
         router.on_scrape_ok(a, metrics_text(waiting=3, kv=0.5))
     flow = FlowControl(router, FlowSettings(QueueLimits(max_wait=30.0)))
-    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", flow=flow)
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", flow=flow,
+                                  server=ext_proc_server)
     await servers.set_ready(True)
     ch = c.channel(servers.grpc_port, None)
     yield router, flow, c.ep_stub(ch), servers
@@ -513,11 +514,11 @@ async def test_server_stop_answers_a_held_stream_with_an_endpoint_not_an_error(h
                   priority="0") == 1
 
 
-async def test_server_stop_ends_an_answered_stream_cleanly_at_once():
+async def test_server_stop_ends_an_answered_stream_cleanly_at_once(ext_proc_server):
     """Envoy keeps the stream of a routed request open until its response ends; a stop must end
     it with OK (Envoy finishes the request) rather than cut it after the grace (Envoy: 503)."""
     router = make_router(profile="default", n=2, waiting=0, kv=0.1)
-    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", server=ext_proc_server)
     await servers.set_ready(True)
     ch = c.channel(servers.grpc_port, None)
     try:

@@ -47,9 +47,9 @@ def test_router_answers_decision_or_4xx(raw, headers):
         ROUTER.on_request_done(d.request_id)
 
 
-async def test_grpc_stream_always_ends_with_4xx_or_route_and_server_stays_healthy():
+async def test_grpc_stream_always_ends_with_4xx_or_route_and_server_stays_healthy(ext_proc_server):
     router = make_router(n=3, settings=RouterSettings(max_body_bytes=100_000))
-    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1")
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1", server=ext_proc_server)
     ch = c.channel(servers.grpc_port, None)
     stub = c.ep_stub(ch)
     results = []

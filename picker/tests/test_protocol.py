@@ -26,13 +26,14 @@ async def wait_for(pred, timeout=5.0):
 
 
 @pytest.fixture(params=["tls", "plaintext"])
-async def picker(request):
+async def picker(request, ext_proc_server):
     metrics = PickerMetrics()
     router = make_router(
         n=3, metrics=metrics, settings=RouterSettings(max_body_bytes=2 * 1024 * 1024),
         objectives=[Objective("batch", -5)],
         rewrites=[Rewrite("canary", (RewriteRule(("qwq-alias",), (("qwq", 1.0),)),))])
-    servers = await start_servers(router, 0, 0, secure=request.param == "tls", host="127.0.0.1")
+    servers = await start_servers(router, 0, 0, secure=request.param == "tls", host="127.0.0.1",
+                                  server=ext_proc_server)
     await servers.set_ready(True)
     ch = c.channel(servers.grpc_port, servers.certificate)
     yield router, c.ep_stub(ch), servers, metrics
@@ -112,7 +113,7 @@ async def test_full_duplex_response_body_is_echoed_and_sse_usage_recorded(picker
         await call.write(c.response_body(piece, i == 2))
         out = (await call.read()).response_body.response.body_mutation.streamed_response
         assert out.body == piece and out.end_of_stream == (i == 2)
-    assert not router.inflight
+    await wait_for(lambda: not router.inflight)  # the compiled server tells the loop just after
     assert metrics.registry.get_sample_value("picker_usage_tokens_total", {"kind": "completion_tokens"}) == 2
     await call.done_writing()
 

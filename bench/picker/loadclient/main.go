@@ -2,7 +2,8 @@
 // compiled) process, so a benchmark on a small machine measures the server and not its client.
 //
 // Each request is one bidirectional Process stream: request_headers (with protocol_config),
-// request_body (end_of_stream), wait for the routing answer, then response_headers
+// request_body (end_of_stream; with -chunk N, the body in messages of at most N bytes, as Envoy
+// streams a long prompt in full-duplex mode), wait for the routing answer, then response_headers
 // (end_of_stream) unless -response-phase=false (the deployed EnvoyExtensionPolicy sends only the
 // request phase), close. Closed loop: -streams workers send requests back to back for -seconds;
 // open loop (-rate): a new stream every 1/rate s, each held open -hold for its response phase.
@@ -74,8 +75,8 @@ func headersMsg(mode pmv3.ProcessingMode_BodySendMode) *extproc.ProcessingReques
 
 // oneRequest returns the time from opening the stream to receiving the routing answer (what
 // Envoy waits before it can pick the upstream); hold is how long the response phase is delayed.
-func oneRequest(ctx context.Context, client extproc.ExternalProcessorClient, head, body *extproc.ProcessingRequest,
-	fullDuplex, responsePhase bool, hold time.Duration) (time.Duration, error) {
+func oneRequest(ctx context.Context, client extproc.ExternalProcessorClient, head *extproc.ProcessingRequest,
+	body []*extproc.ProcessingRequest, fullDuplex, responsePhase bool, hold time.Duration) (time.Duration, error) {
 	t0 := time.Now()
 	stream, err := client.Process(ctx)
 	if err != nil {
@@ -93,8 +94,10 @@ func oneRequest(ctx context.Context, client extproc.ExternalProcessorClient, hea
 			return 0, fmt.Errorf("expected a headers answer, got %v", r)
 		}
 	}
-	if err := stream.Send(body); err != nil {
-		return 0, err
+	for _, msg := range body {
+		if err := stream.Send(msg); err != nil {
+			return 0, err
+		}
 	}
 	r, err := stream.Recv()
 	if err != nil {
@@ -159,6 +162,7 @@ func main() {
 	hold := flag.Duration("hold", 0, "open loop: time each stream stays open after its routing answer")
 	conns := flag.Int("conns", 1, "gRPC connections, streams spread round robin (Envoy opens one per worker thread)")
 	responsePhase := flag.Bool("response-phase", true, "send response_headers before closing (false: request phase only)")
+	chunk := flag.Int("chunk", 0, "full-duplex: send each body in messages of at most this many bytes (0: one message)")
 	flag.Parse()
 	bodies, err := readBodies(*bodiesPath)
 	if err != nil {
@@ -174,10 +178,20 @@ func main() {
 		os.Exit(2)
 	}
 	head := headersMsg(bodyMode)
-	bodyMsgs := make([]*extproc.ProcessingRequest, len(bodies))
+	bodyMsgs := make([][]*extproc.ProcessingRequest, len(bodies))
 	for i, b := range bodies {
-		bodyMsgs[i] = &extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_RequestBody{
-			RequestBody: &extproc.HttpBody{Body: b, EndOfStream: true}}}
+		size := len(b)
+		if *chunk > 0 && fullDuplex {
+			size = *chunk
+		}
+		for at := 0; at < len(b) || at == 0; at += size {
+			end := min(at+size, len(b))
+			bodyMsgs[i] = append(bodyMsgs[i], &extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_RequestBody{
+				RequestBody: &extproc.HttpBody{Body: b[at:end], EndOfStream: end == len(b)}}})
+			if end == len(b) {
+				break
+			}
+		}
 	}
 	if *conns < 1 {
 		fmt.Fprintln(os.Stderr, "-conns must be at least 1")

@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inflight-timeout", type=float, default=defaults.INFLIGHT_TIMEOUT,
                    help="seconds after which an unfinished request stops counting as in flight")
     p.add_argument("--default-objective", help="InferenceObjective for requests without the header")
+    p.add_argument("--ext-proc-server", choices=["native", "python"], default=defaults.EXT_PROC_SERVER,
+                   help="the ext_proc gRPC server: native (the compiled transport in front of the "
+                        "Python decision) or python (grpc.aio, the fallback); both answer alike")
     p.add_argument("--request-body-mode", choices=["full-duplex", "buffered"], default="full-duplex",
                    help="body mode assumed when Envoy sends no protocol_config")
     p.add_argument("--workers", type=int, default=defaults.WORKERS,

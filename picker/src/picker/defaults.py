@@ -33,6 +33,9 @@ INFLIGHT_TIMEOUT = 1800.0      # seconds; in-flight entries older than this are 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # What one replica holds at once; beyond these a request gets 503 with the reason.
 MAX_STREAMS = 2048                      # ext_proc streams
+# The ext_proc server: "native" (the compiled transport, picker/native/) or "python" (grpc.aio,
+# the fallback); both answer alike (README "Protocol").
+EXT_PROC_SERVER = "native"
 MAX_BUFFERED_BYTES = 128 * 1024 * 1024  # request body bytes, all streams together
 AVG_PROMPT_ALPHA = 0.05        # EWMA weight of the running mean prompt size
 

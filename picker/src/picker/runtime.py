@@ -13,6 +13,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 import uvloop
 
+from picker import defaults
 from picker.config import flow_settings, server_limits
 from picker.core import Router, RouterSettings
 from picker.discovery.objects import Objective, Rewrite
@@ -62,6 +63,7 @@ async def start_ext_proc(router: Router, args: Namespace, grpc_port: int, health
     return await start_servers(router, grpc_port, health_port, args.secure_serving,
                                args.cert_path, args.request_body_mode, args.bind,
                                limits=server_limits(args), flow=flow,
+                               server=getattr(args, "ext_proc_server", defaults.EXT_PROC_SERVER),
                                end_answered=getattr(args, "end_answered_streams", False))
 
 

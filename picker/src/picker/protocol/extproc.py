@@ -25,7 +25,8 @@ from picker.flowcontrol.controller import CLIENT_HEADER, FlowControl, Outcome
 from picker.flowcontrol.driver import FlowDriver
 from picker.flowcontrol.queue import Held
 from picker.protocol import messages as msg
-from picker.protocol.limits import Budget, ServerLimits
+from picker.protocol.answers import ImmediateAnswer, RouteAnswer, error_answer, route_answer
+from picker.protocol.limits import Budget, ServerLimits, body_too_large, protocol_error
 from picker.protocol.usage import UsageTracker
 
 log = logging.getLogger("picker.extproc")
@@ -33,6 +34,7 @@ FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = pm.ProcessingMode.BUFFERED
 NONE = pm.ProcessingMode.NONE
 BODY_MODES = {"full-duplex": FULL_DUPLEX, "buffered": BUFFERED}
+Answer = RouteAnswer | ImmediateAnswer
 
 
 def _headers(hm: ep.HttpHeaders) -> dict[str, str]:
@@ -57,30 +59,120 @@ def _subset(req: ep.ProcessingRequest) -> list[str] | None:
     return [i.strip() for i in items if i.strip()]
 
 
-class RequestStream:
-    """State of one ext_proc stream (one downstream HTTP request)."""
+class Request:
+    """The picker's side of one HTTP request, whatever transport carries it (this module's
+    gRPC server or the compiled one, native.py): route it (decide, or hold it in flow control),
+    answer a held one when it leaves the queue, end its in-flight count once. Answers are
+    transport-neutral (answers.py)."""
 
-    def __init__(self, router: Router, default_body_mode: int, max_body_bytes: int,
-                 budget: Budget, flow: FlowDriver | None = None):
+    def __init__(self, router: Router, flow: FlowDriver | None = None):
         self.router = router
         self.flow = flow
         self.held: Held | None = None      # waiting in the flow-control queue
-        self.waiting: asyncio.Future | None = None  # its outcome, awaited by Process
+        self.waiting: asyncio.Future | None = None  # its outcome
         self._held_route: tuple[RequestInfo, bool] | None = None
+        self.full_duplex = False
+        self.headers: dict[str, str] | None = None  # set by the (one) request_headers message
+        self.subset: list[str] | None = None
+        self.decision: Decision | None = None
+        self.done = False        # on_request_done was called
+
+    def route(self, info: RequestInfo, bodiless: bool = False) -> Answer | None:
+        """Decide now, or hold (None: `waiting` gets the outcome; then `resolve` it)."""
+        try:
+            if self.flow is not None and not bodiless:
+                result = self.flow.flow.submit(info, self._flow_outcome)
+                if isinstance(result, Held):  # answered when dispatched
+                    self.held, self._held_route = result, (info, bodiless)
+                    if self.waiting is None:
+                        self.waiting = asyncio.get_running_loop().create_future()
+                    self.flow.arm()
+                    return None
+                d = result
+            else:
+                d = self.router.decide(info)
+        except PickerError as err:
+            return self.refuse(err)
+        except Exception:  # a bug must not leave Envoy without an answer: 500, logged in full
+            log.exception("decision failed", extra={"path": clip(info.path)})
+            return self.refuse(PickerError(500, "internal error in the endpoint picker",
+                                           "internal_error"))
+        return self.answer(d, info, bodiless)
+
+    def _flow_outcome(self, outcome: Outcome) -> None:
+        """Called by FlowControl when the held request leaves the queue (possibly at once)."""
+        if self.waiting is None:
+            self.waiting = asyncio.get_running_loop().create_future()
+        if not self.waiting.done():
+            self.waiting.set_result(outcome)
+
+    def resolve(self, outcome: Outcome) -> Answer:
+        """The answer for a request that was held: its decision, or the refusal."""
+        info, bodiless = self._held_route
+        self.held = self.waiting = self._held_route = None
+        if isinstance(outcome, PickerError):
+            return self.refuse(outcome)
+        return self.answer(outcome, info, bodiless)
+
+    def cancel_hold(self) -> None:
+        """The stream ended while held (the client or Envoy went away): leave the queue now."""
+        if self.held is not None:
+            self.flow.flow.cancel(self.held)
+            self.flow.flow.publish()
+            self.held = None
+
+    def _release_body(self) -> None:
+        """The transport's buffered body may go (the Python server's budget: RequestStream)."""
+
+    def answer(self, d: Decision, info: RequestInfo, bodiless: bool) -> RouteAnswer:
+        self._release_body()
+        self.decision = d
+        if log.isEnabledFor(logging.DEBUG):
+            # request_id: the one Envoy and the client know (x-request-id), for correlation
+            log.debug("decision", extra={"request_id": d.client_request_id or d.request_id,
+                                         "inflight_id": d.request_id,
+                                         "model": clip(d.model),
+                                         "target_model": d.target_model, "endpoint": d.endpoint,
+                                         "objective": d.objective, "priority": d.priority,
+                                         "client": clip(info.headers.get(CLIENT_HEADER, "")),
+                                         "prompt_tokens": d.prompt_tokens,
+                                         "cached_tokens": d.cached_tokens})
+        return route_answer(d, info, bodiless, self.full_duplex)
+
+    def refuse(self, err: PickerError, path: str | None = None) -> ImmediateAnswer:
+        self._release_body()
+        log.info("request refused", extra={"status": err.status, "code": err.code,
+                                           "reason": clip(err.message, 512),
+                                           "path": clip(path if path is not None else
+                                                        (self.headers or {}).get(":path", ""))})
+        return error_answer(err)
+
+    def finish(self, usage: dict | None = None) -> None:
+        """End the in-flight count once: response complete or stream gone."""
+        if self.done or self.decision is None:
+            return
+        self.done = True
+        self.router.on_request_done(self.decision.request_id, usage)
+
+
+class RequestStream(Request):
+    """One ext_proc stream of the pure-Python server: Envoy's messages in, answers out.
+    Every buffered body byte beyond the stream's first SMALL_BODY_BYTES counts against the
+    replica's Budget."""
+
+    def __init__(self, router: Router, default_body_mode: int, max_body_bytes: int,
+                 budget: Budget, flow: FlowDriver | None = None):
+        super().__init__(router, flow)
         self._after_hold: list[ep.ProcessingResponse] = []
         self.body_mode = default_body_mode
         self.response_body_mode = NONE
         self.max_body_bytes = max_body_bytes
         self.budget = budget
-        self.headers: dict[str, str] | None = None  # set by the (one) request_headers message
-        self.subset: list[str] | None = None
         self.chunks: list[bytes] = []  # request body messages (joined once, at the end)
         self.body_bytes = 0
         self.reserved = 0              # of those, held in the shared budget (above the small part)
-        self.decision: Decision | None = None
         self.routed = False      # the request phase is answered
         self.finished = False    # an immediate response ended the stream
-        self.done = False        # on_request_done was called
         self.usage: UsageTracker | None = None
 
     # Each handler returns the answers to send, in order.
@@ -116,8 +208,7 @@ class RequestStream:
 
     def _request_headers(self, h: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
         if self.headers is not None:  # one HTTP request per stream: never route (count) twice
-            return self._error(PickerError(400, "request_headers sent twice in one ext_proc "
-                                                "stream", "protocol_error"))
+            return self._error(protocol_error())
         self.headers = _headers(h)
         if h.end_of_stream:  # bodiless: the only chance to route
             return self._route(bodiless=True)
@@ -139,98 +230,44 @@ class RequestStream:
         self.chunks.append(b.body)
         self.body_bytes += len(b.body)
         if self.body_bytes > self.max_body_bytes:
-            return self._error(PickerError(
-                413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                "body_too_large"))
+            return self._error(body_too_large(self.max_body_bytes))
         if b.end_of_stream or b.end_of_stream_without_message:
             return self._route()
         if self.body_mode == FULL_DUPLEX:
             return []
         return [msg.empty_body_response()]  # STREAMED/partial: one answer per message
 
-    def _drop_body(self) -> None:
+    def _release_body(self) -> None:
         self.chunks = []
         self.budget.release(self.reserved)
         self.body_bytes = self.reserved = 0
 
     def _route(self, bodiless: bool = False) -> list[ep.ProcessingResponse]:
         self.routed = True
+        self.full_duplex = self.body_mode == FULL_DUPLEX
         headers = self.headers or {}
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks = []  # `body` lives on in `info` (held) or this call's answers; its bytes
-        #                   count against the budget until then (_drop_body)
+        #                   count against the budget until then (_release_body)
         info = RequestInfo(headers.get(":path", ""), headers, body or None, self.subset)
-        try:
-            if self.flow is not None and not bodiless:
-                result = self.flow.flow.submit(info, self._flow_outcome)
-                if isinstance(result, Held):  # answered when dispatched (Process awaits it)
-                    self.held, self._held_route = result, (info, bodiless)
-                    if self.waiting is None:
-                        self.waiting = asyncio.get_running_loop().create_future()
-                    self.flow.arm()
-                    return []
-                d = result
-            else:
-                d = self.router.decide(info)
-        except PickerError as err:
-            return self._error(err)
-        except Exception:  # a bug must not leave Envoy without an answer: 500, logged in full
-            log.exception("decision failed", extra={"path": clip(info.path)})
-            return self._error(PickerError(500, "internal error in the endpoint picker",
-                                           "internal_error"))
-        return self._answer(d, info, bodiless)
+        answer = self.route(info, bodiless)
+        return [] if answer is None else self._render(answer, bodiless)
 
-    def _flow_outcome(self, outcome: Outcome) -> None:
-        """Called by FlowControl when the held request leaves the queue (possibly at once)."""
-        if self.waiting is None:
-            self.waiting = asyncio.get_running_loop().create_future()
-        if not self.waiting.done():
-            self.waiting.set_result(outcome)
-
-    def resolve(self, outcome: Outcome) -> list[ep.ProcessingResponse]:
-        """The answers for a request that was held: its decision, or the refusal."""
-        info, bodiless = self._held_route
-        self.held = self.waiting = self._held_route = None
-        if isinstance(outcome, PickerError):
-            return self._error(outcome)
+    def resolve_messages(self, outcome: Outcome) -> list[ep.ProcessingResponse]:
+        """The messages for a request that was held, and those that waited behind it."""
+        bodiless = self._held_route[1]
+        out = self._render(self.resolve(outcome), bodiless)
         after, self._after_hold = self._after_hold, []
-        return self._answer(outcome, info, bodiless) + after
+        return out if self.finished else out + after
 
-    def cancel_hold(self) -> None:
-        """The stream ended while held (the client or Envoy went away): leave the queue now."""
-        if self.held is not None:
-            self.flow.flow.cancel(self.held)
-            self.flow.flow.publish()
-            self.held = None
-
-    def _answer(self, d: Decision, info: RequestInfo, bodiless: bool) -> list[ep.ProcessingResponse]:
-        self._drop_body()
-        self.decision = d
-        if log.isEnabledFor(logging.DEBUG):
-            # request_id: the one Envoy and the client know (x-request-id), for correlation
-            log.debug("decision", extra={"request_id": d.client_request_id or d.request_id,
-                                         "inflight_id": d.request_id,
-                                         "model": clip(d.model),
-                                         "target_model": d.target_model, "endpoint": d.endpoint,
-                                         "objective": d.objective, "priority": d.priority,
-                                         "client": clip(info.headers.get(CLIENT_HEADER, "")),
-                                         "prompt_tokens": d.prompt_tokens,
-                                         "cached_tokens": d.cached_tokens})
-        if bodiless:
-            return [msg.headers_response(msg.routing_common(d.endpoint, None), d.endpoint)]
-        changed = d.body is not info.body and d.body != info.body
-        if self.body_mode == FULL_DUPLEX:
-            head = msg.headers_response(msg.routing_common(d.endpoint, len(d.body)), d.endpoint)
-            return [head, *msg.streamed_body_responses(d.body)]
-        return [msg.buffered_body_response(d.endpoint, d.body if changed else None)]
+    def _render(self, answer: Answer, bodiless: bool) -> list[ep.ProcessingResponse]:
+        if isinstance(answer, ImmediateAnswer):
+            self.routed = self.finished = True
+            return [msg.immediate(answer)]
+        return msg.route_responses(answer, bodiless, self.full_duplex)
 
     def _error(self, err: PickerError) -> list[ep.ProcessingResponse]:
-        self.routed = self.finished = True
-        self._drop_body()
-        log.info("request refused", extra={"status": err.status, "code": err.code,
-                                           "reason": clip(err.message, 512),
-                                           "path": clip((self.headers or {}).get(":path", ""))})
-        return [msg.immediate_response(err.status, err.openai_body(), err.code, err.message)]
+        return self._render(self.refuse(err), False)
 
     def _response_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if self.usage is not None:
@@ -242,15 +279,13 @@ class RequestStream:
             return [msg.echo_response_body(b.body, eos)]
         return [msg.empty_body_response(response_phase=True)]
 
-    def finish(self) -> None:
+    def finish(self, usage: dict | None = None) -> None:
         """End the in-flight count once: response complete or stream gone."""
         if self.body_bytes:
-            self._drop_body()
+            self._release_body()
         if self.done or self.decision is None:
             return
-        self.done = True
-        usage = self.usage.finish() if self.usage is not None else None
-        self.router.on_request_done(self.decision.request_id, usage)
+        super().finish(self.usage.finish() if self.usage is not None else None)
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
@@ -280,8 +315,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         if refused is not None:  # answer the first message with the reason, hold nothing
             self._count_refusal(refused)
             async for _ in request_iterator:
-                yield msg.immediate_response(refused.status, refused.openai_body(), refused.code,
-                                             refused.message)
+                yield msg.immediate(error_answer(refused))
                 return
             return
         stream = RequestStream(self.router, self.default_body_mode, self.max_body_bytes,
@@ -301,7 +335,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     yield resp
                 if stream.waiting is not None:
                     # held: Envoy waits for this answer; a reset stream cancels this task
-                    for resp in stream.resolve(await stream.waiting):
+                    for resp in stream.resolve_messages(await stream.waiting):
                         yield resp
                 if stream.finished:
                     return

@@ -54,6 +54,32 @@ class ServerLimits:
                 ("grpc.server.max_pending_requests_hard_limit", 2 * pending)]
 
 
+def too_many_streams(max_streams: int) -> PickerError:
+    return PickerError(503, f"the endpoint picker is handling its limit of {max_streams} "
+                            f"concurrent requests; retry later", "too_many_streams")
+
+
+def body_buffer_full(max_buffered_bytes: int) -> PickerError:
+    return PickerError(503, f"the endpoint picker's request buffer ({max_buffered_bytes} bytes) "
+                            f"is full; retry later", "body_buffer_full")
+
+
+def body_too_large(max_body_bytes: int) -> PickerError:
+    return PickerError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
+                       "body_too_large")
+
+
+def protocol_error() -> PickerError:
+    return PickerError(400, "request_headers sent twice in one ext_proc stream", "protocol_error")
+
+
+def refusals(limits: ServerLimits) -> dict[str, PickerError]:
+    """Every refusal a transport makes on its own (before any decision), by code."""
+    return {e.code: e for e in (too_many_streams(limits.max_streams),
+                                body_buffer_full(limits.max_buffered_bytes),
+                                body_too_large(limits.max_body_bytes), protocol_error())}
+
+
 class Budget:
     """The live counts against ServerLimits (one event loop: no locking)."""
 
@@ -64,9 +90,7 @@ class Budget:
 
     def open_stream(self) -> PickerError | None:
         if self.streams >= self.limits.max_streams:
-            return PickerError(503, f"the endpoint picker is handling its limit of "
-                                    f"{self.limits.max_streams} concurrent requests; retry later",
-                               "too_many_streams")
+            return too_many_streams(self.limits.max_streams)
         self.streams += 1
         return None
 
@@ -75,9 +99,7 @@ class Budget:
 
     def reserve(self, n: int) -> PickerError | None:
         if self.buffered + n > self.limits.max_buffered_bytes:
-            return PickerError(503, f"the endpoint picker's request buffer "
-                                    f"({self.limits.max_buffered_bytes} bytes) is full; retry later",
-                               "body_buffer_full")
+            return body_buffer_full(self.limits.max_buffered_bytes)
         self.buffered += n
         return None
 

@@ -6,13 +6,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
-SERVED_HEADER = "x-gateway-destination-endpoint-served"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-# Client-sent copies of these are removed: a client must never choose its own backend.
-CONTROL_HEADERS = (DESTINATION_HEADER, SUBSET_HEADER, SERVED_HEADER)
+from picker.protocol.answers import (CONTROL_HEADERS, DESTINATION_HEADER, LB_NAMESPACE,  # noqa: F401
+                                     SERVED_HEADER, SUBSET_HEADER, SUBSET_NAMESPACE, ImmediateAnswer,
+                                     RouteAnswer)
+
 BODY_CHUNK_BYTES = 62_000  # the reference EPP's per-message limit for streamed bodies
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # Answers that never vary are built once (below) and shared by every stream: never mutate them.
@@ -33,36 +30,38 @@ def strip_headers_response() -> ep.ProcessingResponse:
     return _STRIP_HEADERS
 
 
-def routing_common(endpoint: str, content_length: int | None) -> ep.CommonResponse:
-    sets = [_set_header(DESTINATION_HEADER, endpoint)]
-    if content_length is not None:
-        sets.append(_set_header("content-length", str(content_length)))
+def _common(a: RouteAnswer) -> ep.CommonResponse:
     return ep.CommonResponse(
-        clear_route_cache=True,
-        header_mutation=ep.HeaderMutation(set_headers=sets, remove_headers=CONTROL_HEADERS[1:]))
+        clear_route_cache=a.clear_route_cache,
+        header_mutation=ep.HeaderMutation(set_headers=[_set_header(k, v) for k, v in a.set_headers],
+                                          remove_headers=a.remove_headers))
 
 
-def lb_metadata(endpoint: str) -> struct_pb2.Struct:
+def _metadata(a: RouteAnswer) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
-    md.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    md.update(a.metadata)
     return md
 
 
-def headers_response(common: ep.CommonResponse | None = None,
-                     endpoint: str | None = None) -> ep.ProcessingResponse:
-    resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common or ep.CommonResponse()))
-    if endpoint:
-        resp.dynamic_metadata.CopyFrom(lb_metadata(endpoint))
-    return resp
+def route_responses(a: RouteAnswer, bodiless: bool, full_duplex: bool) -> list[ep.ProcessingResponse]:
+    """A RouteAnswer as ext_proc messages: bodiless: the headers answer; FULL_DUPLEX_STREAMED: the
+    held headers answer, then the body streamed on; BUFFERED: the body answer."""
+    if bodiless or full_duplex:
+        head = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(a)),
+                                     dynamic_metadata=_metadata(a))
+        return [head] if bodiless else [head, *streamed_body_responses(a.body or b"")]
+    common = _common(a)
+    if a.body is not None:
+        common.body_mutation.body = a.body
+    return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
+                                  dynamic_metadata=_metadata(a))]
 
 
-def buffered_body_response(endpoint: str, body: bytes | None) -> ep.ProcessingResponse:
-    """BUFFERED: destination (+ content-length, + new body if rewritten) in the body answer."""
-    common = routing_common(endpoint, len(body) if body is not None else None)
-    if body is not None:
-        common.body_mutation.body = body
-    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
-                                 dynamic_metadata=lb_metadata(endpoint))
+def immediate(a: ImmediateAnswer) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=a.status),
+        headers=ep.HeaderMutation(set_headers=[_set_header(k, v) for k, v in a.headers]),
+        body=a.body, details=a.details))
 
 
 def streamed_body_responses(body: bytes) -> list[ep.ProcessingResponse]:
@@ -103,13 +102,4 @@ def trailers_response(response_phase: bool) -> ep.ProcessingResponse:
     return _RESPONSE_TRAILERS if response_phase else _REQUEST_TRAILERS
 
 
-def immediate_response(status: int, body: bytes, code: str, details: str) -> ep.ProcessingResponse:
-    headers = ep.HeaderMutation(set_headers=[
-        _set_header("content-type", "application/json"),
-        _set_header("x-picker-error", code)])
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), headers=headers, body=body,
-        details=details[:200]))
-
-
-_STRIP_HEADERS = headers_response(strip_control_headers())
+_STRIP_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=strip_control_headers()))

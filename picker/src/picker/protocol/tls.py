@@ -39,6 +39,11 @@ def load_cert_dir(path: str | Path) -> tuple[bytes, bytes]:
     return key.read_bytes(), crt.read_bytes()
 
 
+def key_and_cert(cert_path: str | None) -> tuple[bytes, bytes]:
+    """(key PEM, certificate PEM): from --cert-path, else a new self-signed one."""
+    return load_cert_dir(cert_path) if cert_path else self_signed()
+
+
 def server_credentials(cert_path: str | None) -> tuple[grpc.ServerCredentials, bytes]:
-    key, cert = load_cert_dir(cert_path) if cert_path else self_signed()
+    key, cert = key_and_cert(cert_path)
     return grpc.ssl_server_credentials([(key, cert)]), cert
