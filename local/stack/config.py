@@ -60,7 +60,7 @@ class StackConfig:
     picker_grpc_port: int = 9002
     picker_health_port: int = 9003
     picker_metrics_port: int = 9090
-    picker_peer_port: int = 9004     # the replicas' direct link (only with pickers > 1)
+    picker_peer_port: int = 9005     # the replicas' direct link (only with pickers > 1)
     # Picker replicas, as base/picker runs them: with 2 or more, active-passive on a real Lease
     # (etcd and the project's kube-apiserver start with the stack, control_plane.py), the
     # replicas linked (--peers) and every one of them in the gateway's picker Backend, health-

@@ -314,15 +314,15 @@ def test_two_pickers_run_active_passive_linked_and_all_behind_the_gateway(tmp_pa
     config = config_from(parser().parse_args(["up", "--pickers", "2", "--name", "ha", "--run-root",
                                               str(tmp_path), "--groups", "1"]))
     assert config.pickers == 2 and config.leader_election
-    assert config.picker_ports(0) == (9002, 9003, 9090, 9004)
-    assert config.picker_ports(1) == (9012, 9013, 9100, 9014)
+    assert config.picker_ports(0) == (9002, 9003, 9090, 9005)
+    assert config.picker_ports(1) == (9012, 9013, 9100, 9015)
     topo = topology(config)
     procs = {p.name: p for p in plan(config, topo, (tmp_path / "kubeconfig", "llm"))}
     assert [n for n in procs if n.startswith("picker")] == ["picker", "picker-1"]
-    for name, peer in (("picker", "9004"), ("picker-1", "9014")):
+    for name, peer in (("picker", "9005"), ("picker-1", "9015")):
         p = procs[name]
         assert "--leader-election" in p.cmd and p.cmd[p.cmd.index("--peer-port") + 1] == peer
-        assert p.cmd[p.cmd.index("--peers") + 1] == "127.0.0.1:9004,127.0.0.1:9014"
+        assert p.cmd[p.cmd.index("--peers") + 1] == "127.0.0.1:9005,127.0.0.1:9015"
         assert p.cmd[p.cmd.index("--leader-election-namespace") + 1] == "llm"
         assert p.env == {"KUBECONFIG": str(tmp_path / "kubeconfig"), "POD_NAME": name}
         assert p.health.endswith("#warm")

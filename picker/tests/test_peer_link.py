@@ -21,8 +21,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_peers_are_host_port_lists():
-    assert parse_peers("a.b.svc:9004, 10.0.0.1:9004,[::1]:9") == [
-        ("a.b.svc", 9004), ("10.0.0.1", 9004), ("::1", 9)]
+    assert parse_peers("a.b.svc:9005, 10.0.0.1:9005,[::1]:9") == [
+        ("a.b.svc", 9005), ("10.0.0.1", 9005), ("::1", 9)]
     with pytest.raises(ValueError):
         parse_peers("no-port")
 

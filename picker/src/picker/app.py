@@ -79,6 +79,7 @@ class App:
                          if self.lease is not None or self.peers else None)
         self.peer_states: list[PeerState] = []
         self.stopping = False
+        self.failed: str | None = None   # why it stopped by itself (the exit status is then 1)
         self.ready: bool | None = None   # what the health services say now
         self._warm: bool | None = None
         self._heartbeat: asyncio.Task | None = None
@@ -118,7 +119,7 @@ class App:
         self.link = SignalsLink(self.router, conns[0],
                                 peers=shared or bool(getattr(a, "peer_store", None) or self.peers),
                                 arrivals=self.flow.arrivals if shared and self.flow else None,
-                                on_replicas=self._on_replicas)
+                                on_replicas=self._on_replicas, on_closed=self._signals_gone)
         self.link.start()
         self.servers = await start_ext_proc(self.router, a, a.grpc_port, a.health_port, self.flow)
         if self.workers > 1:
@@ -155,6 +156,16 @@ class App:
         return {"identity": self.identity, "listen": (self.args.bind, self.args.peer_port),
                 "peers": self.peers}
 
+    def _signals_gone(self) -> None:
+        """The signals process died: no more scrapes, KV events or peer link (the other replicas
+        saw the link close and one of them acts now). Stop; the exit status says why, and the
+        kubelet restarts the container."""
+        if self.link is not None and self.link.closing:
+            return
+        log.error("signals process gone: stopping")
+        self.failed = "signals process gone"
+        self.request_stop()
+
     def _on_replicas(self, states: list[PeerState]) -> None:
         self.peer_states = states
         self._wake.set()
@@ -181,7 +192,7 @@ class App:
             self._warm = warm
         if self.elector is not None:
             self.elector.candidate = role.candidate
-            if role.acting and role.without_lease:
+            if role.acting and role.without_lease and not (before and before.acting):
                 self.elector.poke()   # took over: try for the Lease now (released at once on
                 #                       a handover, else after its duration)
         if role.acting != self.ready:
@@ -196,7 +207,9 @@ class App:
         return role
 
     def _send_role(self) -> None:
-        if self.peers and self.link is not None:
+        """To the signals process: the other workers' health follows it, and with --peers it is
+        the heartbeat to the other replicas."""
+        if self.link is not None:
             leased = self.elector is not None and self.elector.is_leader()
             self.link.send_role(bool(self.ready), leased, self.stopping)
 
@@ -331,3 +344,5 @@ async def run(args: Namespace) -> None:
         await app.maintain()
     finally:
         await app.stop()
+    if app.failed:
+        raise SystemExit(1)
