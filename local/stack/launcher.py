@@ -243,9 +243,14 @@ def describe(stack: Stack) -> str:
     kind = "vLLM 0.32 CPU" if c.engine == "vllm" else "simulator"
     for s in stack.topology.sims:
         lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
-    lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
-                 f"{stack.topology.body_mode}), health {c.picker_health_port}, "
-                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics")
+    for i in range(c.pickers):
+        grpc, health, metrics, peer = c.picker_ports(i)
+        lines.append(f"  {c.picker_name(i):<14} ext_proc {c.host}:{grpc} ({'TLS' if stack.picker_tls else 'plaintext'}, "
+                     f"{stack.topology.body_mode}), health {health}, metrics http://{c.host}:{metrics}/metrics"
+                     + (f", peer link {peer}" if c.leader_election else ""))
+    if c.leader_election:
+        lines.append(f"                 active-passive on the Lease reasoning-pool-picker of kube-apiserver "
+                     f"(log {c.run_dir / 'kube-apiserver.log'}); the acting one answers `readiness` SERVING")
     timing = picker_timing(c)
     if timing is not None:
         lines.append(f"                 scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "
