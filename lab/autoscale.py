@@ -136,7 +136,7 @@ class ScalingLab(Lab):
         return sum(s in ("starting", "serving") for s in self.state)
 
     def _available(self) -> None:
-        self.policy.set_available([ep for ep in self.endpoints if self.state[ep.index] == "serving"])
+        self._policy().set_available([ep for ep in self.endpoints if self.state[ep.index] == "serving"])
 
     def _stop_billing(self, ep) -> None:
         self.group_seconds += self.now - self.billed_since[ep.index]
@@ -163,7 +163,7 @@ class ScalingLab(Lab):
     def _ready(self, ep, epoch: int) -> None:
         if self.state[ep.index] != "starting" or epoch != ep.epoch:
             return                              # removed while it was starting
-        ep.engine = Engine(ep.engine.engine_model, self.clock)
+        ep.engine = Engine(ep.engine.engine_model, self.clock, stream=False, decode_runs=True)
         ep.history.clear()
         ep.up, self.state[ep.index] = True, "serving"
         self._available()

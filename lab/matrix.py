@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import shutil
 import sys
 import time
@@ -189,49 +190,86 @@ def _job(args):
     return scenario, seed, result, time.monotonic() - started
 
 
-def _run_jobs(jobs: list, workers: int, progress: dict) -> list:
-    """Run jobs in `workers` processes, printing one progress line per finished job."""
-    results = []
+def _report(scenario: str, seed: int, result: dict, wall: float, progress: dict) -> None:
+    """One progress line per finished job."""
+    progress["done"] += 1
+    progress["reused"] += wall == 0.0
+    elapsed = time.monotonic() - progress["started"]
+    done, total = progress["done"], progress["total"]
+    eta = elapsed / done * (total - done)
+    lr, pk, orc = (result.get(p, {}).get("mean_ttft_ms") for p in
+                   ("least-request", "picker", "oracle"))
+    print(f"[{done}/{total}] {scenario} seed {seed}: mean TTFT least-request "
+          f"{lr or 0:,.0f} ms, picker {pk or 0:,.0f} ms, oracle {orc or 0:,.0f} ms "
+          f"({wall:.1f} s); {elapsed:.0f} s elapsed, ~{eta:.0f} s left",
+          file=sys.stderr, flush=True)
+
+
+def _run_jobs(first: list, then, workers: int, progress: dict) -> list:
+    """Run the jobs `first` in `workers` processes, in their order; once every base job among
+    them has finished, `then(base results)` gives the jobs that needed them, run after the rest.
+    Returns (scenario, seed, result) for every job, in the order they finished."""
+    results, base_results = [], []
+    base_left = sum(job[0] == BASE for job in first)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(workers) as pool:
-        for scenario, seed, result, wall in pool.imap_unordered(_job, jobs):
+        def submit(jobs):
+            for job in jobs:
+                pool.apply_async(_job, (job,), callback=finished.put,
+                                 error_callback=finished.put)
+            return len(jobs)
+        outstanding = submit(first)
+        if not base_left:
+            outstanding += submit(then([]))
+        while outstanding:
+            item = finished.get()
+            if isinstance(item, BaseException):
+                raise item
+            outstanding -= 1
+            scenario, seed, result, wall = item
             results.append((scenario, seed, result))
-            progress["done"] += 1
-            progress["reused"] += wall == 0.0
-            elapsed = time.monotonic() - progress["started"]
-            done, total = progress["done"], progress["total"]
-            eta = elapsed / done * (total - done)
-            lr, pk, orc = (result.get(p, {}).get("mean_ttft_ms") for p in
-                           ("least-request", "picker", "oracle"))
-            print(f"[{done}/{total}] {scenario} seed {seed}: mean TTFT least-request "
-                  f"{lr or 0:,.0f} ms, picker {pk or 0:,.0f} ms, oracle {orc or 0:,.0f} ms "
-                  f"({wall:.1f} s); {elapsed:.0f} s elapsed, ~{eta:.0f} s left",
-                  file=sys.stderr, flush=True)
+            _report(scenario, seed, result, wall, progress)
+            if scenario == BASE:
+                base_results.append(result)
+                base_left -= 1
+                if not base_left:
+                    outstanding += submit(then(base_results))
     return results
 
 
 def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
                workers: int, runs: Path) -> dict:
-    """The base scenario first (its least-request throughput is the capacity), then the rest.
-    Each finished job is saved in `runs`; jobs already there (same policies) are not rerun."""
+    """The base scenario (its least-request throughput is the capacity the open-loop rates are
+    fractions of) and the closed-loop scenarios, then the open-loop ones. Each finished job is
+    saved in `runs`; jobs already there (same policies, capacity and code) are not rerun."""
     started = time.monotonic()
     runs.mkdir(parents=True, exist_ok=True)
     names = {s.name for s in scenarios}
     need_base = BASE in names or any(s.load is not None for s in scenarios)
     progress = {"done": 0, "reused": 0, "started": started,
                 "total": len(seeds) * (len(names - {BASE}) + (1 if need_base else 0))}
-    results, capacity, code = [], None, code_fingerprint()
+    code = code_fingerprint()
+    rest = [s for s in scenarios if s.name != BASE]
+    # Longest jobs first, so the workers finish together (the open-loop ones are short).
+    weight = lambda s: s.engines * (s.num_prompts or 300)  # noqa: E731
+    first = []
     if need_base:
         base_policies = policies if BASE in names else ["least-request"]
-        results = _run_jobs([(BASE, seed, None, base_policies, runs, code) for seed in seeds],
-                            workers, progress)
-        capacity = mean(r["least-request"]["request_throughput"] for _, _, r in results)
-    rest = [s for s in scenarios if s.name != BASE]
-    # Longest jobs first, so the workers finish together.
-    weight = lambda s: s.engines * (s.num_prompts or 300) * (2 if s.load else 1)  # noqa: E731
-    jobs = [(s.name, seed, capacity, policies, runs, code)
-            for s in sorted(rest, key=weight, reverse=True) for seed in seeds]
-    results += _run_jobs(jobs, workers, progress)
+        first = [(BASE, seed, None, base_policies, runs, code) for seed in seeds]
+    first += [(s.name, seed, None, policies, runs, code)
+              for s in sorted(rest, key=weight, reverse=True) if s.load is None for seed in seeds]
+    capacity = None
+
+    def open_loop(base_results: list) -> list:
+        nonlocal capacity
+        if base_results:
+            capacity = mean(r["least-request"]["request_throughput"] for r in base_results)
+        return [(s.name, seed, capacity, policies, runs, code)
+                for s in sorted(rest, key=weight, reverse=True) if s.load is not None
+                for seed in seeds]
+
+    results = _run_jobs(first, open_loop, workers, progress)
     per: dict = {}
     for scenario, seed, result in results:
         per.setdefault(scenario, {})[seed] = result

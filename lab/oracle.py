@@ -32,14 +32,20 @@ def _copy_request(r: EngineRequest) -> EngineRequest:
     for name in EngineRequest.__slots__:
         setattr(c, name, getattr(r, name))
     c.hashed = list(r.hashed)
+    c.own_hashes = False            # block_hashes is the original's list: extend a copy
+    c.token_gaps = []               # the copy's own (its steps must not reach the original's)
+    c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
     return c
 
 
 def copy_engine(engine: Engine, clock) -> Engine:
     """An independent copy of the engine's scheduling state (not its histograms or counters)."""
+    engine.sync()
     c = Engine.__new__(Engine)
     c.engine_model, c.clock = engine.engine_model, clock
     c.kv_events, c.output_token = None, engine.output_token      # a copy publishes nothing
+    c.stream = c.decode_runs = False              # and streams nothing; plays runs at once
+    c._run = None
     requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
     c.requests = requests
     c.waiting = deque(requests[r.request_id] for r in engine.waiting)
@@ -47,46 +53,92 @@ def copy_engine(engine: Engine, clock) -> Engine:
     c.used = engine.used
     c.refs = dict(engine.refs)
     c.evictable = OrderedDict(engine.evictable)
-    c.cache_epoch = engine.cache_epoch + 1          # cached prefix-hit counts are per object
-    for r in requests.values():
-        r._hit_epoch = -1
+    c.cache_epoch, c.evictions = engine.cache_epoch, engine.evictions
     c.watermark_blocks = engine.watermark_blocks
     c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
     c.prompt_tokens = c.generation_tokens = 0
     c.request_success = {}
     c.version = 0
-    c.ttft = c.itl = c.e2e = _NoHistogram()
     return c
-
-
-class _NoHistogram:
-    def observe(self, value: float) -> None:
-        pass
 
 
 def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
                    limit: float = math.inf) -> float:
     """Seconds from now to the request's first token if sent to ep now (see above);
     inf once the copy's time passes now + limit (no need to know how much worse it is)."""
+    # A group whose queue alone takes longer than the limit is not played forward (the same
+    # inf; the margin keeps float rounding of the two sums from deciding).
+    if limit < math.inf and ttft_lower_bound(ep, request, now) > limit + 1e-6:
+        return math.inf
     t = [max(now, ep.step_end) if ep.busy else now]
     engine = copy_engine(ep.engine, lambda: t[0])
     try:
-        engine.add_request(request.request_id, request.token_ids, request.max_tokens,
-                           hashes=request.hashes)
+        target = engine.add_request(request.request_id, request.token_ids, request.max_tokens,
+                                    hashes=request.hashes)
     except ValueError:
         return math.inf
-    target = request.request_id
-    for _ in range(MAX_STEPS):
+    return play_to_first_token(engine, target, t, now, limit)
+
+
+def play_to_first_token(engine: Engine, target: EngineRequest, t: list, now: float,
+                        limit: float = math.inf) -> float:
+    """Step a copy (copy_engine, its clock reading t[0]) until `target`, one of its requests,
+    has its first token: seconds from now to that token, inf once the copy's time passes
+    now + limit, when the engine runs dry or after MAX_STEPS steps. A copy streams nothing:
+    the target's first_token_time says when its first token came."""
+    past = lambda end: end - now > limit  # noqa: E731
+    steps = 0
+    while steps < MAX_STEPS:
+        # Stretches where the engine only decodes (the request still queued) in one call.
+        run = engine.decode_run(MAX_STEPS - steps, past)
+        if run is not None:
+            steps += run[0]
+            t[0] = run[1]
+            if past(t[0]):
+                return math.inf
+            continue
         result = engine.step()
+        steps += 1
         if result is None:
             return math.inf
         t[0] = result.end_time
-        if t[0] - now > limit:
+        if past(t[0]):
             return math.inf
-        for out in result.outputs:
-            if out.first_token and out.request_id == target:
-                return result.end_time - now
+        if target.first_token_time is not None:
+            return result.end_time - now
     return math.inf
+
+
+def ttft_lower_bound(ep: LabEndpoint, request: LabRequest, now: float) -> float:
+    """A bound the request's TTFT on ep cannot beat, from the prefill that must run first.
+
+    Admission is FIFO and a step gives its token budget to the running requests in order, the
+    new one last: its first token comes in a step where every request admitted or queued before
+    it has finished its prefill. Each request's prefill left is at least what it has left now
+    (or, if it is preempted and recomputes, its prompt minus the most the prefix cache can
+    hold of it: all but its last token's block); the new request's likewise. Those T tokens take
+    at least ceil(T / budget) steps and each step at least its base time plus its prefill
+    tokens' time (decode and context terms only add), after the step in flight ends."""
+    engine = ep.engine
+    p = engine.engine_model
+    bs = p.block_size
+    caching = p.enable_prefix_caching
+
+    def least_prefill(prefill_len: int, hashes: list) -> int:
+        return prefill_len - min(len(hashes), (prefill_len - 1) // bs) * bs if caching \
+            else prefill_len
+
+    tokens = least_prefill(len(request.token_ids), request.hashes)
+    for r in engine.waiting:
+        tokens += least_prefill(r.prefill_len, r.block_hashes)
+    for r in engine.running:
+        if r.num_computed < r.prefill_len:
+            tokens += min(r.prefill_len - r.num_computed, least_prefill(r.prefill_len,
+                                                                        r.block_hashes))
+    steps = -(-tokens // p.max_num_batched_tokens)
+    start = max(now, ep.step_end) if ep.busy else now
+    return start - now + p.pipeline_stages * (p.stage_base_s * steps
+                                              + p.stage_prefill_token_s * tokens)
 
 
 def work_left(engine: Engine) -> int:
@@ -117,13 +169,17 @@ def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
     if engine.waiting or len(engine.running) >= p.max_num_seqs:
         return False
     bs = p.block_size
-    hits = 0
-    if p.enable_prefix_caching:
-        limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
-        while hits < limit and request.hashes[hits] in engine.refs:
-            hits += 1
-    new_blocks = -(-len(request.token_ids) // bs) - hits
-    return p.num_gpu_blocks - engine.used - new_blocks >= engine.watermark_blocks
+    room = p.num_gpu_blocks - engine.used - engine.watermark_blocks   # blocks it may take
+    blocks = -(-len(request.token_ids) // bs)
+    if blocks <= room or not p.enable_prefix_caching:     # fits without any cache hit
+        return blocks <= room
+    limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
+    if blocks - limit > room:                             # not even with every block cached
+        return False
+    hits, refs, hashes = 0, engine.refs, request.hashes
+    while hits < limit and hashes[hits] in refs:
+        hits += 1
+    return blocks - hits <= room
 
 
 class LateOracle(Oracle):

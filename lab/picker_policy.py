@@ -4,7 +4,9 @@ Everything production would do, in virtual time:
 - every endpoint is scraped every `scrape_interval` seconds (the picker's default,
   `picker.defaults.SCRAPE_INTERVAL`), with the endpoints' scrape phases spread over one
   interval; the page is `local.sim.metrics.render_gauges` of the engine's state at the scrape
-  instant and goes through `Router.on_scrape_ok` (the picker's own parser, staleness rules);
+  instant, parsed by the picker's own parser (`parse_vllm_metrics`) and given to the Router
+  with `Router.on_metrics` (what `Router.on_scrape_ok` does; staleness rules). An engine state
+  seen before reuses its page's parse (the parse is a pure function of the page);
 - each request is decided by `Router.decide(RequestInfo(path, headers, body))` with the same JSON
   body a load-test client sends, and reported with `Router.on_request_done` when the picker
   would learn of its end: with the deployed EnvoyExtensionPolicy (request phase only) Envoy closes
@@ -41,6 +43,7 @@ from picker.errors import PickerError
 from picker.flowcontrol.controller import FlowControl, FlowSettings
 from picker.flowcontrol.queue import Held
 from picker.scheduling.profile import load_profile
+from picker.signals.metrics import parse_vllm_metrics
 
 from local.sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from local.sim.metrics import cache_config_labels, render_gauges
@@ -110,7 +113,7 @@ class PickerPolicy(Policy):
         self.phase = [-iv + i * iv / n for i in range(n)]
         self.done_tick = [-math.inf] * n
         self.cache_config = [cache_config_labels(ep.engine) for ep in endpoints]
-        self.texts: dict = {}
+        self.pages: dict = {}            # (endpoint, running, waiting, kv) -> parsed page
         self.kv_queue: list = []         # heap of (deliver at, n, address, seq, published at, events)
         self.kv_batches = 0
         if self.kv_events:
@@ -149,13 +152,14 @@ class PickerPolicy(Policy):
             else:
                 running, waiting, kv = 0, 0, 0.0
             key = (i, running, waiting, kv)   # per endpoint: each has its own cache config
-            text = self.texts.get(key)
-            if text is None:
-                text = render_gauges(ep.model_name, running, waiting, kv, self.cache_config[i])
-                if len(self.texts) > 4096:
-                    self.texts.clear()
-                self.texts[key] = text
-            self.router.on_scrape_ok(ep.address, text, tick)
+            page = self.pages.get(key)
+            if page is None:
+                page = parse_vllm_metrics(render_gauges(ep.model_name, running, waiting, kv,
+                                                        self.cache_config[i]))
+                if len(self.pages) > 4096:
+                    self.pages.clear()
+                self.pages[key] = page
+            self.router.on_metrics(ep.address, page, tick)
             self.done_tick[i] = tick
             self.scrapes += 1
 

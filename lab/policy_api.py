@@ -1,7 +1,9 @@
 """What a lab routing policy sees and implements (the data types every lab module shares).
 
 A policy sees the gateway's view of the pool: the endpoints, the requests the gateway has in
-flight to each (`LabEndpoint.inflight`), and the request. The lab calls, in virtual time:
+flight to each (`LabEndpoint.inflight`), and the request (oracles see the engines themselves,
+exact whenever the lab calls them; see next_wakeup for the one exception). The lab calls, in
+virtual time:
 
     policy.start(endpoints, clock, rng)      # once, before the first request
     policy.pick(request) -> LabEndpoint      # when a request is sent
@@ -113,11 +115,15 @@ class Policy:
         """One batch of an engine's KV-cache events (local.sim.engine's BlockStored,
         BlockRemoved, AllBlocksCleared), published at `at` with sequence number `seq` (from 0
         at every engine start, as vLLM numbers them). Only called when `kv_events` is True; the
-        policy models its own delivery delay."""
+        policy models its own delivery delay. Called at every step, not synced (as next_wakeup)."""
 
     # Late binding: a policy whose pick() raises Deferred answers these.
     def next_wakeup(self) -> Optional[float]:
-        """When held requests may go (virtual time), None if nothing is held."""
+        """When held requests may go (virtual time), None if nothing is held. Called after every
+        event while requests are held, so cheaply: unlike the other calls, without bringing the
+        engines' requests up to date (their token counts may lag by the steps of a stretch of
+        decode steps, local.sim.engine); read the endpoints' fields (busy, step_end, inflight)
+        and the engines' queues, blocks and cache, not the requests' progress."""
         return None
 
     def wake(self) -> list:

@@ -111,8 +111,7 @@ class Lab:
         if len(engine_models) != config.num_engines:
             raise ValueError(f"{len(engine_models)} engine models for {config.num_engines} engines")
         self.endpoints = [
-            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}",
-                        Engine(engine_models[i], clock, kv_events=policy.kv_events),
+            LabEndpoint(i, f"127.0.0.1:{config.base_port + i}", self._new_engine(engine_models[i]),
                         config.model_name)
             for i in range(config.num_engines)]
         self.rng = random.Random(config.seed)
@@ -132,6 +131,20 @@ class Lab:
         self.wake_at: Optional[float] = None
         for r in self.requests:  # requests are shared across runs: set it either way
             r.max_tokens_cap = config.max_tokens_cap
+
+    def _new_engine(self, engine_model: EngineModel) -> Engine:
+        """An engine on the lab's clock. Not streaming: the lab reads each request's token times
+        when it finishes instead of one output per token (the same times). With decode runs:
+        its requests' counters lag within a stretch of decode steps until synced (_policy)."""
+        return Engine(engine_model, self.clock, kv_events=self.policy.kv_events, stream=False,
+                      decode_runs=True)
+
+    def _policy(self) -> Policy:
+        """The policy, to be called now: every engine's requests brought up to date first, as
+        the policy may read them (the oracle copies whole engines)."""
+        for ep in self.endpoints:
+            ep.engine.sync()
+        return self.policy
 
     # ----- event plumbing ------------------------------------------------------------------
 
@@ -171,7 +184,7 @@ class Lab:
 
     def _send(self, req: LabRequest) -> None:
         try:
-            ep = self.policy.pick(req)
+            ep = self._policy().pick(req)
         except Deferred:
             self.held_since[req.request_id] = self.now
             self.inflight += 1     # the client waits for it: it holds a concurrency slot
@@ -187,7 +200,7 @@ class Lab:
                                           group=req.group))
 
     def _wake(self) -> None:
-        for req, outcome in self.policy.wake():
+        for req, outcome in self._policy().wake():
             sent = self.held_since.pop(req.request_id)
             self.inflight -= 1
             if isinstance(outcome, Rejected):
@@ -199,7 +212,7 @@ class Lab:
     def _arm_wake(self) -> None:
         if not self.held_since:
             return
-        t = self.policy.next_wakeup()
+        t = self.policy.next_wakeup()   # after every event: not synced (see Policy.next_wakeup)
         if t is not None and (self.wake_at is None or t < self.wake_at):
             self.wake_at = max(t, self.now)
             self._push(self.wake_at, _WAKE, self.wake_at)
@@ -211,7 +224,7 @@ class Lab:
             ep.engine.add_request(req.request_id, req.token_ids, req.max_tokens,
                                   hashes=req.hashes)
         except ValueError as err:
-            self.policy.on_done(req, ep)
+            self._policy().on_done(req, ep)
             self.samples.append(RequestSample(start=self.now, success=False, end=self.now,
                                               error=str(err), target=ep.address,
                                               prompt_tokens=len(req.token_ids), group=req.group))
@@ -241,7 +254,7 @@ class Lab:
             latency=client.last - client.sent, itl=client.itl,
             prompt_tokens=len(req.token_ids), output_tokens=client.tokens, end=client.last,
             target=ep.address, endpoint=req.path, group=req.group))
-        self.policy.on_done(req, ep)
+        self._policy().on_done(req, ep)
 
     # ----- engine side ---------------------------------------------------------------------
 
@@ -267,25 +280,19 @@ class Lab:
     def _deliver(self, ep: LabEndpoint, result, epoch: int) -> None:
         if epoch != ep.epoch:       # a step of an engine that has failed since
             return
-        now = self.now
         clients = self.clients
-        for out in result.outputs:
-            c = clients[out.request_id]
-            if c.first is None:
-                c.first = now
-            else:
-                c.itl.append(now - c.last)
-            c.last = now
-            c.tokens += 1
-            if out.finished:
-                self._finish(c, ep)
+        for r in result.finished:    # each token reached the client at the end of its step
+            c = clients[r.request_id]
+            c.first, c.last, c.itl, c.tokens = (r.first_token_time, r.last_token_time,
+                                                r.token_gaps, r.num_output)
+            self._finish(c, ep)
         self._step(ep)
         self._send_pending()
 
     def _down(self, ep: LabEndpoint) -> None:
         ep.up, ep.busy = False, False
         ep.epoch += 1
-        self.policy.set_available([e for e in self.endpoints if e.up])
+        self._policy().set_available([e for e in self.endpoints if e.up])
         for client in [c for c in self.clients.values() if c.request.endpoint is ep]:
             req = client.request
             del self.clients[req.request_id]
@@ -294,16 +301,16 @@ class Lab:
             self.samples.append(RequestSample(
                 start=client.sent, success=False, end=self.now, error="group down",
                 target=ep.address, prompt_tokens=len(req.token_ids), group=req.group))
-            self.policy.on_done(req, ep)
+            self._policy().on_done(req, ep)
         self._send_pending()
 
     def _up(self, ep: LabEndpoint) -> None:
         # Restarted: an empty cache, and its event sequence starts again from 0.
-        ep.engine = Engine(ep.engine.engine_model, self.clock, kv_events=self.policy.kv_events)
+        ep.engine = self._new_engine(ep.engine.engine_model)
         ep.kv_seq = 0
         ep.history.clear()
         ep.up = True
-        self.policy.set_available([e for e in self.endpoints if e.up])
+        self._policy().set_available([e for e in self.endpoints if e.up])
 
     # ----- main loop -----------------------------------------------------------------------
 
@@ -347,6 +354,7 @@ class Lab:
 
     def _result(self) -> LabRun:
         cfg = self.config
+        self._policy()           # every engine's counters up to date
         summary = summarize(
             self.samples, label=f"lab:{self.policy.name}", backend="lab",
             model_id=cfg.model_name, num_prompts=len(self.requests),

@@ -58,6 +58,45 @@ def test_oracle_prediction_is_exact_and_it_picks_the_fastest_group():
     assert sum(measured[by_id[rid]] == pytest.approx(chosen) for rid, chosen, _ in seen) >= 3
 
 
+def test_the_oracles_shortcuts_predict_what_plain_stepping_predicts():
+    """predicted_ttft skips groups by a lower bound and plays stretches of decode steps at once;
+    at every decision of a KV-starved run its prediction for every group equals stepping a copy
+    one step at a time (inf where the bound says the group cannot beat the best)."""
+    import math
+    from lab.oracle import copy_engine, ttft_lower_bound
+
+    def plain(ep, request, now):
+        t = [max(now, ep.step_end) if ep.busy else now]
+        engine = copy_engine(ep.engine, lambda: t[0])
+        target = engine.add_request(request.request_id, request.token_ids, request.max_tokens,
+                                    hashes=request.hashes)
+        while (result := engine.step()) is not None:
+            t[0] = result.end_time
+            if target.first_token_time is not None:
+                return t[0] - now
+        return math.inf
+
+    oracle, checked = Oracle(), []
+    pick = oracle.pick
+
+    def checking_pick(request):
+        now = oracle.clock()
+        exact = {ep.index: plain(ep, request, now) for ep in oracle.endpoints}
+        best = min(exact.values())
+        for ep in oracle.endpoints:
+            assert predicted_ttft(ep, request, now) == exact[ep.index]
+            assert ttft_lower_bound(ep, request, now) <= exact[ep.index]
+            bounded = predicted_ttft(ep, request, now, best)
+            assert bounded == exact[ep.index] or (bounded == math.inf and exact[ep.index] > best)
+        checked.append(max(t for t in exact.values() if t < math.inf))
+        return pick(request)
+    oracle.pick = checking_pick
+    starved = A10_QWQ32B.with_overrides(num_gpu_blocks=300)
+    run_lab(reqs("demo", n=40, seed=4), oracle,
+            LabConfig(num_engines=3, concurrency=20, engine_models=[starved] * 3))
+    assert len(checked) == 40 and max(checked) > 20.0     # long queues were played forward
+
+
 def test_oracle_beats_least_request_on_the_article_workload():
     requests = reqs("article", n=90, seed=0)
     cfg = LabConfig(concurrency=30, seed=0)
@@ -164,34 +203,59 @@ def test_matrix_cli_measures_capacity_then_runs_open_loop(tmp_path, monkeypatch,
     small = [matrix.Scenario(matrix.BASE, "-", "smoke base", workload="demo", num_prompts=20,
                              concurrency=10),
              matrix.Scenario("open", "arrivals", "open loop at half capacity", workload="demo",
-                             num_prompts=20, concurrency=None, load=0.5)]
+                             num_prompts=20, concurrency=None, load=0.5),
+             matrix.Scenario("kv", "KV", "closed loop, less KV", workload="demo", num_prompts=20,
+                             concurrency=10, kv_scale=0.5)]
     monkeypatch.setattr(matrix, "SCENARIOS", small)
     monkeypatch.setattr(matrix, "BY_NAME", {s.name: s for s in small})
     from lab.__main__ import main as lab_main
     assert lab_main(["matrix", "--out", str(tmp_path), "--seeds", "0", "1", "--jobs", "2",
                      "--policy", "least-request", "--policy", "oracle"]) == 0
     data = json.loads((tmp_path / "matrix.json").read_text())
-    base, open_ = data["scenarios"]
+    base, open_, closed = data["scenarios"]
     cap = base["policies"]["least-request"]["request_throughput"]["mean"]
     assert data["capacity_rps"] == pytest.approx(cap)
     assert open_["request_rate"] == pytest.approx(cap / 2)
     assert open_["policies"]["oracle"]["completed"]["values"] == [20.0, 20.0]
     assert "gap_closed_pct" not in base["assessment"]          # no picker in this run
+    assert closed["policies"]["oracle"]["completed"]["values"] == [20.0, 20.0]
     err = capsys.readouterr().err
-    assert "[4/4]" in err and "left" in err
+    assert "[6/6]" in err and "left" in err
+    # The closed-loop scenario needs no capacity: it runs beside the base one, the open-loop
+    # one only after both base runs.
+    lines = [line.split("]")[1].split(":")[0].strip() for line in err.splitlines()
+             if line.startswith("[")]
+    assert lines.index("open seed 0") > max(lines.index("base seed 0"), lines.index("base seed 1"))
+    assert lines.index("open seed 1") > lines.index("base seed 1")
+    assert json.loads((tmp_path / "runs" / "kv-seed0.json").read_text())["capacity_rps"] is None
     # --resume reuses the saved runs: same figures, nothing rerun.
     assert lab_main(["matrix", "--out", str(tmp_path), "--seeds", "0", "1", "--jobs", "2",
                      "--policy", "least-request", "--policy", "oracle", "--resume"]) == 0
     again = json.loads((tmp_path / "matrix.json").read_text())
     assert again["scenarios"] == data["scenarios"]
-    assert capsys.readouterr().err.count("(0.0 s)") == 4
-    assert (again["runs"], again["reused_runs"], data["reused_runs"]) == (4, 4, 0)
-    assert matrix.reuse_note(again).startswith("; 4 of 4 runs reused") and not matrix.reuse_note(data)
+    assert capsys.readouterr().err.count("(0.0 s)") == 6
+    assert (again["runs"], again["reused_runs"], data["reused_runs"]) == (6, 6, 0)
+    assert matrix.reuse_note(again).startswith("; 6 of 6 runs reused") and not matrix.reuse_note(data)
     # ... but not runs made by other code: every run again.
     monkeypatch.setattr(matrix, "code_fingerprint", lambda: "other code")
     assert lab_main(["matrix", "--out", str(tmp_path), "--seeds", "0", "1", "--jobs", "2",
                      "--policy", "least-request", "--policy", "oracle", "--resume"]) == 0
     assert json.loads((tmp_path / "matrix.json").read_text())["reused_runs"] == 0
+
+
+def test_a_failing_matrix_job_stops_the_matrix_with_its_error(tmp_path, monkeypatch):
+    small = [matrix.Scenario(matrix.BASE, "-", "smoke base", workload="demo", num_prompts=5,
+                             concurrency=5)]
+    monkeypatch.setattr(matrix, "SCENARIOS", small)
+    monkeypatch.setattr(matrix, "BY_NAME", {s.name: s for s in small})
+
+    def broken(*args):
+        raise RuntimeError("this run broke")
+    monkeypatch.setattr(matrix, "run_one", broken)
+    from lab.__main__ import main as lab_main
+    with pytest.raises(RuntimeError, match="this run broke"):
+        lab_main(["matrix", "--out", str(tmp_path), "--seeds", "0", "--jobs", "2",
+                  "--policy", "least-request"])
 
 
 def test_code_fingerprint_follows_the_source_the_runs_execute(tmp_path, monkeypatch):

@@ -44,6 +44,7 @@ step would cross module boundaries for each block.
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 import zlib
 from collections import OrderedDict, deque
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from local.sim.engines import EngineModel
-from local.sim.tokens import filler_word, word_id
+from local.sim.tokens import filler_word_id, filler_word_ids
 
 HASH_MASK = (1 << 64) - 1           # block hashes are unsigned 64-bit integers, as vLLM publishes
 
@@ -99,9 +100,36 @@ class StepOutput(NamedTuple):
 class StepResult(NamedTuple):
     duration_s: float
     end_time: float
-    outputs: list              # list[StepOutput]
+    outputs: list              # list[StepOutput]; empty for an engine made with stream=False
     num_prefill_tokens: int
     num_decode_seqs: int
+    finished: list = []        # the requests (EngineRequest) this step finished, in output order
+
+
+# A stretch's block events as ints: step << _STEP_SHIFT | _PUBLISH (else an allocation) | the
+# request's position among the running ones (fewer than max_num_batched_tokens).
+_STEP_SHIFT, _PUBLISH, _POSITION = 33, 1 << 32, (1 << 32) - 1
+
+
+class _DecodeRun:
+    """A planned stretch of decode steps (Engine._plan_decode_run) and how far it has got."""
+
+    __slots__ = ("requests", "n", "steps", "events", "next_event", "watch", "context",
+                 "start_computed", "ends", "applied", "synced")
+
+    def __init__(self, requests: list, steps: int, events: list, watch: Optional[int],
+                 context: int):
+        self.requests = requests             # the running requests, in order
+        self.n = len(requests)
+        self.steps = steps                   # planned length (cut short if `watch` appears)
+        self.events = events                 # step << _STEP_SHIFT | _PUBLISH or not | position,
+        self.next_event = 0                  # sorted
+        self.watch = watch
+        self.context = context               # tokens the next step attends to
+        self.start_computed = [r.num_computed for r in requests]
+        self.ends: list[float] = []          # each applied step's end time
+        self.applied = 0                     # steps applied to the blocks and the clock
+        self.synced = 0                      # steps applied to the requests' counters
 
 
 class BlockStored(NamedTuple):
@@ -124,16 +152,16 @@ class AllBlocksCleared(NamedTuple):
 def default_output_token(seed: int, index: int) -> int:
     """Token id of generated token `index`: the word the HTTP server streams, as the simulator's
     word tokenizer numbers it."""
-    return word_id(filler_word(seed, index))
+    return filler_word_id(seed, index)
 
 
 class EngineRequest:
     __slots__ = ("request_id", "prompt_len", "token_ids", "output_seed", "block_hashes",
-                 "max_tokens", "stop_at",
+                 "own_hashes", "max_tokens", "stop_at",
                  "num_output", "num_computed", "prefill_len", "hashed", "private",
                  "registered", "arrival_time", "first_token_time", "last_token_time",
                  "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
-                 "_hit_epoch", "_hit_blocks")
+                 "token_gaps", "_hit_epoch", "_hit_blocks", "_hit_evictions")
 
     def __init__(self, request_id: str, prompt_len: int, block_hashes: list, max_tokens: int,
                  stop_at: int, arrival_time: float, token_ids: Sequence[int] = ()):
@@ -141,9 +169,11 @@ class EngineRequest:
         self.prompt_len = prompt_len
         self.token_ids = token_ids          # the prompt's (not copied: never changed)
         self.output_seed = zlib.crc32(request_id.encode())
-        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. Never
-        # appended in place: the list may be the caller's (the lab reuses them across runs).
+        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. The
+        # list may be the caller's (the lab reuses them across runs): extended in place only
+        # once copied (own_hashes).
         self.block_hashes = block_hashes
+        self.own_hashes = False
         self.max_tokens = max_tokens
         self.stop_at = stop_at              # output length at which generation ends
         self.num_output = 0
@@ -159,8 +189,12 @@ class EngineRequest:
         self.finish_reason: Optional[str] = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0          # prefix-cache hit tokens at (first) admission
+        self.token_gaps: list = []          # seconds between its tokens (stream=False engines)
+        # _prefix_hits' cache: the count at cache epoch _hit_epoch, and a lower bound while no
+        # block has been evicted since (eviction count _hit_evictions)
         self._hit_epoch = -1
         self._hit_blocks = 0
+        self._hit_evictions = -1
 
     @property
     def num_blocks(self) -> int:
@@ -193,11 +227,25 @@ class EngineStats:
 
 
 class Engine:
+    """`stream=True` (the HTTP server): every step returns one StepOutput per token produced and
+    the engine keeps vLLM's latency histograms. `stream=False` (the lab, which reads neither):
+    a step returns only the requests it finished (`StepResult.finished`), each with its tokens'
+    times (first_token_time, token_gaps, last_token_time): the same figures, fewer objects.
+    `decode_runs=True` (not streaming only): stretches of pure decode steps are planned once
+    and their steps applied without a pass over the requests (see "stretches" below); the
+    requests' counters then lag until `sync()`, which a driver calls before reading them."""
+
     def __init__(self, engine_model: EngineModel, clock: Callable[[], float] = time.monotonic,
                  kv_events: bool = False,
-                 output_token: Callable[[int, int], int] = default_output_token):
+                 output_token: Callable[[int, int], int] = default_output_token,
+                 stream: bool = True, decode_runs: bool = False):
+        if stream and decode_runs:
+            raise ValueError("decode_runs needs stream=False (a stretch streams no outputs)")
         self.engine_model = engine_model
         self.clock = clock
+        self.stream = stream
+        self.decode_runs = decode_runs
+        self._run: Optional[_DecodeRun] = None   # the stretch of decode steps in progress
         self.kv_events: Optional[list] = [] if kv_events else None   # recorded, not yet taken
         self.output_token = output_token
         self.waiting: deque[EngineRequest] = deque()
@@ -208,6 +256,7 @@ class Engine:
         self.refs: dict[int, int] = {}          # block hash -> reference count
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cache_epoch = 0                     # bumps whenever the set of cached hashes changes
+        self.evictions = 0                       # bumps whenever cached hashes are dropped
         self.watermark_blocks = int(engine_model.watermark * engine_model.num_gpu_blocks)
         # counters
         self.prefix_cache_queries = 0
@@ -248,6 +297,7 @@ class Engine:
                              f"{p.num_gpu_blocks}")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        self._end_run()
         if hashes is None:
             hashes = block_hashes(token_ids, p.block_size) if p.enable_prefix_caching else []
         stop = max_tokens if stop_at is None else max(1, min(stop_at, max_tokens))
@@ -260,9 +310,10 @@ class Engine:
         return req
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if request_id not in self.requests:
             return False
+        self._end_run()
+        req = self.requests.pop(request_id)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -298,21 +349,27 @@ class Engine:
             del self.refs[h]
         self.evictable.clear()
         self.cache_epoch += 1
+        self.evictions += 1
         if self.kv_events is not None:
             self.kv_events.append(AllBlocksCleared())
         self.version += 1
         return True
 
-    def _block_tokens(self, req: EngineRequest, index: int) -> list:
+    def _block_tokens(self, req: EngineRequest, index: int) -> Sequence[int]:
         """Token ids of full block `index` of the request: prompt, then generated tokens."""
         bs = self.engine_model.block_size
         start, end = index * bs, (index + 1) * bs
-        prompt = req.token_ids
-        out = list(prompt[start:end])
-        if end > req.prompt_len:
-            seed, token = req.output_seed, self.output_token
-            out.extend(token(seed, i - req.prompt_len)
-                       for i in range(max(start, req.prompt_len), end))
+        prompt_len = req.prompt_len
+        out = list(req.token_ids[start:end])
+        if end > prompt_len:
+            first, stop = max(start, prompt_len) - prompt_len, end - prompt_len
+            if self.output_token is default_output_token:
+                if start >= prompt_len:     # all generated: the (cached, immutable) tuple
+                    return filler_word_ids(req.output_seed, first, stop)
+                out += filler_word_ids(req.output_seed, first, stop)
+            else:
+                seed, token = req.output_seed, self.output_token
+                out += [token(seed, i) for i in range(first, stop)]
         return out
 
     # ----- KV blocks ------------------------------------------------------------------------
@@ -328,6 +385,7 @@ class Engine:
                 if events is not None:
                     events.append(BlockRemoved([h]))
             self.cache_epoch += 1
+            self.evictions += 1
         self.used += n
 
     def _free(self, req: EngineRequest) -> None:
@@ -348,10 +406,12 @@ class Engine:
         if req._hit_epoch == self.cache_epoch:
             return req._hit_blocks
         limit = min(len(req.block_hashes), (req.prefill_len - 1) // self.engine_model.block_size)
-        refs, hashes, k = self.refs, req.block_hashes, 0
+        # Blocks only joined the cache since the last count (none left it): those hits still hold.
+        k = min(req._hit_blocks, limit) if req._hit_evictions == self.evictions else 0
+        refs, hashes = self.refs, req.block_hashes
         while k < limit and hashes[k] in refs:
             k += 1
-        req._hit_epoch, req._hit_blocks = self.cache_epoch, k
+        req._hit_epoch, req._hit_blocks, req._hit_evictions = self.cache_epoch, k, self.evictions
         return k
 
     def _try_admit(self, req: EngineRequest) -> bool:
@@ -369,9 +429,12 @@ class Engine:
             return False
         hit_hashes = req.block_hashes[:hits]
         evictable = self.evictable
-        revived = sum(1 for h in hit_hashes if h in evictable)
-        if free - revived - new_blocks < self.watermark_blocks:
-            return False
+        # Hits that are cached but unreferenced take a block back from the free ones; count them
+        # only when it matters (admitted whatever their number otherwise).
+        if free - hits - new_blocks < self.watermark_blocks:
+            revived = sum(map(evictable.__contains__, hit_hashes))
+            if free - revived - new_blocks < self.watermark_blocks:
+                return False
         refs = self.refs
         for h in hit_hashes:
             c = refs[h]
@@ -398,11 +461,13 @@ class Engine:
             return
         hashes = req.block_hashes
         if full > len(hashes):             # blocks filled by generated tokens: hash them now
-            new, prev = [], hashes[-1] if hashes else 0
+            if not req.own_hashes:         # the caller's list: extend a copy of it
+                hashes = req.block_hashes = list(hashes)
+                req.own_hashes = True
+            prev = hashes[-1] if hashes else 0
             for k in range(len(hashes), full):
                 prev = hash((prev, *self._block_tokens(req, k))) & HASH_MASK
-                new.append(prev)
-            hashes = req.block_hashes = hashes + new
+                hashes.append(prev)
         refs, events = self.refs, self.kv_events
         stored: list = []                  # indexes of the blocks this call caches
         for k in range(req.registered, full):
@@ -438,7 +503,7 @@ class Engine:
         req.num_computed = 0
         req.prefill_len = req.prompt_len + req.num_output
         req.num_preemptions += 1
-        req._hit_epoch = -1
+        req._hit_epoch = req._hit_evictions = -1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -446,30 +511,42 @@ class Engine:
 
     def step(self) -> Optional[StepResult]:
         """Run one iteration. None when there is nothing to run."""
-        if not (self.running or self.waiting):
+        run = self._run
+        if run is None and self.decode_runs:
+            run = self._run = self._plan_decode_run(sys.maxsize)
+        if run is not None:
+            duration, end = self._run_steps(run, self.clock())
+            if run.applied >= run.steps:
+                self.sync()
+            return StepResult(duration, end, [], 0, run.n, [])
+        running = self.running
+        if not (running or self.waiting):
             return None
+        # The hottest loop of the lab: attributes read once into locals, one pass per phase.
         p = self.engine_model
         bs = p.block_size
+        num_gpu_blocks = p.num_gpu_blocks
         budget = p.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
         prefill_tokens = decode_seqs = context = 0
         preempted = False
-        running = self.running
 
-        i = 0
-        while i < len(running) and budget > 0:
-            r = running[i]
-            if r.num_computed < r.prefill_len:
-                n = min(r.prefill_len - r.num_computed, budget)
+        for r in running:        # preemption below shortens the list from its end
+            if budget <= 0:
+                break
+            computed = r.num_computed
+            if computed < r.prefill_len:
+                n = r.prefill_len - computed
+                if n > budget:
+                    n = budget
                 budget -= n
                 prefill_tokens += n
-                context += r.num_computed + n
+                context += computed + n
                 scheduled.append((r, n))
-                i += 1
                 continue
             seq_len = r.prompt_len + r.num_output
-            if -(-seq_len // bs) > len(r.hashed) + r.private:
-                while p.num_gpu_blocks - self.used < 1:
+            if seq_len > (len(r.hashed) + r.private) * bs:     # its next token needs a block
+                while num_gpu_blocks - self.used < 1:
                     victim = running.pop()
                     self._preempt(victim)
                     preempted = True
@@ -483,7 +560,6 @@ class Engine:
             decode_seqs += 1
             context += seq_len
             scheduled.append((r, 1))
-            i += 1
 
         if not preempted:
             waiting = self.waiting
@@ -506,45 +582,221 @@ class Engine:
                                         + p.stage_decode_seq_s * decode_seqs
                                         + p.stage_context_token_s * context)
         end = self.clock() + duration
-        outputs = []
-        any_finished = False
+        stream, caching = self.stream, p.enable_prefix_caching
+        outputs: list = []
+        finished: list = []
+        generated = 0
         for r, n in scheduled:
-            if r.num_computed < r.prefill_len:
-                r.num_computed += n
-                if p.enable_prefix_caching and r.num_computed >= (r.registered + 1) * bs:
+            computed = r.num_computed
+            if computed < r.prefill_len:
+                computed += n
+                r.num_computed = computed
+                if caching and computed >= (r.registered + 1) * bs:
                     self._publish_blocks(r)
-                if r.num_computed < r.prefill_len:
+                if computed < r.prefill_len:
                     continue
             else:
-                r.num_computed += 1
-                if p.enable_prefix_caching and r.num_computed % bs == 0:
+                computed += 1
+                r.num_computed = computed
+                if caching and computed % bs == 0:
                     self._publish_blocks(r)     # a block filled by generated tokens
-            r.num_output += 1
-            self.generation_tokens += 1
+            num_output = r.num_output + 1
+            r.num_output = num_output
+            generated += 1
             first = r.first_token_time is None
             if first:
                 r.first_token_time = end
-                self.ttft.observe(end - r.arrival_time)
-            else:
+                if stream:
+                    self.ttft.observe(end - r.arrival_time)
+            elif stream:
                 self.itl.observe(end - r.last_token_time)
-            r.last_token_time = end
-            if r.num_output >= r.stop_at:
-                reason = "length" if r.num_output >= r.max_tokens else "stop"
-                self._finish(r, reason, end)
-                any_finished = True
-                outputs.append(StepOutput(r.request_id, first, True, reason, r.num_output))
             else:
-                outputs.append(StepOutput(r.request_id, first, False, None, r.num_output))
-        if any_finished:
+                r.token_gaps.append(end - r.last_token_time)
+            r.last_token_time = end
+            if num_output >= r.stop_at:
+                reason = "length" if num_output >= r.max_tokens else "stop"
+                self._finish(r, reason, end)
+                finished.append(r)
+                if stream:
+                    outputs.append(StepOutput(r.request_id, first, True, reason, num_output))
+            elif stream:
+                outputs.append(StepOutput(r.request_id, first, False, None, num_output))
+        self.generation_tokens += generated
+        if finished:
             self.running = [r for r in self.running if not r.finished]
         self.version += 1
-        return StepResult(duration, end, outputs, prefill_tokens, decode_seqs)
+        return StepResult(duration, end, outputs, prefill_tokens, decode_seqs, finished)
+
+    # ----- stretches of pure decode steps ------------------------------------------------
+    #
+    # Most steps of a loaded engine only decode: the same running requests each add a token,
+    # nothing is admitted, nothing finishes. Such a stretch is planned once (_plan_decode_run):
+    # its length, and the few block allocations and cache publications its steps make, in the
+    # order step() would make them. Each of its steps then costs those events and the step time
+    # instead of a pass over every running request; the requests' token counts and times are
+    # brought up to date in one pass (sync) when the stretch ends or someone looks at them.
+
+    def decode_run(self, max_steps: int,
+                   stop: Callable[[float], bool]) -> Optional[tuple[int, float]]:
+        """Up to `max_steps` steps at once, while each would be a decode step of the same running
+        requests that nothing interrupts (see _plan_decode_run). The state afterwards, the step
+        times and the block events are those of that many step() calls, with the clock set to
+        each step's end in turn. Stops after the first step whose end time makes `stop(end)`
+        true. Returns (steps run, end time of the last), or None when the next step is not such
+        a step. For an engine driven by nothing else meanwhile (the oracle's copies)."""
+        if self.stream or self._run is not None:
+            return None
+        run = self._plan_decode_run(max_steps)
+        if run is None:
+            return None
+        end = self._run_steps(run, self.clock(), max_steps, stop)[1]
+        self._sync_run(run)
+        return run.applied, end
+
+    def sync(self) -> None:
+        """Bring the requests of the stretch of decode steps in progress (decode_runs=True) up to
+        the steps applied so far: read an engine's requests only after this."""
+        run = self._run
+        if run is not None:
+            self._sync_run(run)
+            if run.applied >= run.steps:
+                self._run = None
+
+    def _end_run(self) -> None:
+        """Someone changes the engine (a request added or aborted): the stretch stops after the
+        step applied last; the next step is planned anew."""
+        run = self._run
+        if run is not None:
+            self._sync_run(run)
+            self._run = None
+
+    def _plan_decode_run(self, max_steps: int) -> Optional[_DecodeRun]:
+        """The stretch of decode steps starting with the next step, None if it is not one: every
+        running request decodes, none finishes, no block runs out (no preemption) and the waiting
+        queue's head cannot be admitted."""
+        running = self.running
+        p = self.engine_model
+        n = len(running)
+        if not running or n > p.max_num_batched_tokens:
+            return None
+        bs = p.block_size
+        for r in running:
+            if r.num_computed < r.prefill_len:
+                return None
+        waiting = self.waiting
+        watch = None           # a hash whose caching could let the head in: stop if it appears
+        if waiting and n < p.max_num_batched_tokens and n < p.max_num_seqs:
+            # The head must fail _try_admit's block tests at every step. Decoding only takes
+            # free blocks, and evicting a cached block of the head's prefix only adds to what
+            # the head needs (its blocks not referenced by a running request), so they keep
+            # failing while the head's cached prefix does not grow, i.e. until a step caches
+            # the next block of its prompt (`watch`).
+            head = waiting[0]
+            total, limit = -(-head.prefill_len // bs), min(len(head.block_hashes),
+                                                           (head.prefill_len - 1) // bs)
+            free = p.num_gpu_blocks - self.used
+            if free - (total - limit) >= self.watermark_blocks:
+                hits = self._prefix_hits(head) if p.enable_prefix_caching else 0
+                if free - (total - hits) >= self.watermark_blocks:
+                    revived = sum(map(self.evictable.__contains__, head.block_hashes[:hits]))
+                    if free - revived - (total - hits) >= self.watermark_blocks:
+                        return None
+                if p.enable_prefix_caching and hits < limit:
+                    watch = head.block_hashes[hits]
+        steps = min(max_steps, min(r.stop_at - r.num_output for r in running) - 1)
+        if steps <= 0:
+            return None
+        # Each request's block allocations and cache publications in these steps, in the order
+        # step() makes them: by step, allocations (scheduling) before publications (applying),
+        # each in running order.
+        # Events are ints that sort in that order: step << _STEP_SHIFT | kind | position.
+        allocations: list = []
+        publications: list = []
+        for pos, r in enumerate(running):
+            seq_len, blocks = r.prompt_len + r.num_output, len(r.hashed) + r.private
+            j = max(0, blocks * bs - seq_len + 1)
+            while j < steps:
+                allocations.append(j << _STEP_SHIFT | pos)
+                blocks += 1
+                j = max(j + 1, blocks * bs - seq_len + 1)
+            if p.enable_prefix_caching:
+                publications += [j << _STEP_SHIFT | _PUBLISH | pos
+                                 for j in range((-r.num_computed - 1) % bs, steps, bs)]
+        allocations.sort()
+        free = p.num_gpu_blocks - self.used
+        if len(allocations) > free:              # the step of the first one without a block
+            steps = allocations[free] >> _STEP_SHIFT     # preempts: stop before it
+            if steps <= 0:
+                return None
+            del allocations[free:]
+        events = allocations + publications
+        events.sort()
+        return _DecodeRun(list(running), steps, events, watch,
+                          sum(r.prompt_len + r.num_output for r in running))
+
+    def _run_steps(self, run: _DecodeRun, start: float, count: int = 1,
+                   stop: Optional[Callable[[float], bool]] = None) -> tuple[float, float]:
+        """Apply up to `count` of the stretch's next steps, the first starting at `start` and each
+        at the previous one's end; stop after a step whose end makes `stop(end)` true. Returns
+        the last step's (duration, end time)."""
+        p = self.engine_model
+        # step()'s duration formula with the prefill and decode terms, fixed within the stretch,
+        # added in its order once: the same sums.
+        stages, context_s, n = p.pipeline_stages, p.stage_context_token_s, run.n
+        fixed = p.stage_base_s + p.stage_prefill_token_s * 0 + p.stage_decode_seq_s * n
+        events, e, ends = run.events, run.next_event, run.ends
+        num_events, refs, watch = len(events), self.refs, run.watch
+        requests, start_computed = run.requests, run.start_computed
+        j, end, duration = run.applied, start, 0.0
+        last = min(run.steps, j + count)
+        while j < last:
+            duration = stages * (fixed + context_s * run.context)
+            end = end + duration
+            while e < num_events and events[e] >> _STEP_SHIFT == j:
+                event = events[e]
+                e += 1
+                pos = event & _POSITION
+                r = requests[pos]
+                if event & _PUBLISH:
+                    r.num_computed = start_computed[pos] + j + 1
+                    self._publish_blocks(r)
+                    if watch is not None and watch in refs:
+                        run.steps = last = j + 1    # the head may be admitted at the next step
+                else:
+                    self._allocate(1)
+                    r.private += 1
+            ends.append(end)
+            run.context += n
+            j += 1
+            if stop is not None and stop(end):
+                break
+        run.next_event = e
+        run.applied = j
+        return duration, end
+
+    def _sync_run(self, run: _DecodeRun) -> None:
+        done, ends = run.synced, run.ends
+        applied = run.applied
+        if done == applied:
+            return
+        gaps = [ends[i] - ends[i - 1] for i in range(done + 1, applied)]
+        first, last = ends[done], ends[applied - 1]
+        for r, computed in zip(run.requests, run.start_computed):
+            r.num_computed = computed + applied
+            r.num_output += applied - done
+            r.token_gaps.append(first - r.last_token_time)
+            r.token_gaps += gaps
+            r.last_token_time = last
+        self.generation_tokens += run.n * (applied - done)
+        self.version += applied - done
+        run.synced = applied
 
     def _finish(self, req: EngineRequest, reason: str, end: float) -> None:
         req.finished, req.finish_reason = True, reason
         self._free(req)
         del self.requests[req.request_id]
-        self.e2e.observe(end - req.arrival_time)
+        if self.stream:
+            self.e2e.observe(end - req.arrival_time)
         self.request_success[reason] = self.request_success.get(reason, 0) + 1
 
     # ----- gauges and counters --------------------------------------------------------------
@@ -553,6 +805,7 @@ class Engine:
         return self.used / self.engine_model.num_gpu_blocks
 
     def stats(self) -> EngineStats:
+        self.sync()
         return EngineStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_usage(), num_gpu_blocks=self.engine_model.num_gpu_blocks,

@@ -13,9 +13,12 @@ the real server by tests/conformance): `vllm:kv_cache_usage_perc` only, without 
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
+from prometheus_client.utils import floatToGoString
 
 from local.sim.engine import Engine, Histogram
 
@@ -80,11 +83,38 @@ class _Families:
 
 def render_gauges(model_name: str, running: int, waiting: int, kv_usage: float,
                   cache_config: dict[str, str]) -> str:
-    """The gauge part of the page from recorded values (the lab renders past snapshots)."""
+    """The gauge part of the page from recorded values (the lab renders past snapshots): the
+    text prometheus_client renders, from a template it rendered once per model and cache
+    config, with the three values formatted as it formats them (~20x faster)."""
+    template = _gauge_template(model_name, tuple(cache_config.items()))
+    return template.format(floatToGoString(running), floatToGoString(waiting),
+                           floatToGoString(kv_usage))
+
+
+def render_gauges_slow(model_name: str, running: int, waiting: int, kv_usage: float,
+                       cache_config: dict[str, str]) -> str:
+    """render_gauges through prometheus_client's registry and exposition every time."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(gauge_families(model_name, running, waiting, kv_usage,
                                                     cache_config))))
     return generate_latest(registry).decode()
+
+
+# Values no gauge page shows otherwise (running, waiting, KV usage): their text in a rendered
+# page marks where the values go.
+_SENTINELS = (7777777.0, 6666666.0, 0.5555555555)
+
+
+@functools.lru_cache(maxsize=256)
+def _gauge_template(model_name: str, cache_config: tuple) -> str:
+    text = render_gauges_slow(model_name, *_SENTINELS, dict(cache_config))
+    text = text.replace("{", "{{").replace("}", "}}")
+    for i, value in enumerate(_SENTINELS):
+        mark = floatToGoString(value)
+        if text.count(mark) != 1:
+            raise AssertionError(f"gauge template: {mark} appears {text.count(mark)} times")
+        text = text.replace(mark, "{%d}" % i)
+    return text
 
 
 class EngineCollector:

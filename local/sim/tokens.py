@@ -11,6 +11,7 @@ Load-test workloads generate prompts as words, so their token counts match the s
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any, Iterable
 
@@ -63,3 +64,27 @@ FILLER = ("the", "model", "thinks", "about", "this", "step", "and", "then", "ans
 def filler_word(seed: int, index: int) -> str:
     """Deterministic output word number `index` of a response whose stream seed is `seed`."""
     return FILLER[(seed * 7 + index * 13 + (index >> 3)) % len(FILLER)]
+
+
+FILLER_IDS = tuple(word_id(w) for w in FILLER)
+
+
+def filler_word_id(seed: int, index: int) -> int:
+    """word_id(filler_word(seed, index)) without hashing the word again (the engine model hashes
+    every block of generated tokens)."""
+    return FILLER_IDS[(seed * 7 + index * 13 + (index >> 3)) % len(FILLER)]
+
+
+def filler_word_ids(seed: int, start: int, stop: int) -> tuple[int, ...]:
+    """tuple(filler_word_id(seed, i) for i in range(start, stop)). Word i + d of a stream is
+    FILLER[(offset + 13 d + ((start % 8 + d) >> 3)) % 24] with offset the index of word `start`,
+    so a run of words depends only on (offset, start % 8, length): cached on those."""
+    return _filler_run((seed * 7 + start * 13 + (start >> 3)) % len(FILLER), start % 8,
+                       stop - start)
+
+
+@functools.lru_cache(maxsize=8192)
+def _filler_run(offset: int, phase: int, length: int) -> tuple[int, ...]:
+    n = len(FILLER)
+    return tuple(FILLER_IDS[(offset + d * 13 + ((phase + d) >> 3)) % n]
+                 for d in range(max(0, length)))

@@ -174,3 +174,91 @@ def test_block_hashes_are_chained():
     b = block_hashes(tokens(100, 4) + tokens(4, 4), 4)
     assert len(a) == 2 and a[1] != b[1]            # same second block, different prefix
     assert block_hashes(tokens(0, 7), 4) == a[:1]  # partial blocks are not hashed
+
+
+def test_a_non_streaming_engine_gives_the_same_token_times_and_schedule():
+    """stream=False (the lab's engines) skips the per-token outputs and histograms; each finished
+    request carries its tokens' times instead, equal to what the stream delivered, and every step
+    (preemptions, cache hits, KV events) is the same."""
+    import random
+    rng = random.Random(7)
+    shared = tokens(1000, 24)
+    work = [(f"r{i}", (shared if i % 2 else []) + tokens(100 * i, rng.randint(1, 20)),
+             rng.randint(1, 12)) for i in range(14)]
+
+    def drive(stream):
+        clock = Clock()
+        engine = Engine(TINY, clock, kv_events=True, stream=stream)
+        seen, times, steps = {}, {}, []
+        arrivals = list(work)
+        while arrivals or engine.has_work():
+            if arrivals and (not engine.has_work() or rng_steps.random() < 0.6):
+                rid, ids, n = arrivals.pop(0)
+                engine.add_request(rid, ids, max_tokens=n)
+            result = engine.step()
+            if result is None:
+                continue
+            clock.t = result.end_time
+            steps.append((result.duration_s, result.num_prefill_tokens, result.num_decode_seqs,
+                          [r.request_id for r in result.finished], engine.take_kv_events()))
+            for out in result.outputs:
+                seen.setdefault(out.request_id, []).append(result.end_time)
+            for r in result.finished:
+                times[r.request_id] = (r.first_token_time, r.token_gaps, r.last_token_time,
+                                       r.num_output)
+        return seen, times, steps, engine.num_preemptions
+
+    rng_steps = random.Random(3)
+    streamed, _, steps_streamed, preempted = drive(True)
+    rng_steps = random.Random(3)
+    outputs, times, steps, preempted_too = drive(False)
+    assert outputs == {} and steps == steps_streamed and preempted == preempted_too > 0
+    assert set(times) == set(streamed) == {rid for rid, _, _ in work}
+    for rid, stamps in streamed.items():
+        first, gaps, last, n = times[rid]
+        assert (first, last, n) == (stamps[0], stamps[-1], len(stamps))
+        assert gaps == [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stretches_of_decode_steps_change_nothing(seed):
+    """decode_runs=True plans stretches of pure decode steps and applies them without a pass over
+    the requests: every step's time, the finished requests, the KV events, the blocks and (once
+    synced) every request's counters and token times equal those of plain steps, with requests
+    arriving at random steps, shared prefixes, evictions and preemptions."""
+    import random
+    model = TINY.with_overrides(num_gpu_blocks=48, max_num_seqs=6, max_num_batched_tokens=24,
+                                max_model_len=96)
+    rng = random.Random(seed)
+    shared = tokens(5000, 16)
+    work = [(f"r{i}", (shared if rng.random() < 0.5 else []) + tokens(100 * i, rng.randint(1, 24)),
+             rng.randint(1, 60)) for i in range(30)]
+    arrive = sorted(rng.sample(range(400), len(work)))
+
+    def drive(runs):
+        clock = Clock()
+        engine = Engine(model, clock, kv_events=True, stream=False, decode_runs=runs)
+        trace, added, step, in_stretch = [], 0, 0, 0
+        while added < len(work) or engine.has_work():
+            while added < len(work) and arrive[added] <= step:
+                rid, ids, n = work[added]
+                engine.add_request(rid, ids, max_tokens=n)
+                added += 1
+            step += 1
+            result = engine.step()
+            if result is None:
+                continue
+            clock.t = result.end_time
+            in_stretch += engine._run is not None
+            engine.sync()
+            trace.append((result.duration_s, result.end_time, result.num_decode_seqs,
+                          [(r.request_id, r.first_token_time, list(r.token_gaps), r.num_output)
+                           for r in result.finished],
+                          engine.take_kv_events(), engine.used, len(engine.evictable),
+                          sorted((r.request_id, r.num_output, r.num_computed, r.last_token_time,
+                                  len(r.token_gaps)) for r in engine.running)))
+        return (trace, engine.stats(), engine.num_preemptions), in_stretch
+
+    (plain, none), (stretched, some) = drive(False), drive(True)
+    assert plain == stretched
+    assert none == 0 and some > 50      # many steps were stretch steps

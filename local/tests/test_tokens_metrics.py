@@ -64,3 +64,29 @@ def test_gauges_only_and_snapshot_render_agree():
     assert "histogram" not in quick and "vllm:num_requests_running" in quick
     assert quick == render_gauges("qwq", 1, 0, engine.kv_cache_usage(),
                                   cache_config_labels(engine))
+
+
+def test_gauge_pages_from_the_template_equal_prometheus_client_renders():
+    import random
+    from local.sim.metrics import render_gauges_slow
+    rng = random.Random(5)
+    config = cache_config_labels(Engine(TINY, lambda: 0.0))
+    values = [(0, 0, 0.0), (1, 0, 1.0), (3, 2, 1e-07), (256, 9999999, 0.5555555555)]
+    values += [(rng.randrange(300), rng.randrange(10**rng.randrange(1, 9)),
+                rng.randrange(2351) / 2350) for _ in range(300)]
+    for model in ("qwq", 'odd "name" {with} braces'):
+        for running, waiting, kv in values:
+            assert render_gauges(model, running, waiting, kv, config) == \
+                render_gauges_slow(model, running, waiting, kv, config)
+
+
+def test_filler_word_ids_are_the_ids_of_the_words_the_server_streams():
+    import random
+    from local.sim.tokens import filler_word, filler_word_id, filler_word_ids, word_id
+    rng = random.Random(1)
+    for _ in range(2000):
+        seed, start = rng.getrandbits(32), rng.randrange(50_000)
+        stop = start + rng.randrange(40)
+        want = [word_id(filler_word(seed, i)) for i in range(start, stop)]
+        assert list(filler_word_ids(seed, start, stop)) == want
+        assert [filler_word_id(seed, i) for i in range(start, stop)] == want

@@ -98,6 +98,29 @@ def test_rewrite_changes_body_and_picks_only_target_servers():
     assert (d.model, d.target_model) == ("qwq", "qwq-canary")
 
 
+def test_a_request_decided_again_reuses_its_parsed_body_and_hashes(monkeypatch):
+    """Flow control decides a held request again whenever the signals change: the body is
+    parsed and the prefix hashed once per request, and the decisions are those of a fresh one."""
+    import picker.core as core
+    calls = Counter()
+    for name in ("parse_body", "block_hashes"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda *a, _real=real, _name=name:
+                            calls.update([_name]) or _real(*a))
+    rw = Rewrite("canary", (RewriteRule(("qwq",), (("qwq-canary", 1.0),)),))
+    again, fresh = make_router(n=3, rewrites=[rw]), make_router(n=3, rewrites=[rw])
+    for r in (again, fresh):
+        r.on_scrape_ok("10.0.0.3:8000", metrics_text(model="qwq-canary", waiting=1))
+    held = req(body(prompt="p " * 400, max_tokens=5))
+    for _ in range(3):
+        d = again.decide(held)
+        want = fresh.decide(req(held.body))
+        assert (d.endpoint, d.body, d.cached_tokens) == (want.endpoint, want.body, want.cached_tokens)
+        assert json.loads(d.body)["model"] == "qwq-canary"
+    assert held.parsed.obj["model"] == "qwq"           # the rewrite left the parsed body alone
+    assert calls == {"parse_body": 4, "block_hashes": 4}   # 1 for `held` + 3 fresh requests
+
+
 def test_sheddable_request_gets_429_only_when_pool_saturated():
     objs = [Objective("batch", -1), Objective("interactive", 10)]
     r = make_router(n=2, objectives=objs, waiting=5, kv=0.2)   # saturation = 5/5 = 1.0

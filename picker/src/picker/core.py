@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from picker import defaults
@@ -55,6 +55,11 @@ class RequestInfo:
     headers: dict[str, str]           # lower-case keys
     body: bytes | None
     subset: list[str] | None = None   # subset hint from the proxy, if any
+    # What decide() derives from the body alone, kept for the next decision of the same request
+    # (flow control decides a held request again whenever the signals change): the parsed body,
+    # and the prefix hashes with the (model, block size, blocks) they were made for.
+    parsed: Any = field(default=None, repr=False, compare=False)
+    prefix_hashes: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -367,7 +372,9 @@ class Router:
         if body and len(body) > self.settings.max_body_bytes:  # the request's own faults first
             raise PickerError(413, f"request body of {len(body)} bytes exceeds the limit of "
                                    f"{self.settings.max_body_bytes} bytes", "body_too_large")
-        parsed = parse_body(body) if body else None
+        parsed = info.parsed
+        if parsed is None and body:
+            parsed = info.parsed = parse_body(body)
         ready = self._ready(info.subset)
         if not ready:
             raise PickerError(503, "no ready endpoint in the pool", "no_ready_endpoint")
@@ -414,8 +421,10 @@ class Router:
                                 profile.block_size_tokens,
                                 avg_prompt_tokens=self.avg_prompt_tokens)
         if profile.needs_prefix:
-            ctx.hashes = block_hashes(target, parsed.prompt, profile.block_size_tokens,
-                                      profile.max_prefix_blocks)
+            key = (target, profile.block_size_tokens, profile.max_prefix_blocks)
+            if info.prefix_hashes is None or info.prefix_hashes[0] != key:
+                info.prefix_hashes = (key, block_hashes(target, parsed.prompt, *key[1:]))
+            ctx.hashes = info.prefix_hashes[1]
             if ctx.hashes:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
             if prep is not None:

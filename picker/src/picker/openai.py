@@ -99,5 +99,6 @@ def parse_body(body: bytes) -> ParsedRequest:
 
 
 def rewrite_model(parsed: ParsedRequest, target: str) -> bytes:
-    parsed.obj["model"] = target
-    return json.dumps(parsed.obj, separators=(",", ":")).encode()  # ASCII-safe: lone surrogates survive
+    obj = dict(parsed.obj)      # the parsed body stays as sent (decide() may use it again)
+    obj["model"] = target
+    return json.dumps(obj, separators=(",", ":")).encode()  # ASCII-safe: lone surrogates survive
