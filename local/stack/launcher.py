@@ -112,6 +112,16 @@ class Stack:
             election = self._start_control_plane() if c.leader_election else None
             procs = plan(c, self.topology, election)
             self._write_inputs()
+            if c.leader_election:
+                # The picker replicas first: Envoy health-checks each one as soon as it learns of
+                # it, and after a check that fails before any traffic has flowed it waits its
+                # no-traffic interval (60 s) for the next, meanwhile spreading streams over
+                # every replica (panic). base/picker's replicas outlive the Envoy pods; here
+                # they would start together.
+                first = [p for p in procs if p.name != "envoy-gateway"]
+                wait_healthy([self._start(p) for p in first], c.startup_timeout, self.auth_headers(),
+                             c.run_dir)
+                procs = [p for p in procs if p not in first]
             for p in procs:
                 self._start(p)
             wait_healthy(self.procs, c.startup_timeout, self.auth_headers(), c.run_dir)

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Status, Streaming};
 
@@ -217,9 +218,11 @@ pub struct ExtProcService {
 
 struct Process(Arc<Shared>);
 
+type Answers = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::ProcessingResponse, Status>> + Send>>;
+
 impl tonic::server::StreamingService<pb::ProcessingRequest> for Process {
     type Response = pb::ProcessingResponse;
-    type ResponseStream = ReceiverStream<Result<pb::ProcessingResponse, Status>>;
+    type ResponseStream = Answers;
     type Future = BoxFuture<tonic::Response<Self::ResponseStream>, Status>;
 
     fn call(&mut self, request: tonic::Request<Streaming<pb::ProcessingRequest>>) -> Self::Future {
@@ -231,7 +234,7 @@ impl tonic::server::StreamingService<pb::ProcessingRequest> for Process {
             }
             let counted = shared.budget.open_stream();
             let guard = StreamGuard { shared: shared.clone(), counted };
-            let (tx, rx) = mpsc::channel(16);
+            let (tx, mut rx) = mpsc::channel(16);
             let inbound = request.into_inner();
             tokio::spawn(async move {
                 let _guard = guard;
@@ -241,7 +244,12 @@ impl tonic::server::StreamingService<pb::ProcessingRequest> for Process {
                     refuse_stream(shared, inbound, tx).await;
                 }
             });
-            Ok(tonic::Response::new(ReceiverStream::new(rx)))
+            // The response headers go with the first answer, as grpcio sends them: a stream this
+            // replica dies on before answering (being decided, or held in flow control) has then
+            // had no response from it, and Envoy retries it on another replica (`reset`).
+            let first = rx.recv().await;
+            let answers: Answers = Box::pin(tokio_stream::iter(first).chain(ReceiverStream::new(rx)));
+            Ok(tonic::Response::new(answers))
         })
     }
 }
