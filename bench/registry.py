@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, failover, flow, flow_clients_http, keda_chain,
-                   kv_http, kv_suites, lab_suites, phases, robustness, validation_time, vllm_engine)
+                   kv_http, kv_suites, lab_suites, outcomes_http, phases, robustness, validation_time,
+                   vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -121,6 +122,11 @@ BENCHMARKS = [
               "index, both listeners; the events' delivery lag (run under flock /tmp/local-stack.lock)",
               lambda a: kv_http.run(),
               titled("Precise prefix routing on the real data plane", kv_http.report)),
+    Benchmark("outcomes-http", "the picker's outcome path on the real data plane: Envoy's and the picker's "
+              "CPU per request with the access log and token accounting off, Lua only, on; outcomes "
+              "received, their lag, what a picker restart loses (run under flock /work/heavy.lock)",
+              lambda a: outcomes_http.run(),
+              titled("Outcomes: what the access log to the picker costs and loses", outcomes_http.report)),
     Benchmark("vllm", "real vLLM's CPU build (make vllm): server start, memory, request latency on this "
               "CPU, the conformance suite's wall time", lambda a: vllm_engine.run_vllm(),
               titled("Real vLLM on this machine (CPU build, tiny model)", vllm_engine.report)),

@@ -19,7 +19,8 @@ picker; where the picker beats it, the greedy rule is what falls short.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
+from typing import Optional
 
 from local.sim.engine import Engine, EngineRequest
 from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy
@@ -27,39 +28,10 @@ from lab.policy_api import Deferred, LabEndpoint, LabRequest, Policy
 MAX_STEPS = 20000        # a request not started after this many steps counts as never
 
 
-def _copy_request(r: EngineRequest) -> EngineRequest:
-    c = EngineRequest.__new__(EngineRequest)
-    for name in EngineRequest.__slots__:
-        setattr(c, name, getattr(r, name))
-    c.hashed = list(r.hashed)
-    c.own_hashes = False            # block_hashes is the original's list: extend a copy
-    c.token_gaps = []               # the copy's own (its steps must not reach the original's)
-    c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
-    return c
-
-
 def copy_engine(engine: Engine, clock) -> Engine:
-    """An independent copy of the engine's scheduling state (not its histograms or counters)."""
-    engine.sync()
-    c = Engine.__new__(Engine)
-    c.engine_model, c.clock = engine.engine_model, clock
-    c.kv_events, c.output_token = None, engine.output_token      # a copy publishes nothing
-    c.stream = c.decode_runs = False              # and streams nothing; plays runs at once
-    c._run = None
-    requests = {rid: _copy_request(r) for rid, r in engine.requests.items()}
-    c.requests = requests
-    c.waiting = deque(requests[r.request_id] for r in engine.waiting)
-    c.running = [requests[r.request_id] for r in engine.running]
-    c.used = engine.used
-    c.refs = dict(engine.refs)
-    c.evictable = OrderedDict(engine.evictable)
-    c.cache_epoch, c.evictions = engine.cache_epoch, engine.evictions
-    c.watermark_blocks = engine.watermark_blocks
-    c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
-    c.prompt_tokens = c.generation_tokens = 0
-    c.request_success = {}
-    c.version = 0
-    return c
+    """An independent copy of the engine's scheduling state on `clock` (Engine.copy): it
+    streams nothing, so a request's first token shows as its first_token_time."""
+    return engine.copy(clock)
 
 
 def predicted_ttft(ep: LabEndpoint, request: LabRequest, now: float,
@@ -161,9 +133,10 @@ class Oracle(Policy):
         return best
 
 
-def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
+def can_start_now(ep: LabEndpoint, request: LabRequest, memo: Optional[dict] = None) -> bool:
     """The engine would admit the request at its next step: nothing waiting ahead of it, a free
-    batch slot, and KV blocks for its uncached prompt above the watermark (exact state)."""
+    batch slot, and KV blocks for its uncached prompt above the watermark (exact state).
+    `memo` (a dict the caller keeps) remembers each engine's cached prefix of the request."""
     engine = ep.engine
     p = engine.engine_model
     if engine.waiting or len(engine.running) >= p.max_num_seqs:
@@ -176,10 +149,27 @@ def can_start_now(ep: LabEndpoint, request: LabRequest) -> bool:
     limit = min(len(request.hashes), (len(request.token_ids) - 1) // bs)
     if blocks - limit > room:                             # not even with every block cached
         return False
-    hits, refs, hashes = 0, engine.refs, request.hashes
+    return blocks - cached_prefix(engine, request, limit, memo) <= room
+
+
+def cached_prefix(engine: Engine, request: LabRequest, limit: int,
+                  memo: Optional[dict] = None) -> int:
+    """How many of the request's first `limit` blocks the engine's cache holds. With `memo`, a
+    count made at the same cache epoch is reused, and one made before only blocks were added
+    (no eviction since) is where the count resumes, as Engine._prefix_hits does."""
+    hits, key = 0, (id(engine), request.request_id)
+    seen = memo.get(key) if memo is not None else None
+    if seen is not None and seen[0] is engine:
+        if seen[1] == engine.cache_epoch:
+            return seen[3]
+        if seen[2] == engine.evictions:
+            hits = seen[3]
+    refs, hashes = engine.refs, request.hashes
     while hits < limit and hashes[hits] in refs:
         hits += 1
-    return blocks - hits <= room
+    if memo is not None:
+        memo[key] = (engine, engine.cache_epoch, engine.evictions, hits)
+    return hits
 
 
 class LateOracle(Oracle):
@@ -193,9 +183,10 @@ class LateOracle(Oracle):
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
         self.held: deque = deque()
+        self.cached: dict = {}        # can_start_now's memo (the held request, every wake-up)
 
     def _room(self, request: LabRequest) -> list[LabEndpoint]:
-        return [ep for ep in self.endpoints if can_start_now(ep, request)]
+        return [ep for ep in self.endpoints if can_start_now(ep, request, self.cached)]
 
     def pick(self, request: LabRequest) -> LabEndpoint:
         room = self._room(request) if not self.held else []
@@ -223,6 +214,8 @@ class LateOracle(Oracle):
         # The lab adds the requests handed out here to their engines after wake() returns: at
         # most one per group per wake-up, as each makes its group's queue non-empty.
         out, taken = [], set()
+        if len(self.cached) > 4096:
+            self.cached.clear()
         while self.held:
             request = self.held[0]
             room = [ep for ep in self._room(request) if ep.index not in taken]

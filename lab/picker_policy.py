@@ -75,6 +75,7 @@ def picker_events(events: list) -> list:
 
 
 class PickerPolicy(Policy):
+    reads_engines = False        # only the scrapes recorded in LabEndpoint.history
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
@@ -195,14 +196,16 @@ class PickerPolicy(Policy):
         now, iv = self.clock(), self.scrape_interval
         if self.out:
             return now
-        ticks = []
-        for i, done in enumerate(self.done_tick):
-            tick = self.phase[i] + (math.floor((now - self.phase[i]) / iv) + 1) * iv
-            while tick <= max(now, done) + 1e-9:  # float rounding: always a tick still to come
+        first = math.inf              # (called after every lab event while requests wait)
+        for phase, done in zip(self.phase, self.done_tick):
+            tick = phase + (math.floor((now - phase) / iv) + 1) * iv
+            bound = (now if now > done else done) + 1e-9
+            while tick <= bound:      # float rounding: always a tick still to come
                 tick += iv
-            ticks.append(tick)
+            if tick < first:
+                first = tick
         deadline = self.flow.next_deadline()
-        return min(ticks + ([deadline] if deadline is not None else []))
+        return first if deadline is None or first <= deadline else deadline
 
     def wake(self):
         self._catch_up()

@@ -93,6 +93,9 @@ class Policy:
     name = "policy"
     scrape_interval: Optional[float] = None    # seconds; None = does not scrape
     kv_events: bool = False                    # True: the engines record KV-cache events for it
+    # False: the policy never reads the engines' requests (the picker reads only its scrapes),
+    # so the lab need not bring them up to date before calling it (lab.simulation._policy).
+    reads_engines: bool = True
 
     def start(self, endpoints: list[LabEndpoint], clock: Callable[[], float],
               rng: random.Random) -> None:

@@ -35,6 +35,8 @@ from lab.policy_api import Policy
 
 
 class ReplicatedPicker(Policy):
+    reads_engines = False        # its replicas read only their scrapes
+
     def __init__(self, replicas: int, shared: bool = True, profile: str = "default",
                  sync_interval: float = defaults.PEER_SYNC_INTERVAL, precise: bool = False,
                  kv_delay: float | None = None, active_passive: bool = False,

@@ -141,10 +141,14 @@ class Lab:
 
     def _policy(self) -> Policy:
         """The policy, to be called now: every engine's requests brought up to date first, as
-        the policy may read them (the oracle copies whole engines)."""
+        the policy may read them (the oracle copies whole engines), unless it never does."""
+        if self.policy.reads_engines:
+            self._sync_engines()
+        return self.policy
+
+    def _sync_engines(self) -> None:
         for ep in self.endpoints:
             ep.engine.sync()
-        return self.policy
 
     # ----- event plumbing ------------------------------------------------------------------
 
@@ -354,7 +358,7 @@ class Lab:
 
     def _result(self) -> LabRun:
         cfg = self.config
-        self._policy()           # every engine's counters up to date
+        self._sync_engines()     # every engine's counters up to date
         summary = summarize(
             self.samples, label=f"lab:{self.policy.name}", backend="lab",
             model_id=cfg.model_name, num_prompts=len(self.requests),

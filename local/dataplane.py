@@ -13,8 +13,9 @@ meaning, and `localize` swaps exactly those:
 - a Service backendRef of an HTTPRoute becomes an Envoy Gateway `Backend` of the same name whose
   endpoints are the simulators the Service's selector matches (there is no kube-proxy or
   EndpointSlice here);
-- the picker's `Backend` points at the picker replicas on 127.0.0.1 instead of their cluster DNS
-  name (which resolves to every replica);
+- the picker's `Backend`s (ext_proc, and the outcome port the EnvoyProxy's access log sends to)
+  point at the picker replicas on 127.0.0.1 instead of their cluster DNS names (ext_proc's names
+  every replica, the outcome port's the ready one);
 - every listener moves by LISTENER_PORT_OFFSET: standalone Envoy Gateway binds 8081 itself (its
   health probe), so the `llm-gw` listener cannot keep its cluster port here. Both listeners move
   by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`.
@@ -57,15 +58,19 @@ def local_listener_port(cluster_port: int, offset: int = LISTENER_PORT_OFFSET) -
 
 def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]]],
              picker: list[tuple[str, int]], listener_ports: dict[str, int] | None = None,
-             offset: int = LISTENER_PORT_OFFSET) -> list[dict]:
+             offset: int = LISTENER_PORT_OFFSET,
+             outcomes: list[tuple[str, int]] | None = None) -> list[dict]:
     """The gateway objects of `docs` as Envoy Gateway must see them on this machine.
 
     service_endpoints: Service name -> (ip, port) of every simulated leader it selects.
     picker: where each picker replica's ext_proc port listens.
     listener_ports: listener name -> port, overriding `cluster port + offset` (tests use free ports).
+    outcomes: where the picker's outcome port listens (needed when the EnvoyProxy's access log
+    sends to the picker).
     """
     out = [copy.deepcopy(d) for d in envoy_gateway_inputs(docs)]
     backends: dict[tuple[str, str], dict] = {}
+    outcome_backends = access_log_backends(out)
     for obj in out:
         kind, meta = obj.get("kind"), obj.get("metadata") or {}
         if kind == "Gateway":
@@ -84,7 +89,13 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
                 ns = meta.get("namespace", "")
                 backends[(ns, name)] = backend(name, ns, service_endpoints[name])
         elif kind == "Backend" and is_picker_backend(obj):
-            obj["spec"]["endpoints"] = [{"ip": {"address": host, "port": port}} for host, port in picker]
+            addresses = picker
+            if meta.get("name") in outcome_backends:
+                if not outcomes:
+                    raise DataPlaneError(f"Backend {meta.get('name')}: the EnvoyProxy's access log "
+                                         "sends to the picker's outcome port, but none was given")
+                addresses = outcomes
+            obj["spec"]["endpoints"] = [{"ip": {"address": host, "port": port}} for host, port in addresses]
     return out + list(backends.values())
 
 
@@ -98,8 +109,17 @@ def envoy_gateway_inputs(docs: list[dict]) -> list[dict]:
                                     and manifests.name_of(d) in lua]
 
 
+def access_log_backends(docs: list[dict]) -> set[str]:
+    """Names of the Backends an EnvoyProxy's gRPC access log (ALS) sinks send to."""
+    return {ref.get("name") for d in docs if d.get("kind") == "EnvoyProxy"
+            for setting in ((((d.get("spec") or {}).get("telemetry") or {}).get("accessLog") or {})
+                            .get("settings") or [])
+            for sink in setting.get("sinks") or [] if sink.get("type") == "ALS"
+            for ref in (sink.get("als") or {}).get("backendRefs") or [] if ref.get("kind") == "Backend"}
+
+
 def is_picker_backend(obj: dict) -> bool:
-    """The Backend the EnvoyExtensionPolicy's ext_proc points at (its endpoint is a cluster FQDN)."""
+    """A Backend of the picker: ext_proc's or the outcome port's (its endpoint is a cluster FQDN)."""
     return any("fqdn" in e for e in obj["spec"].get("endpoints", []))
 
 
@@ -156,7 +176,9 @@ def envoy_gateway_config(layout: Layout, settings: dict | None = None) -> dict:
             "resource": {"type": "File", "file": {"paths": [str(layout.resources)]}},
             "infrastructure": {"type": "Host", "host": host}}},
         "logging": {"level": {"default": "info"}},
-        "extensionApis": {"enableBackend": True, **(settings or {}).get("extensionApis", {})},
+        # as argocd/apps/envoy-gateway.yaml: Backends (the picker's) and Lua (token accounting)
+        "extensionApis": {"enableBackend": True, "enableLua": True,
+                          **(settings or {}).get("extensionApis", {})},
         **{k: v for k, v in (settings or {}).items() if k != "extensionApis"},
     }
 

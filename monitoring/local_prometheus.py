@@ -289,9 +289,10 @@ def observed_stack(name: str, run_root: Path, interval: str = "1s", **config):
     """A local stack on free loopback ports (StackConfig `config`) and a Prometheus scraping it,
     every target scraped once: `with observed_stack(...) as (stack, prom):`."""
     groups = config.get("groups", StackConfig.groups)
-    http, llm, grpc, health, metrics, prom_port, *sims = free_ports(6 + groups)
+    http, llm, grpc, health, metrics, outcomes, prom_port, *sims = free_ports(7 + groups)
     config = StackConfig(name=name, run_root=Path(run_root), sim_ports=sims, http_port=http, llm_port=llm,
-                         picker_grpc_port=grpc, picker_health_port=health, picker_metrics_port=metrics, **config)
+                         picker_grpc_port=grpc, picker_health_port=health, picker_metrics_port=metrics,
+                         picker_outcomes_port=outcomes, **config)
     with Stack(config) as stack:
         with Prometheus(config.run_dir, stack_config(stack, interval), prom_port) as prom:
             prom.wait_scraped()

@@ -222,7 +222,7 @@ ACTING_SERVICES = ("", "readiness", EXT_PROC_SERVICE)   # SERVING only on the ac
 DEFAULTS = {"--grpc-port": "9002", "--peer-port": "9005", "--drain-seconds": "1"}
 
 
-def _last(args: list[str], flag: str) -> str | None:
+def last_flag(args: list[str], flag: str) -> str | None:
     """The value of the last `--flag v` / `--flag=v` (argparse: the last one wins)."""
     value = None
     for i, a in enumerate(args):
@@ -272,8 +272,8 @@ def _admits(policy: dict, labels: dict, port: int, direction: str) -> bool:
 
 
 def _link_problems(objs, where, d, args, labels) -> list[str]:
-    peers = _last(args, "--peers")
-    peer_port = int(_last(args, "--peer-port"))
+    peers = last_flag(args, "--peers")
+    peer_port = int(last_flag(args, "--peer-port"))
     if not peers:
         return [f"{where}: {d['spec'].get('replicas')} replicas with --leader-election but no "
                 f"--peers: a standby learns that the leader is gone only when the Lease expires "
@@ -303,7 +303,7 @@ def _link_problems(objs, where, d, args, labels) -> list[str]:
 
 
 def _envoy_problems(objs, where, d, args, labels, replicas: int) -> list[str]:
-    grpc_port, drain = int(_last(args, "--grpc-port")), float(_last(args, "--drain-seconds"))
+    grpc_port, drain = int(last_flag(args, "--grpc-port")), float(last_flag(args, "--drain-seconds"))
     problems = []
     backends = {name_of(b): b for b in of_kind(objs, "Backend")}
     for eep in of_kind(objs, "EnvoyExtensionPolicy"):

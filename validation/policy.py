@@ -272,7 +272,7 @@ def extension_policy_wiring(objs):
         for i, ext in enumerate(spec.get("extProc") or []):
             where = f"{describe(eep)}: spec.extProc[{i}]"
             for j, ref in enumerate(ext.get("backendRefs") or []):
-                problems.extend(_check_picker_ref(objs, ref, f"{where}.backendRefs[{j}]", svc, svc_port, secure))
+                problems.extend(picker_ref_problems(objs, ref, f"{where}.backendRefs[{j}]", svc, svc_port, secure))
             if ext.get("failOpen", False):
                 problems.append(f"{where}.failOpen: must be false (pool failureMode FailClose)")
             body = ((ext.get("processingMode") or {}).get("request") or {}).get("body")
@@ -301,12 +301,15 @@ def extension_policy_wiring(objs):
     return problems
 
 
-def _check_picker_ref(objs, ref, where, svc, svc_port, secure):
+def picker_ref_problems(objs, ref, where, svc, svc_port, secure, target="picker Service", flag=""):
+    """Problems of a backendRef that must reach the picker Service's port `svc_port` (`target`
+    names it in messages, `flag` the picker flag behind it): that Service and port directly when
+    the picker serves plaintext, else a Backend whose fqdn is the Service, with TLS."""
     kind = ref.get("kind", "Service")
     if kind == "Service":
         out = []
         if ref.get("name") != name_of(svc) or ref.get("port") != svc_port:
-            out.append(f"{where}: {ref.get('name')}:{ref.get('port')} != picker Service {name_of(svc)}:{svc_port}")
+            out.append(f"{where}: {ref.get('name')}:{ref.get('port')} != {target} {name_of(svc)}:{svc_port}")
         if secure:
             out.append(f"{where}: plaintext Service reference but the picker serves TLS (--secure-serving); "
                        f"use a Backend with tls or run the picker with --no-secure-serving")
@@ -321,11 +324,14 @@ def _check_picker_ref(objs, ref, where, svc, svc_port, secure):
     # one, which resolves to every replica: base/picker/service.yaml)
     names = [f"{name_of(s)}.{ns_of(s)}.svc.cluster.local:{port}"
              for s, port in _services_forwarding(objs, svc, svc_port)]
-    for k, ep in enumerate((backend.get("spec") or {}).get("endpoints") or []):
+    endpoints = (backend.get("spec") or {}).get("endpoints") or []
+    if not endpoints:
+        out.append(f"{describe(backend)}: spec.endpoints: empty; {target} is {names[0]}{flag}")
+    for k, ep in enumerate(endpoints):
         host, port = (ep.get("fqdn") or {}).get("hostname"), (ep.get("fqdn") or {}).get("port")
         if host is None or f"{host.rstrip('.')}:{port}" not in names:
-            out.append(f"{describe(backend)}: spec.endpoints[{k}].fqdn {host}:{port} != picker Service "
-                       f"{' or '.join(names)}")
+            out.append(f"{describe(backend)}: spec.endpoints[{k}].fqdn {host}:{port} != {target} "
+                       f"{' or '.join(names)}{flag}")
     has_tls = bool((backend.get("spec") or {}).get("tls"))
     if has_tls != secure:
         out.append(f"{describe(backend)}: spec.tls {'set' if has_tls else 'missing'} but the picker runs "

@@ -7,7 +7,8 @@
   known to the CLI of the pinned vLLM (validation/vllm_cli.py) and autoscaling
   (validation/autoscaling.py: rules only a ScaledObject triggers), picker replicas routing as
   one (validation/picker_ha.py: --leader-election with its Lease RBAC, rollout and budget, or the
-  active-active annotation);
+  active-active annotation), the picker's outcome path (validation/outcomes.py: Envoy's access
+  log reaches --outcomes-port, the entries carry the picker's metadata and the token counts);
 - every overlay but the explicitly open ones (`overlays/*-open-gateway`): the edge rules
   (validation/edge.py: API keys, rate limits, TLS, the picker hop verified);
 - Argo CD folders: every Helm chart source resolves without undeclared repository Secrets, and
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from validation import autoscaling, edge, isolation, kv_events, picker_ha, policy, vllm_cli
+from validation import autoscaling, edge, isolation, kv_events, outcomes, picker_ha, policy, vllm_cli
 from validation.problems import Problem
 from validation.render import argo_app_sources
 
@@ -32,7 +33,8 @@ def rules_for(target: str) -> list:
         rules = [*policy.ALL_CHECKS, policy.gpu_pods_fit_node, *isolation.ISOLATION_CHECKS,
                  *kv_events.KV_EVENTS_CHECKS, *vllm_cli.VLLM_CLI_CHECKS, *edge.HEALTH_CHECKS,
                  partial(policy.secret_refs_in_namespace, namespace=WORKLOAD_NAMESPACE),
-                 *autoscaling.AUTOSCALING_CHECKS, *picker_ha.PICKER_HA_CHECKS]
+                 *autoscaling.AUTOSCALING_CHECKS, *picker_ha.PICKER_HA_CHECKS,
+                 *outcomes.OUTCOME_CHECKS]
         if not target.endswith(OPEN_SUFFIX):
             rules += edge.EDGE_CHECKS
         return rules

@@ -190,7 +190,7 @@ def _start_picker(endpoints: list[str], workers: int, server: str = "native") ->
     port = _free_port()
     cmd = [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", ",".join(endpoints),
            "--no-secure-serving", "--grpc-port", str(port), "--health-port", str(_free_port()),
-           "--metrics-port", str(_free_port()), "--bind", "127.0.0.1", "--workers", str(workers),
+           "--metrics-port", str(_free_port()), "--outcomes-port", "0", "--bind", "127.0.0.1", "--workers", str(workers),
            "--log-level", "warning", "--ext-proc-server", server]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, port

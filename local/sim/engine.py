@@ -157,7 +157,7 @@ def default_output_token(seed: int, index: int) -> int:
 
 class EngineRequest:
     __slots__ = ("request_id", "prompt_len", "token_ids", "output_seed", "block_hashes",
-                 "own_hashes", "max_tokens", "stop_at",
+                 "max_tokens", "stop_at",
                  "num_output", "num_computed", "prefill_len", "hashed", "private",
                  "registered", "arrival_time", "first_token_time", "last_token_time",
                  "finished", "finish_reason", "num_preemptions", "num_cached_tokens",
@@ -169,11 +169,11 @@ class EngineRequest:
         self.prompt_len = prompt_len
         self.token_ids = token_ids          # the prompt's (not copied: never changed)
         self.output_seed = zlib.crc32(request_id.encode())
-        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens. The
-        # list may be the caller's (the lab reuses them across runs): extended in place only
-        # once copied (own_hashes).
+        # Hashes of the full blocks, prompt first, then blocks filled by generated tokens,
+        # appended as they fill. A function of the prompt and the request id alone (generated
+        # token i is output_token(output_seed, i)), so copies of the request (Engine.copy)
+        # share the list: what one appends is what the others would compute.
         self.block_hashes = block_hashes
-        self.own_hashes = False
         self.max_tokens = max_tokens
         self.stop_at = stop_at              # output length at which generation ends
         self.num_output = 0
@@ -199,6 +199,26 @@ class EngineRequest:
     @property
     def num_blocks(self) -> int:
         return len(self.hashed) + self.private
+
+    def copy(self) -> "EngineRequest":
+        """The request in a copied engine (Engine.copy): every field, its own list of cached
+        blocks, no token times, the same block hashes (see __init__). Written out
+        (not a loop over __slots__): the oracle copies thousands of requests per run;
+        local/tests/test_engine.py checks that every slot is copied."""
+        c = EngineRequest.__new__(EngineRequest)
+        c.request_id, c.prompt_len, c.token_ids = self.request_id, self.prompt_len, self.token_ids
+        c.output_seed, c.block_hashes = self.output_seed, self.block_hashes    # shared
+        c.max_tokens, c.stop_at = self.max_tokens, self.stop_at
+        c.num_output, c.num_computed = self.num_output, self.num_computed
+        c.prefill_len, c.hashed, c.private = self.prefill_len, list(self.hashed), self.private
+        c.registered, c.arrival_time = self.registered, self.arrival_time
+        c.first_token_time, c.last_token_time = self.first_token_time, self.last_token_time
+        c.finished, c.finish_reason = self.finished, self.finish_reason
+        c.num_preemptions, c.num_cached_tokens = self.num_preemptions, self.num_cached_tokens
+        c.token_gaps = []               # the copy's own (its steps must not reach the original's)
+        c._hit_epoch = c._hit_evictions = -1     # hit counts are per engine object
+        c._hit_blocks = 0
+        return c
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> list:
@@ -257,6 +277,7 @@ class Engine:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cache_epoch = 0                     # bumps whenever the set of cached hashes changes
         self.evictions = 0                       # bumps whenever cached hashes are dropped
+        self._compacted_at = 0                   # evictions when refs was last rebuilt (copy)
         self.watermark_blocks = int(engine_model.watermark * engine_model.num_gpu_blocks)
         # counters
         self.prefix_cache_queries = 0
@@ -300,6 +321,8 @@ class Engine:
         self._end_run()
         if hashes is None:
             hashes = block_hashes(token_ids, p.block_size) if p.enable_prefix_caching else []
+        else:
+            hashes = list(hashes)      # its own: the blocks it generates are appended to it
         stop = max_tokens if stop_at is None else max(1, min(stop_at, max_tokens))
         req = EngineRequest(request_id, prompt_len, hashes, max_tokens, stop, self.clock(),
                             token_ids)
@@ -331,6 +354,35 @@ class Engine:
         return bool(self.running or self.waiting)
 
     # ----- KV-cache events ------------------------------------------------------------------
+
+    def copy(self, clock: Callable[[], float]) -> "Engine":
+        """An independent copy of the scheduling state (not its histograms or counters) on
+        `clock`, that streams and publishes nothing and plays stretches of decode steps at once
+        (decode_run): what the oracle plays forward."""
+        self.sync()
+        if self.evictions - self._compacted_at > 256:
+            # dict.copy() is a plain memory copy only while the dict has few holes; evictions
+            # leave holes: a fresh dict (same items, same order) has none.
+            self.refs, self._compacted_at = dict(self.refs), self.evictions
+        c = Engine.__new__(Engine)
+        c.engine_model, c.clock = self.engine_model, clock
+        c.kv_events, c.output_token = None, self.output_token
+        c.stream = c.decode_runs = False
+        c._run = None
+        requests = {rid: r.copy() for rid, r in self.requests.items()}
+        c.requests = requests
+        c.waiting = deque(requests[r.request_id] for r in self.waiting)
+        c.running = [requests[r.request_id] for r in self.running]
+        c.used = self.used
+        c.refs = self.refs.copy()
+        c.evictable = self.evictable.copy()
+        c.cache_epoch, c.evictions, c._compacted_at = self.cache_epoch, self.evictions, 0
+        c.watermark_blocks = self.watermark_blocks
+        c.prefix_cache_queries = c.prefix_cache_hits = c.num_preemptions = 0
+        c.prompt_tokens = c.generation_tokens = 0
+        c.request_success = {}
+        c.version = 0
+        return c
 
     def take_kv_events(self) -> list:
         """The events recorded since the last call, in order (empty when not recording)."""
@@ -461,9 +513,6 @@ class Engine:
             return
         hashes = req.block_hashes
         if full > len(hashes):             # blocks filled by generated tokens: hash them now
-            if not req.own_hashes:         # the caller's list: extend a copy of it
-                hashes = req.block_hashes = list(hashes)
-                req.own_hashes = True
             prev = hashes[-1] if hashes else 0
             for k in range(len(hashes), full):
                 prev = hash((prev, *self._block_tokens(req, k))) & HASH_MASK

@@ -90,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
                                 "them: active-passive on a Lease of a real API server (etcd and "
                                 "the project's kube-apiserver start too), linked, all in the "
                                 "gateway's picker Backend; replica i listens on the first's ports + 10 x i")
+            s.add_argument("--picker-outcomes-port", type=int, default=d.picker_outcomes_port,
+                           help="the picker's outcome port (Envoy's access log service)")
             s.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
             s.add_argument("--picker-arg", action="append", default=[], help="extra picker argument (repeat)")
             s.add_argument("--startup-timeout", type=float, default=d.startup_timeout)
@@ -132,7 +134,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         profile=args.profile, sim_base_port=args.sim_base_port,
         sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
-        picker_metrics_port=args.picker_metrics_port, pickers=args.pickers, sim_args=[a for x in args.sim_arg for a in x.split()],
+        picker_metrics_port=args.picker_metrics_port, picker_outcomes_port=args.picker_outcomes_port,
+        pickers=args.pickers, sim_args=[a for x in args.sim_arg for a in x.split()],
         picker_args=[a for x in args.picker_arg for a in x.split()],
         startup_timeout=max(args.startup_timeout, VLLM_STARTUP_TIMEOUT) if real else args.startup_timeout,
         picker_scrape_interval=args.picker_scrape_interval, picker_staleness=args.picker_staleness,

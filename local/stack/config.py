@@ -60,12 +60,13 @@ class StackConfig:
     picker_grpc_port: int = 9002
     picker_health_port: int = 9003
     picker_metrics_port: int = 9090
+    picker_outcomes_port: int = 9004  # Envoy's access log service (the picker's --outcomes-port)
     picker_peer_port: int = 9005     # the replicas' direct link (only with pickers > 1)
     # Picker replicas, as base/picker runs them: with 2 or more, active-passive on a real Lease
     # (etcd and the project's kube-apiserver start with the stack, control_plane.py), the
     # replicas linked (--peers) and every one of them in the gateway's picker Backend, health-
     # checked by Envoy. Replica i > 0 listens on replica_ports[i - 1] (gRPC, health, metrics,
-    # peer), else on the first replica's ports + 10 x i.
+    # peer, outcomes), else on the first replica's ports + 10 x i.
     pickers: int = 1
     replica_ports: list[list[int]] | None = None
     profile: str = "default"
@@ -95,14 +96,15 @@ class StackConfig:
                                 and len(self.replica_ports) < self.pickers - 1):
             raise StackError(f"{self.pickers} pickers: at least one, and ports for each")
 
-    def picker_ports(self, i: int) -> tuple[int, int, int, int]:
-        """(gRPC, health, metrics, peer) of picker replica i."""
+    def picker_ports(self, i: int) -> tuple[int, int, int, int, int]:
+        """(gRPC, health, metrics, peer, outcomes) of picker replica i."""
         if i > 0 and self.replica_ports:
-            grpc, health, metrics, peer = self.replica_ports[i - 1]
-            return grpc, health, metrics, peer
+            grpc, health, metrics, peer, outcomes = self.replica_ports[i - 1]
+            return grpc, health, metrics, peer, outcomes
         step = 10 * i
         return (self.picker_grpc_port + step, self.picker_health_port + step,
-                self.picker_metrics_port + step, self.picker_peer_port + step)
+                self.picker_metrics_port + step, self.picker_peer_port + step,
+                self.picker_outcomes_port + step)
 
     def picker_name(self, i: int) -> str:
         """The process name (and Lease identity) of picker replica i: `picker` for the first."""

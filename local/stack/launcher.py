@@ -99,7 +99,9 @@ class Stack:
                              f"stop it with `python -m local.stack down --name {c.name}`")
         self.check_no_other_data_plane()
         self.topology = topology(c)
-        pickers = [port for i in range(c.pickers) for port in c.picker_ports(i)[:4 if c.pickers > 1 else 3]]
+        # every replica's ports; the peer port (the 4th) only with several
+        pickers = [port for i in range(c.pickers) for j, port in enumerate(c.picker_ports(i))
+                   if j != 3 or c.leader_election]
         ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(), *pickers,
                                                        *kv_event_ports(c, self.topology)]
         if c.token_budget:
@@ -165,7 +167,8 @@ class Stack:
             topo.gateway,
             {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
              for name, addresses in topo.services.items()},
-            [(c.host, c.picker_ports(i)[0]) for i in range(c.pickers)], self.listener_ports())
+            [(c.host, c.picker_ports(i)[0]) for i in range(c.pickers)], self.listener_ports(),
+            outcomes=[(c.host, c.picker_ports(i)[4]) for i in range(c.pickers)])
         if c.edge_security:
             self.api_keys = new_api_keys(c.api_keys_file)
             resources += [api_keys_secret(topo.gateway, self.api_keys)]
@@ -254,10 +257,10 @@ def describe(stack: Stack) -> str:
     for s in stack.topology.sims:
         lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
     for i in range(c.pickers):
-        grpc, health, metrics, peer = c.picker_ports(i)
+        grpc, health, metrics, peer, outcomes = c.picker_ports(i)
         lines.append(f"  {c.picker_name(i):<14} ext_proc {c.host}:{grpc} ({'TLS' if stack.picker_tls else 'plaintext'}, "
-                     f"{stack.topology.body_mode}), health {health}, metrics http://{c.host}:{metrics}/metrics"
-                     + (f", peer link {peer}" if c.leader_election else ""))
+                     f"{stack.topology.body_mode}), health {health}, metrics http://{c.host}:{metrics}/metrics, "
+                     f"outcomes {outcomes}" + (f", peer link {peer}" if c.leader_election else ""))
     if c.leader_election:
         lines.append(f"                 active-passive on the Lease reasoning-pool-picker of kube-apiserver "
                      f"(log {c.run_dir / 'kube-apiserver.log'}); the acting one answers `readiness` SERVING")

@@ -166,9 +166,10 @@ def picker_proc(config: StackConfig, topo: Topology, i: int = 0,
     as base/picker runs it, linked to the other replicas; its health check is then `warm` (a
     standby never answers SERVING to the ext_proc service, only the acting leader does)."""
     c = config
-    grpc, health, metrics, peer = c.picker_ports(i)
+    grpc, health, metrics, peer, outcomes = c.picker_ports(i)
     cmd = [sys.executable, "-m", "picker", "--grpc-port", str(grpc),
            "--health-port", str(health), "--metrics-port", str(metrics),
+           "--outcomes-port", str(outcomes),
            "--secure-serving" if picker_tls(topo) else "--no-secure-serving",
            "--discovery", "static", "--endpoints", ",".join(s.address for s in topo.sims),
            "--objects", str(objects_file(c)), "--profile", c.profile,

@@ -262,3 +262,37 @@ def test_stretches_of_decode_steps_change_nothing(seed):
     (plain, none), (stretched, some) = drive(False), drive(True)
     assert plain == stretched
     assert none == 0 and some > 50      # many steps were stretch steps
+
+
+def test_a_copied_engine_has_every_field_of_every_request():
+    """Engine.copy writes each request field out by hand: a field added to EngineRequest and
+    not copied fails here. The copy's cached-block list is its own; its block hashes are the
+    original's list, which a copy only extends with the hashes the request will have."""
+    from local.sim.engine import EngineRequest
+    engine, clock = make()
+    engine.add_request("a", tokens(0, 9), max_tokens=8)
+    engine.add_request("b", tokens(0, 13), max_tokens=3)
+    for _ in range(3):
+        clock.t += engine.step().duration_s
+    copy_clock = Clock()
+    copy_clock.t = clock.t
+    copy = engine.copy(copy_clock)
+    reset = {"hashed", "token_gaps", "_hit_epoch", "_hit_blocks", "_hit_evictions"}
+    for rid, r in engine.requests.items():
+        c = copy.requests[rid]
+        for name in EngineRequest.__slots__:
+            if name not in reset:
+                assert getattr(c, name) == getattr(r, name), name
+        assert c.hashed == r.hashed and c.hashed is not r.hashed and c.token_gaps == []
+        assert c.block_hashes is r.block_hashes
+    assert [r.request_id for r in copy.running] == [r.request_id for r in engine.running]
+    assert copy.refs == engine.refs and copy.refs is not engine.refs
+
+    def drain(e, clk):
+        done = {}
+        while (result := e.step()) is not None:
+            clk.t = result.end_time
+            done.update((r.request_id, (r.num_output, r.last_token_time)) for r in result.finished)
+        return done
+    copied = drain(copy, copy_clock)                   # first: it extends the shared hashes
+    assert drain(engine, clock) == copied and set(copied) == {"a", "b"}

@@ -41,10 +41,12 @@ def test_secrets_fill_what_the_closed_overlay_names(tmp_path):
 
 def test_token_budget_renders_the_lua_config_map_for_envoy_gateway(tmp_path):
     topo = topology(StackConfig(name="t", run_root=tmp_path, token_budget=True))
-    local = dataplane.localize(topo.gateway, {n: [("127.0.0.1", 8101)] for n in topo.services}, [("127.0.0.1", 9002)])
-    cm = [d for d in local if d["kind"] == "ConfigMap"]
-    assert [c["metadata"]["name"] for c in cm] == ["token-accounting"]
-    assert "envoy_on_response" in cm[0]["data"]["lua"]
+    local = dataplane.localize(topo.gateway, {n: [("127.0.0.1", 8101)] for n in topo.services}, [("127.0.0.1", 9002)],
+                               outcomes=[("127.0.0.1", 9004)])
+    cm = {c["metadata"]["name"]: c for c in local if c["kind"] == "ConfigMap"}
+    assert set(cm) == {"token-accounting", "budget-admission"}
+    assert "envoy_on_response" in cm["token-accounting"]["data"]["lua"]
+    assert "envoy_on_request" in cm["budget-admission"]["data"]["lua"]
 
 
 def test_token_budget_needs_the_edge():

@@ -48,7 +48,10 @@ def test_edge_security_is_rendered_in_the_overlays_namespace_and_can_be_left_out
     assert kinds["Gateway"]["spec"]["infrastructure"]["parametersRef"]["name"] == kinds["EnvoyProxy"]["metadata"]["name"]
     assert all(listener["protocol"] == "HTTP" for listener in kinds["Gateway"]["spec"]["listeners"])  # no TLS locally
     open_ = topology(StackConfig(groups=1, sim_ports=[1], edge_security=False))
-    assert not {"SecurityPolicy", "EnvoyProxy"} & {o["kind"] for o in open_.gateway}
+    assert "SecurityPolicy" not in {o["kind"] for o in open_.gateway}
+    # the open gateway's Envoy keeps the access log to the picker, without the edge's filter order
+    proxy = next(o for o in open_.gateway if o["kind"] == "EnvoyProxy")
+    assert "filterOrder" not in proxy["spec"] and "accessLog" in proxy["spec"]["telemetry"]
 
 
 def test_api_keys_are_fresh_private_and_fill_the_secret_the_policy_names(tmp_path):
@@ -98,13 +101,14 @@ def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypat
     """The simulators here get a bogus option and exit; everything started must be gone."""
     monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)  # tested below
     ports = []
-    for _ in range(8):
+    for _ in range(9):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     config = StackConfig(name="broken", run_root=tmp_path, groups=2, sim_ports=ports[:2], http_port=ports[2],
                          llm_port=ports[3], picker_grpc_port=ports[5],
                          picker_health_port=ports[6], picker_metrics_port=ports[7],
+                         picker_outcomes_port=ports[8],
                          sim_args=["--no-such-option"], startup_timeout=30)
     stack = Stack(config)
     with pytest.raises(StackError, match="exited"):
@@ -245,6 +249,9 @@ def test_the_plan_lists_every_process_and_writes_nothing(tmp_path):
     picker = procs[2].cmd
     assert picker[picker.index("--endpoints") + 1] == "127.0.0.1:1001,127.0.0.1:1002"
     assert "--secure-serving" in picker  # base/gateway's Backend for the picker has TLS
+    # the outcome port the gateway's access log sends to (localized to config.picker_outcomes_port)
+    assert picker[picker.index("--outcomes-port") + 1] == str(config.picker_outcomes_port) == "9004"
+    assert config_from(parser().parse_args(["up", "--picker-outcomes-port", "19004"])).picker_outcomes_port == 19004
     assert procs[3].health.split() == ["http:http://127.0.0.1:18080/v1/models", "http:http://127.0.0.1:18081/v1/models"]
     assert not config.run_dir.exists()
 
@@ -314,8 +321,8 @@ def test_two_pickers_run_active_passive_linked_and_all_behind_the_gateway(tmp_pa
     config = config_from(parser().parse_args(["up", "--pickers", "2", "--name", "ha", "--run-root",
                                               str(tmp_path), "--groups", "1"]))
     assert config.pickers == 2 and config.leader_election
-    assert config.picker_ports(0) == (9002, 9003, 9090, 9005)
-    assert config.picker_ports(1) == (9012, 9013, 9100, 9015)
+    assert config.picker_ports(0) == (9002, 9003, 9090, 9005, 9004)
+    assert config.picker_ports(1) == (9012, 9013, 9100, 9015, 9014)
     topo = topology(config)
     procs = {p.name: p for p in plan(config, topo, (tmp_path / "kubeconfig", "llm"))}
     assert [n for n in procs if n.startswith("picker")] == ["picker", "picker-1"]
@@ -328,7 +335,8 @@ def test_two_pickers_run_active_passive_linked_and_all_behind_the_gateway(tmp_pa
         assert p.health.endswith("#warm")
     assert procs["picker-1"].cmd[procs["picker-1"].cmd.index("--grpc-port") + 1] == "9012"
     backend = next(d for d in dataplane.localize(topo.gateway, {n: [("127.0.0.1", 1)] for n in topo.services},
-                                                 [("127.0.0.1", 9002), ("127.0.0.1", 9012)])
+                                                 [("127.0.0.1", 9002), ("127.0.0.1", 9012)],
+                                                 outcomes=[("127.0.0.1", 9004), ("127.0.0.1", 9014)])
                    if d["kind"] == "Backend" and d["metadata"]["name"] == "inference-gateway-ext-proc")
     assert backend["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9002}},
                                             {"ip": {"address": "127.0.0.1", "port": 9012}}]

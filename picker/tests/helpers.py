@@ -140,7 +140,7 @@ async def start_app(extra: list[str], endpoints: list[str],
     gRPC on a free port): the App, its metrics port and its maintain() task."""
     metrics_port, = free_ports(1)
     args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port",
-                       str(metrics_port), "--bind", "127.0.0.1", "--no-secure-serving",
+                       str(metrics_port), "--outcomes-port", "0", "--bind", "127.0.0.1", "--no-secure-serving",
                        "--discovery", "static", "--endpoints", ",".join(endpoints),
                        "--scrape-interval", str(scrape_interval), *extra])
     app = App(args)

@@ -56,7 +56,7 @@ class Picker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", ",".join(endpoints),
              "--no-secure-serving", "--bind", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port), "--outcomes-port", "0",
              "--max-body-bytes", str(4 * MIB), "--max-buffered-bytes", str(16 * MIB),
              "--max-streams", "512"],
             stdout=subprocess.DEVNULL, stderr=self.log,

@@ -38,7 +38,7 @@ async def test_static_service_end_to_end(tmp_path, secure):
     (tmp_path / "objectives.yaml").write_text(OBJECTIVES)
     metrics_port, = free_ports(1)
     args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port", str(metrics_port),
-                       "--bind", "127.0.0.1", "--discovery", "static", "--endpoints", vllm.address,
+                       "--outcomes-port", "0", "--bind", "127.0.0.1", "--discovery", "static", "--endpoints", vllm.address,
                        "--objects", str(tmp_path), "--scrape-interval", "0.05",
                        "--profile", "upstream-default"]
                       + ([] if secure else ["--no-secure-serving"]))

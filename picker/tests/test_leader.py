@@ -264,7 +264,7 @@ async def test_readiness_is_the_leaders_and_liveness_everyones(monkeypatch):
     monkeypatch.setattr("picker.leader.start_elector", fake_start)
     metrics_port, = free_ports(1)
     args = parse_args(["--grpc-port", "0", "--health-port", "0", "--metrics-port",
-                       str(metrics_port), "--bind", "127.0.0.1", "--no-secure-serving",
+                       str(metrics_port), "--outcomes-port", "0", "--bind", "127.0.0.1", "--no-secure-serving",
                        "--discovery", "static", "--endpoints", vllm.address,
                        "--scrape-interval", "0.05", "--leader-election"])
     app = App(args)

@@ -28,13 +28,13 @@ def test_peers_are_host_port_lists():
 
 
 class Replica:
-    """A PeerLink with what it reported: peer states and remote loads."""
+    """A PeerLink with what it reported: peer states, remote loads, relayed outcomes."""
 
     def __init__(self, identity, port, peers, pool="ns/pool"):
-        self.states, self.remote = [], []
+        self.states, self.remote, self.outcomes = [], [], []
         self.link = PeerLink(identity, pool, ("127.0.0.1", port), peers,
                              on_remote=lambda loads, adds: self.remote.append((loads, adds)),
-                             on_peers=self.states.append)
+                             on_peers=self.states.append, on_outcomes=self.outcomes.extend)
 
     def status(self, identity):
         for s in reversed(self.states):
@@ -149,3 +149,25 @@ async def test_a_replica_of_another_pool_is_ignored():
     finally:
         await a.link.close()
         await other.link.close()
+
+
+async def test_outcomes_reach_the_other_replicas_as_sent():
+    """What Envoy's access log told one replica reaches the others (signals_process.py restamps
+    each outcome's receipt time with its own clock: FINISHED_AT is that field)."""
+    import dataclasses
+
+    from picker.signals.outcomes import Outcome
+    from picker.signals_process import FINISHED_AT
+    assert [f.name for f in dataclasses.fields(Outcome)][FINISHED_AT] == "finished_at"
+    a, b = await pair()
+    try:
+        outcome = ("picker-1-7", "10.0.0.1:8000", 200, 40, 12, 0.25, 1.5, "loadtest", "qwq", "",
+                   123.0, 0.01)
+        b.link.send_role(True, True, False)
+        await until(lambda: a.status("b") is not None, timeout=5)
+        b.link.publish_outcomes([outcome])
+        await until(lambda: a.outcomes, timeout=5)
+        assert a.outcomes == [outcome] and Outcome(*a.outcomes[0]).model == "qwq"
+    finally:
+        await a.link.close()
+        await b.link.close()

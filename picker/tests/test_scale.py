@@ -225,7 +225,7 @@ async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", vllm.address,
          "--grpc-port", str(port), "--health-port", str(health_port), "--metrics-port",
-         str(metrics_port), "--bind", "127.0.0.1", "--workers", "2", "--scrape-interval", "0.05"],
+         str(metrics_port), "--outcomes-port", "0", "--bind", "127.0.0.1", "--workers", "2", "--scrape-interval", "0.05"],
         stderr=subprocess.PIPE, text=True)
     channels = []
     try:
@@ -286,7 +286,7 @@ async def test_flow_control_workers_hold_back_for_a_client_only_the_other_worker
     proc = subprocess.Popen(
         [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", vllm.address,
          "--grpc-port", str(port), "--health-port", str(health_port), "--metrics-port",
-         str(metrics_port), "--bind", "127.0.0.1", "--workers", "2", "--scrape-interval", "0.05",
+         str(metrics_port), "--outcomes-port", "0", "--bind", "127.0.0.1", "--workers", "2", "--scrape-interval", "0.05",
          "--no-secure-serving", "--flow-control", "--flow-max-wait", "1.5",
          "--flow-at-bound", "reject"],
         stderr=subprocess.PIPE, text=True)

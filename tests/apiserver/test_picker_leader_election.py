@@ -80,7 +80,7 @@ class Candidate:
             [sys.executable, "-m", "picker", "--discovery", "static", "--endpoints", endpoint,
              "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
              "--grpc-port", str(free_port()), "--health-port", str(self.health_port),
-             "--metrics-port", str(self.metrics_port), "--scrape-interval", "0.1",
+             "--metrics-port", str(self.metrics_port), "--outcomes-port", "0", "--scrape-interval", "0.1",
              "--leader-election", *extra],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")

@@ -70,7 +70,7 @@ class Picker:
             [sys.executable, "-m", "picker", "--discovery", "kubernetes", "--pool-name", POOL,
              "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
-             "--metrics-port", str(self.metrics_port)],
+             "--metrics-port", str(self.metrics_port), "--outcomes-port", "0"],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")
         self.health = health_pb2_grpc.HealthStub(self.channel)

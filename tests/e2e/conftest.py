@@ -26,11 +26,12 @@ def start_stack(run_root: Path, name: str, groups: int = 3, canary: bool = False
                 scrape_interval: float = SCRAPE_INTERVAL, picker_args_extra: list[str] = (),
                 **overrides) -> Stack:
     """The picker logs each decision (debug) so tests can compare its choice with the gateway's."""
-    ports = free_ports(5 + groups + (1 if canary else 0))
+    ports = free_ports(6 + groups + (1 if canary else 0))
     config = StackConfig(
         name=name, run_root=run_root, groups=groups, canary=canary, speedup=SPEEDUP, seed=7,
-        sim_ports=ports[5:], http_port=ports[0], llm_port=ports[1],
+        sim_ports=ports[6:], http_port=ports[0], llm_port=ports[1],
         picker_grpc_port=ports[2], picker_health_port=ports[3], picker_metrics_port=ports[4],
+        picker_outcomes_port=ports[5],
         picker_args=["--log-level", "debug", "--scrape-interval", str(scrape_interval),
                      *picker_args_extra], **overrides)
     return Stack(config).start()

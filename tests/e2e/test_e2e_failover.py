@@ -51,13 +51,13 @@ LEASE = ["--leader-election-lease-duration", "2", "--leader-election-renew-deadl
 def stack(request, tmp_path_factory):
     from local.stack import Stack, StackConfig
     mode = request.param
-    ports = free_ports(13)
+    ports = free_ports(15)
     config = StackConfig(
         name=f"failover-{mode}", run_root=tmp_path_factory.mktemp("failover"), groups=3,
         speedup=SPEEDUP, seed=7, body_mode=mode, sim_ports=ports[:3], http_port=ports[3],
         llm_port=ports[4], picker_grpc_port=ports[5], picker_health_port=ports[6],
-        picker_metrics_port=ports[7], picker_peer_port=ports[8], pickers=2,
-        replica_ports=[ports[9:13]],
+        picker_metrics_port=ports[7], picker_peer_port=ports[8], picker_outcomes_port=ports[9],
+        pickers=2, replica_ports=[ports[10:15]],
         picker_args=["--scrape-interval", str(SCRAPE_INTERVAL), "--drain-seconds", "0.5", *LEASE],
         startup_timeout=120)
     s = Stack(config).start()

@@ -37,11 +37,11 @@ def picker_samples(stack: Stack, name: str) -> dict[str, float]:
 def stack(tmp_path_factory):
     if not vllm_server.available():
         pytest.skip("real vLLM is not installed (make vllm)")
-    ports = free_ports(7)   # KV events on the stack's default ports (18101..), as its simulators
+    ports = free_ports(8)   # KV events on the stack's default ports (18101..), as its simulators
     config = StackConfig(name="vllm", engine="vllm", run_root=tmp_path_factory.mktemp("runs"),
-                         groups=2, speedup=1.0, sim_ports=ports[5:], http_port=ports[0],
+                         groups=2, speedup=1.0, sim_ports=ports[6:], http_port=ports[0],
                          llm_port=ports[1], picker_grpc_port=ports[2], picker_health_port=ports[3],
-                         picker_metrics_port=ports[4], picker_args=["--log-level", "debug"],
+                         picker_metrics_port=ports[4], picker_outcomes_port=ports[5], picker_args=["--log-level", "debug"],
                          startup_timeout=VLLM_STARTUP_TIMEOUT)
     stack = Stack(config).start()
     try:

@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=defaults.GRPC_PORT, help="ext_proc gRPC port")
     p.add_argument("--health-port", type=int, default=defaults.HEALTH_PORT, help="gRPC health port")
     p.add_argument("--metrics-port", type=int, default=defaults.METRICS_PORT, help="Prometheus /metrics port")
+    p.add_argument("--outcomes-port", type=int, default=defaults.OUTCOMES_PORT,
+                   help="Envoy's gRPC access log service (the outcome of every routed request: "
+                        "endpoint, tokens, timings), served with the ext_proc port's TLS; 0: off")
     p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=True,
                    help="serve ext_proc over TLS (default; self-signed unless --cert-path)")
     p.add_argument("--cert-path", help="directory with tls.crt and tls.key")
@@ -174,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--scrape-interval and --staleness must be positive")
     if not 0 < args.kv_events_port < 65536 or not 0 <= args.kv_replay_port < 65536:
         p.error("--kv-events-port must be a port, --kv-replay-port a port or 0")
+    if not 0 <= args.outcomes_port < 65536:
+        p.error("--outcomes-port must be a port, or 0 (off)")
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):

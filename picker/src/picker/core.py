@@ -28,6 +28,7 @@ from picker.scheduling.profile import Profile, schedule
 from picker.scheduling.rewrite import choose_target, find_rule, order_rewrites
 from picker.scheduling.saturation import pool_saturation
 from picker.signals.metrics import MetricsParseError, ModelServerMetrics, parse_vllm_metrics
+from picker.signals.outcomes import Outcome
 from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load, PeerSync,
                                   add_inflight, end_inflight, own_load, record_scrape,
                                   set_peer_load)
@@ -74,19 +75,26 @@ class Decision:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     client_request_id: str = ""  # the request's x-request-id (clipped), for logs only
+    features: str = ""  # what the output-length predictor saw; comes back in the Outcome
 
 
 class Router:
     def __init__(self, profile: Profile, objectives: Iterable[Objective] = (),
                  rewrites: Iterable[Rewrite] = (), clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, settings: RouterSettings | None = None,
-                 metrics: Any = None):
+                 metrics: Any = None, id_prefix: str = "picker-"):
         self.profile = profile
         self.clock = clock
         self.rng = rng or random.Random()
         self.settings = settings or RouterSettings()
         self.metrics = metrics  # observability.metrics.PickerMetrics or None
         self.count_scrape_errors = True  # one worker per replica counts them (workers.py)
+        self.count_outcomes = True       # likewise: every worker receives every outcome
+        # Request ids: id_prefix + a counter. The picker writes them into its answer and Envoy's
+        # access log brings them back with the outcome; runtime.build_router makes the prefix
+        # "<replica>.<worker>." so that they are unique across workers and replicas.
+        self.id_prefix = id_prefix
+        self.replica_prefix = id_prefix.split(".", 1)[0] + "." if "." in id_prefix else id_prefix
         if metrics is not None:
             metrics.model_label = self.metric_label
         self.endpoints: dict[str, EndpointState] = {}
@@ -303,6 +311,21 @@ class Router:
             if usage and self.metrics is not None:
                 self.metrics.record_usage(usage)
 
+    def on_outcome(self, outcome: Outcome) -> None:
+        """A request Envoy served completed (signals/outcomes.py): the endpoint, status, token
+        counts and timings it had."""
+        if self.metrics is not None and self.count_outcomes:
+            self.metrics.record_outcome(outcome, self.metric_label(outcome.model),
+                                        self._matched(outcome.request_id))
+
+    def _matched(self, request_id: str) -> str:
+        """Whose decision an outcome's request id names: "replica" (this one), "other" (another
+        replica, or this one before a restart) or "none" (not decided by a picker: refused at the
+        edge or by the picker itself)."""
+        if not request_id:
+            return "none"
+        return "replica" if request_id.startswith(self.replica_prefix) else "other"
+
     def reap(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
         limit = now - self.settings.inflight_timeout
@@ -359,7 +382,7 @@ class Router:
     def _request_id(self) -> str:
         """In-flight entries are keyed by ids only the picker makes: a client's x-request-id can
         neither replace nor collide with another request's entry."""
-        return f"picker-{next(self._ids)}"
+        return f"{self.id_prefix}{next(self._ids)}"
 
     def _objective(self, headers: dict[str, str]) -> tuple[str | None, int]:
         name = headers.get(OBJECTIVE_HEADER) or self.settings.default_objective

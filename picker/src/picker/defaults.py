@@ -8,6 +8,7 @@ No imports: the lab and the local stack can read these without pulling in aiohtt
 GRPC_PORT = 9002
 HEALTH_PORT = 9003
 METRICS_PORT = 9090
+OUTCOMES_PORT = 9004   # Envoy's gRPC access log service: the outcome of every routed request
 
 # Scraping. A vLLM engine step (one decode token for the whole batch) takes tens of milliseconds
 # to ~100 ms on the target hardware, so 100 ms sees each change within about one step; the

@@ -14,6 +14,9 @@ reading on the ones it accepts:
                                                        changed, prefix-index additions (as the
                                                        Redis exchange, peer_store.py)
     {"k": "table", "loads": {...}}                     the whole table every PEER_SYNC_INTERVAL
+    {"k": "outcomes", "o": [[Outcome fields], ...]}    what Envoy's access log told this replica
+                                                       (the gateway sends it to the Ready one):
+                                                       relayed so every replica learns alike
 
 From what arrives, each peer's state (failover.PeerState): LIVE while heartbeats come, SILENT after
 SILENCE seconds without one, LEFT once its heartbeat says it is leaving (SIGTERM: a handover; its
@@ -49,6 +52,7 @@ RESOLVE_EVERY = 1.0    # seconds between resolutions of --peers
 CONNECT_TIMEOUT = 1.0
 RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
 MAX_LINE = 4 << 20     # bytes; a table of 1,024 endpoints is ~60 KB
+MAX_QUEUED = 4096      # messages kept for a peer not connected now (the oldest go first)
 
 
 def parse_peers(text: str) -> list[tuple[str, int]]:
@@ -83,12 +87,14 @@ class PeerLink:
                  peers: list[tuple[str, int]],
                  on_remote: Callable[[dict[str, Load], list], None] | None = None,
                  on_peers: Callable[[list[PeerState]], None] | None = None,
+                 on_outcomes: Callable[[list[tuple]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.identity, self.pool = identity, pool
         self.listen = listen
         self.names = peers
         self.on_remote = on_remote
         self.on_peers = on_peers
+        self.on_outcomes = on_outcomes
         self.clock = clock
         self.peers: dict[str, _Peer] = {}
         self._out: dict[tuple[str, int], asyncio.Queue] = {}   # address -> its sender's queue
@@ -129,11 +135,16 @@ class PeerLink:
     def publish_table(self, table: dict[str, Load]) -> None:
         self._broadcast({"k": "table", "loads": table})
 
+    def publish_outcomes(self, batch: list[tuple]) -> None:
+        self._broadcast({"k": "outcomes", "o": batch})
+
     def _broadcast(self, msg: dict) -> None:
         if not self._out:
             return
         line = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
         for q in self._out.values():
+            if q.qsize() >= MAX_QUEUED:   # a peer that is gone or slow: its oldest go
+                q.get_nowait()
             q.put_nowait(line)
 
     # ---- what the others tell this replica ------------------------------------------------------
@@ -213,6 +224,8 @@ class PeerLink:
             changed = set(peer.loads) | set(msg.get("loads", {}))
             peer.loads = {a: tuple(v) for a, v in msg.get("loads", {}).items()}
             self._remote(changed, [])
+        elif kind == "outcomes" and self.on_outcomes is not None:
+            self.on_outcomes([tuple(o) for o in msg.get("o", [])])
 
     def _lost(self, peer: _Peer) -> None:
         """Its last connection closed: it left (said so) or is gone (its process died)."""
@@ -292,8 +305,6 @@ class PeerLink:
                     self._tasks.pop(address, None)
                     return
                 backoff = RECONNECT_MIN
-                while not queue.empty():   # what was queued while disconnected is stale
-                    queue.get_nowait()
                 writer.write((json.dumps(self._hb) + "\n").encode())
                 await self._send(queue, reader, writer)
             except (OSError, asyncio.TimeoutError, ValueError):

@@ -7,6 +7,7 @@ it; it imports neither of them.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 from argparse import Namespace
 from typing import Any, Callable, Coroutine, TypeVar
@@ -25,16 +26,21 @@ from picker.scheduling.profile import load_profile
 T = TypeVar("T")
 
 
-def build_router(args: Namespace, count_scrape_errors: bool = True) -> Router:
-    """A Router with the command line's profile and settings, and its Prometheus metrics."""
+def build_router(args: Namespace, worker: int = 0) -> Router:
+    """Worker `worker`'s Router with the command line's profile and settings, and its Prometheus
+    metrics. Its request ids are unique across the replica's workers and across replicas (a
+    random replica id, made once per replica start, then the worker number); worker 0 counts what
+    the replica sees once (scrape errors, outcomes)."""
+    if not getattr(args, "replica_id", None):
+        args.replica_id = secrets.token_hex(4)  # before the workers start: they get these args
     metrics = PickerMetrics()
     router = Router(
         load_profile(args.profile),
         settings=RouterSettings(staleness=args.staleness, max_body_bytes=args.max_body_bytes,
                                 inflight_timeout=args.inflight_timeout,
                                 default_objective=args.default_objective),
-        metrics=metrics)
-    router.count_scrape_errors = count_scrape_errors
+        metrics=metrics, id_prefix=f"{args.replica_id}.{worker}.")
+    router.count_scrape_errors = router.count_outcomes = worker == 0
     if getattr(args, "precise_prefix", False):
         from picker.tokenizer import load_tokenizer
         router.enable_precise(load_tokenizer(args.tokenizer))

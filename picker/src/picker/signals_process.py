@@ -13,6 +13,8 @@ processes need to share. The workers only apply the results to their Routers.
     signals --("models", [(address, names listed in /v1/models)])--> every worker
     signals --("kv", index deltas, per-endpoint status or None)--> every worker   (with precise
               routing: the engines' KV-cache events, followed here; kvsubscriber.py)
+    signals --("outcomes", [Outcome field tuples])--> every worker   (with --outcomes-port: the
+              requests Envoy's access log service reported as completed; accesslog.py)
     signals --("peers", {address: summed load of the others}, their prefix adds, partial,
               arrivals)--> the other workers at once (partial: the changed endpoints; the
               sender's arrivals as it sent them), and every PEER_SYNC_INTERVAL each worker the
@@ -27,6 +29,10 @@ the heartbeats and claims failover.py decides on:
               change: sent on to the other replicas at once as the heartbeat)
     signals --("serving", acting)--> workers 1..n-1   (on a change: their ext_proc port's health)
     signals --("replicas", [failover.PeerState])--> worker 0   (on a change of any peer's state)
+
+and the outcomes Envoy's access log sends this replica go to the other replicas too, theirs come
+back into "outcomes" here: every replica learns from every outcome, whichever one Envoy sent it
+to (the gateway sends the access log to the picker Service's Ready pod, the acting leader).
 
 Messages are pickled over one Pipe per worker. The signals process sends from one thread per
 worker, so a worker busy deciding never blocks it (and so never blocks the other workers).
@@ -49,6 +55,7 @@ from picker.signals.state import ZERO_LOAD, Load, merge_loads, subtract_load
 
 log = logging.getLogger("picker.signals")
 FLUSH_EVERY = 0.01   # seconds: scrape results reach the workers within this
+FINISHED_AT = 10     # index of Outcome.finished_at in an outcome's fields (signals/outcomes.py)
 
 
 class _Sender:
@@ -104,8 +111,11 @@ class Collector:
 class SignalsHub:
     def __init__(self, conns: list[Connection], interval: float, staleness: float,
                  peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
-                 link: dict | None = None):
+                 outcomes: dict | None = None, link: dict | None = None):
         self.conns = conns
+        self.outcome_settings = outcomes  # accesslog.start_server's port, host, secure, cert_path
+        self.outcome_server = None
+        self.outcomes: list[tuple] = []  # received, not yet sent to the workers
         self.peers = None
         self.link = None
         self._serving: bool | None = None
@@ -116,7 +126,8 @@ class SignalsHub:
             from picker.peer_link import PeerLink
             self.peers = self.link = PeerLink(link["identity"], pool, tuple(link["listen"]),
                                               link["peers"], on_remote=self._on_remote,
-                                              on_peers=self._on_peer_states)
+                                              on_peers=self._on_peer_states,
+                                              on_outcomes=self._on_peer_outcomes)
         self.senders = [_Sender(c) for c in conns]
         self.base_interval = interval
         self.staleness = staleness
@@ -140,6 +151,7 @@ class SignalsHub:
             loop.add_reader(conn.fileno(), self._on_readable, i)
             os.set_blocking(conn.fileno(), True)  # libuv made it non-blocking (see workers.py)
         await self.scraper.start()
+        await self._start_outcomes()
         if self.kv is not None:
             self.kv.start()
             await self.kv_sources.start()
@@ -160,6 +172,8 @@ class SignalsHub:
             for conn in self.conns:
                 loop.remove_reader(conn.fileno())
             await self.scraper.close()
+            if self.outcome_server is not None:
+                await self.outcome_server.stop(0)
             if self.kv is not None:
                 await self.kv_sources.close()
                 self.kv.stop()
@@ -167,6 +181,32 @@ class SignalsHub:
                 await self.peers.close()
             for s in self.senders:
                 s.send(None)
+
+    async def _start_outcomes(self) -> None:
+        """The access log server (accesslog.py). A port that cannot be bound is logged and left
+        off: routing does not depend on it."""
+        if not self.outcome_settings:
+            return
+        from picker.accesslog import start_server  # grpc only where outcomes are on
+        try:
+            self.outcome_server, port, _ = await start_server(self._on_outcomes,
+                                                              **self.outcome_settings)
+        except (RuntimeError, OSError, ValueError) as exc:
+            log.error("outcome port not served", extra={"error": str(exc),
+                                                        "port": self.outcome_settings["port"]})
+            return
+        log.info("outcome port", extra={"port": port})
+
+    def _on_outcomes(self, batch: list[tuple]) -> None:
+        self.outcomes.extend(batch)  # sent with the next flush (FLUSH_EVERY)
+        if self.link is not None:    # the other replicas learn from them too
+            self.link.publish_outcomes(batch)
+
+    def _on_peer_outcomes(self, batch: list[tuple]) -> None:
+        """Another replica's outcomes, as if Envoy had sent them here: received now, by this
+        process's clock (the sender's monotonic clock means nothing here)."""
+        now = time.monotonic()
+        self.outcomes.extend(o[:FINISHED_AT] + (now,) + o[FINISHED_AT + 1:] for o in batch)
 
     def _on_readable(self, i: int) -> None:
         conn = self.conns[i]
@@ -223,6 +263,10 @@ class SignalsHub:
                 msg = ("kv", deltas, fresh)
                 for s in self.senders:
                     s.send(msg)
+        if self.outcomes:
+            msg, self.outcomes = ("outcomes", self.outcomes), []
+            for s in self.senders:
+                s.send(msg)
         if self.collector.models:
             models, self.collector.models = self.collector.models, []
             for s in self.senders:
@@ -279,12 +323,12 @@ class SignalsHub:
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
          peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
-         link: dict | None = None) -> None:
+         outcomes: dict | None = None, link: dict | None = None) -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
     import uvloop
-    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, link)
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, outcomes, link)
     try:
         uvloop.run(hub.run())
     except KeyboardInterrupt:

@@ -4,7 +4,8 @@
       worker 0 (the main process): discovery, gRPC health, /metrics, ext_proc on the gRPC port
       workers 1..N-1: ext_proc on the same port (SO_REUSEPORT: the kernel spreads connections)
       the signals process: scrapes and parses /metrics, follows the engines' KV-cache events
-                           (kvsubscriber.py), relays in-flight counts and prefix-index
+                           (kvsubscriber.py), serves the outcome port (Envoy's access log
+                           service, accesslog.py), relays in-flight counts and prefix-index
                            additions among the workers and, with --peer-store, with the other
                            replicas through Redis (signals_process.py, peer_store.py)
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from picker.core import Router
 from picker.flowcontrol.activity import RecentArrivals
+from picker.signals.outcomes import Outcome
 from picker.runtime import (apply_objects, build_flow, build_router, drain, run_loop,
                             start_ext_proc, stop_on_signals)
 
@@ -126,6 +128,13 @@ class SignalsLink:
                 r.on_models(address, names)
         elif kind == "kv":
             r.on_kv_deltas(msg[1], msg[2])
+        elif kind == "outcomes":
+            debug = r.count_outcomes and log.isEnabledFor(logging.DEBUG)
+            for fields in msg[1]:
+                outcome = Outcome(*fields)
+                r.on_outcome(outcome)
+                if debug:  # once per replica, like the decision log (extproc.py)
+                    log.debug("outcome", extra={f: getattr(outcome, f) for f in Outcome.__slots__})
         elif kind == "peers":
             r.set_peer_loads(msg[1], partial=msg[3])
             r.add_peer_prefixes(msg[2])
@@ -150,12 +159,23 @@ class SignalsLink:
             self.conn.close()
 
 
+def outcome_settings(args: Namespace) -> dict | None:
+    """Where the signals process serves the outcome port (accesslog.start_server), None when
+    --outcomes-port is 0."""
+    port = getattr(args, "outcomes_port", 0)
+    if not port:
+        return None
+    return {"port": port, "host": args.bind, "secure": args.secure_serving,
+            "cert_path": args.cert_path}
+
+
 def start_signals_process(args: Namespace, workers: int, kv: dict | None = None,
                           link: dict | None = None
                           ) -> tuple[mp.process.BaseProcess, list[Connection]]:
     """The signals process and one connection per worker (index = worker number); with `kv`
-    (app.kv_settings) it subscribes to the engines' KV-cache events; with `link`
-    (app._link_settings) it runs the peer link to the other replicas."""
+    (app.kv_settings) it subscribes to the engines' KV-cache events; with --outcomes-port it
+    serves Envoy's access log service there; with `link` (app._link_settings) it runs the peer
+    link to the other replicas."""
     from picker import signals_process
     ctx = mp.get_context("spawn")
     ours, theirs = zip(*(ctx.Pipe(duplex=True) for _ in range(workers)))
@@ -163,7 +183,8 @@ def start_signals_process(args: Namespace, workers: int, kv: dict | None = None,
                        args=(list(theirs), args.scrape_interval, args.staleness, args.log_level,
                              getattr(args, "peer_store", None),
                              f"{getattr(args, 'pool_namespace', 'default')}/"
-                             f"{getattr(args, 'pool_name', 'pool')}", kv, link),
+                             f"{getattr(args, 'pool_name', 'pool')}", kv,
+                             outcome_settings(args), link),
                        daemon=True)
     proc.start()
     for c in theirs:
@@ -190,7 +211,7 @@ def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -
     setup_logging(args.log_level)
 
     async def main():
-        router = build_router(args, count_scrape_errors=False)
+        router = build_router(args, index)
         flow = build_flow(args, router)
         stop, closed = asyncio.Event(), asyncio.Event()
         servers = None

@@ -14,8 +14,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from picker.core import Decision, PickerError, Router
+    from picker.signals.outcomes import Outcome
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+_LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -54,6 +58,22 @@ class PickerMetrics:
                                       "Held requests that left the queue without dispatch, by reason "
                                       "(expired, evicted, queue_full, cancelled, error)",
                                       ["reason", "priority"], registry=r)
+        # outcomes (signals/outcomes.py: Envoy's access log of every request the picker routed)
+        self.outcomes = Counter("picker_outcomes", "Completed requests reported by the gateway, by "
+                                "the model they were routed for, HTTP status, and whose decision "
+                                "their request id names (replica: this one; other: another "
+                                "replica or this one before a restart; none: no picker decided)",
+                                ["model", "status", "decision"], registry=r)
+        self.outcome_completion = Histogram("picker_outcome_completion_tokens",
+                                            "Completion tokens of completed requests (their usage)",
+                                            ["model"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.outcome_ttft = Histogram("picker_outcome_ttft_seconds",
+                                      "Time from a streamed request's start at the gateway to its "
+                                      "first token", ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.outcome_lag = Histogram("picker_outcome_lag_seconds",
+                                     "Time from a response's end at the gateway to its outcome "
+                                     "here (Envoy's access log buffer, mostly)",
+                                     buckets=_LAG_BUCKETS, registry=r)
         # model name -> label value; the Router installs its own (configured or served names)
         self.model_label: Callable[[str], str] = lambda model: model
 
@@ -68,6 +88,14 @@ class PickerMetrics:
                      target: str = "") -> None:
         self.decision_latency.observe(seconds)
         self.requests.labels(model, target, str(err.status)).inc()
+
+    def record_outcome(self, o: "Outcome", model: str, decision: str) -> None:
+        self.outcomes.labels(model, str(o.status), decision).inc()
+        if o.completion_tokens is not None:
+            self.outcome_completion.labels(model).observe(o.completion_tokens)
+        if o.ttft is not None:
+            self.outcome_ttft.labels(model).observe(o.ttft)
+        self.outcome_lag.observe(o.lag)
 
     def forget_endpoint(self, address: str) -> None:
         try:

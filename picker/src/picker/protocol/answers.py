@@ -16,6 +16,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
+# The picker's own namespace: Envoy keeps it for the request's access log entry, which brings it
+# back with the outcome (signals/outcomes.py reads these keys).
+PICKER_NAMESPACE = "llm-serving.picker"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # Client-sent copies of these are removed: a client must never choose its own backend.
 CONTROL_HEADERS = (DESTINATION_HEADER, SUBSET_HEADER, SERVED_HEADER)
@@ -41,9 +44,12 @@ class ImmediateAnswer:
 
 
 def route_answer(d: Decision, info: RequestInfo, bodiless: bool, full_duplex: bool) -> RouteAnswer:
-    """The destination as header and `envoy.lb` metadata; content-length with the body sent on."""
+    """The destination as header and `envoy.lb` metadata, what the outcome brings back in
+    PICKER_NAMESPACE (request id, routed model, features); content-length with the body sent on."""
     sets = [(DESTINATION_HEADER, d.endpoint)]
-    metadata = {LB_NAMESPACE: {DESTINATION_HEADER: d.endpoint}}
+    metadata = {LB_NAMESPACE: {DESTINATION_HEADER: d.endpoint},
+                PICKER_NAMESPACE: {"request_id": d.request_id, "model": d.target_model,
+                                   "features": d.features}}
     if bodiless:
         return RouteAnswer(sets, ROUTED_REMOVES, metadata, None)
     body = d.body
