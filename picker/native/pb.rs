@@ -262,6 +262,8 @@ pub const FIELDS: &[(&str, &str, u32)] = &[
     ("envoy.service.ext_proc.v3.ImmediateResponse", "body", 3),
     ("envoy.service.ext_proc.v3.ImmediateResponse", "details", 5),
     ("envoy.type.v3.HttpStatus", "code", 1),
+    ("grpc.health.v1.HealthCheckRequest", "service", 1),
+    ("grpc.health.v1.HealthCheckResponse", "status", 1),
 ];
 
 // grpc.health.v1 (grpc/grpc src/proto/grpc/health/v1/health.proto): Envoy's active health check
