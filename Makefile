@@ -258,7 +258,7 @@ $(CHROMIUM):
 bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench
 
-bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~11 min): decisions/s and latency (3/16/64 endpoints, gRPC), scrape CPU
+bench-picker: setup $(TOOLS)/picker-loadclient ## benchmark the picker (~30 min): decisions/s, latency and CPU (3/16/64 endpoints, both ext_proc servers), a perf profile, one pod, long prompts, scrape CPU
 	mkdir -p results && $(PY) -m bench.picker --json results/bench-picker.json
 
 bench-picker-scale: setup $(TOOLS)/picker-loadclient ## benchmark the picker at scale (~10 min): 16-1,024 endpoints, scrape load, worker processes

@@ -33,6 +33,7 @@ ENDPOINTS = 16
 TENANTS = 8
 BS = 16                      # the engines' KV block size (tokens)
 HELD = 128                   # requests held at once for the memory figures
+BODIES = 20                  # distinct bodies per size, sent in turn
 DECISIONS = {1_000: 300, 32_000: 60, 100_000: 30}   # in process, per size
 ROOM = ('vllm:num_requests_waiting{model_name="qwq"} 0\nvllm:num_requests_running{model_name="qwq"} 1\n'
         'vllm:kv_cache_usage_perc{model_name="qwq"} 0.3\n'
@@ -96,7 +97,7 @@ def in_process(tok) -> list[dict]:
     from picker.flowcontrol.queue import QueueLimits
     out = []
     for tokens in TOKENS:
-        bodies = make_bodies(tokens, 10)
+        bodies = make_bodies(tokens, BODIES)
         r, eps, pages = precise_router(tok)
         for b in bodies:  # warm: the tokenizer's window cache has seen every body (the gRPC
             r.on_request_done(r.decide(RequestInfo("/v1/chat/completions", {}, b)).request_id)  # warm-up too)
@@ -248,7 +249,7 @@ def run(servers: list[str], seconds: float, say=print) -> dict:
         for tokens in TOKENS:
             path = os.path.join(tmp, f"bodies-{tokens}.jsonl")
             with open(path, "wb") as f:
-                for b in make_bodies(tokens, 20):
+                for b in make_bodies(tokens, BODIES):
                     f.write(b + b"\n")
             for server in servers:
                 x = through_grpc(server, tokens, path, seconds)

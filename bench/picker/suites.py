@@ -271,7 +271,7 @@ def _upstream(grpc: list[dict]) -> list[str]:
         if c.get("server_cpu_ms_per_request"):
             cpu = c["server_cpu_ms_per_request"]
             out[-1] += (f" Here, {SERVER_LABEL.get(server, server)} server, same configuration: "
-                        f"{cpu:.2f} ms per decision, {cpu / g['cpu_ms'][0]:.2f}-{cpu / g['cpu_ms'][1]:.2f}x the "
+                        f"{cpu:.2f} ms per decision, {cpu / g['cpu_ms'][1]:.2f}-{cpu / g['cpu_ms'][0]:.2f}x the "
                         f"Go picker's.")
     out[-1] += " Published: " + "; ".join(GO_PUBLISHED) + "."
     return out

@@ -44,7 +44,6 @@ step would cross module boundaries for each block.
 from __future__ import annotations
 
 import bisect
-import sys
 import time
 import zlib
 from collections import OrderedDict, deque
@@ -109,6 +108,7 @@ class StepResult(NamedTuple):
 # A stretch's block events as ints: step << _STEP_SHIFT | _PUBLISH (else an allocation) | the
 # request's position among the running ones (fewer than max_num_batched_tokens).
 _STEP_SHIFT, _PUBLISH, _POSITION = 33, 1 << 32, (1 << 32) - 1
+_RUN_HORIZON = 128          # steps planned at once (see Engine._plan_decode_run)
 
 
 class _DecodeRun:
@@ -264,6 +264,7 @@ class Engine:
         self.engine_model = engine_model
         self.clock = clock
         self.stream = stream
+        self.token_times = not stream     # each request's token_gaps (a copy keeps none)
         self.decode_runs = decode_runs
         self._run: Optional[_DecodeRun] = None   # the stretch of decode steps in progress
         self.kv_events: Optional[list] = [] if kv_events else None   # recorded, not yet taken
@@ -367,7 +368,7 @@ class Engine:
         c = Engine.__new__(Engine)
         c.engine_model, c.clock = self.engine_model, clock
         c.kv_events, c.output_token = None, self.output_token
-        c.stream = c.decode_runs = False
+        c.stream = c.decode_runs = c.token_times = False
         c._run = None
         requests = {rid: r.copy() for rid, r in self.requests.items()}
         c.requests = requests
@@ -562,7 +563,7 @@ class Engine:
         """Run one iteration. None when there is nothing to run."""
         run = self._run
         if run is None and self.decode_runs:
-            run = self._run = self._plan_decode_run(sys.maxsize)
+            run = self._run = self._plan_decode_run(_RUN_HORIZON)
         if run is not None:
             duration, end = self._run_steps(run, self.clock())
             if run.applied >= run.steps:
@@ -631,7 +632,7 @@ class Engine:
                                         + p.stage_decode_seq_s * decode_seqs
                                         + p.stage_context_token_s * context)
         end = self.clock() + duration
-        stream, caching = self.stream, p.enable_prefix_caching
+        stream, caching, token_times = self.stream, p.enable_prefix_caching, self.token_times
         outputs: list = []
         finished: list = []
         generated = 0
@@ -659,7 +660,7 @@ class Engine:
                     self.ttft.observe(end - r.arrival_time)
             elif stream:
                 self.itl.observe(end - r.last_token_time)
-            else:
+            elif token_times:
                 r.token_gaps.append(end - r.last_token_time)
             r.last_token_time = end
             if num_output >= r.stop_at:
@@ -752,7 +753,9 @@ class Engine:
                         return None
                 if p.enable_prefix_caching and hits < limit:
                     watch = head.block_hashes[hits]
-        steps = min(max_steps, min(r.stop_at - r.num_output for r in running) - 1)
+        # At most _RUN_HORIZON steps at a time: a longer stretch is planned again from where it
+        # got (the same steps), and a request added meanwhile cuts it short (planned in vain).
+        steps = min(max_steps, _RUN_HORIZON, min(r.stop_at - r.num_output for r in running) - 1)
         if steps <= 0:
             return None
         # Each request's block allocations and cache publications in these steps, in the order
@@ -828,13 +831,15 @@ class Engine:
         applied = run.applied
         if done == applied:
             return
-        gaps = [ends[i] - ends[i - 1] for i in range(done + 1, applied)]
         first, last = ends[done], ends[applied - 1]
+        if self.token_times:
+            gaps = [ends[i] - ends[i - 1] for i in range(done + 1, applied)]
+            for r in run.requests:
+                r.token_gaps.append(first - r.last_token_time)
+                r.token_gaps += gaps
         for r, computed in zip(run.requests, run.start_computed):
             r.num_computed = computed + applied
             r.num_output += applied - done
-            r.token_gaps.append(first - r.last_token_time)
-            r.token_gaps += gaps
             r.last_token_time = last
         self.generation_tokens += run.n * (applied - done)
         self.version += applied - done

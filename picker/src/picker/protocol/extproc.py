@@ -8,6 +8,10 @@ Envoy's protocol_config on the first message, else from the configured default.
 Response phases pass through; the request counts as finished when the response ends or the
 stream closes. Every stream and every buffered body byte counts against the replica's Budget
 (protocol/limits.py): over it, the request gets a 503 with the reason.
+
+`Request` is the picker's side of one request for both ext_proc servers (this grpc.aio one,
+`RequestStream`, and the compiled one, native.py); the compiled transport applies the rules
+above itself (picker/native/stream.rs) and calls into `Request` once per request.
 """
 from __future__ import annotations
 
