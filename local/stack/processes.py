@@ -55,7 +55,11 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None, cafile: str | None = None) -> bool:
     """GET url answers 200; an https url is verified against `cafile` (the run's CA)."""
-    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
+    try:
+        # the CA file may not exist yet (kube-apiserver writes its certificate as it starts)
+        context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
+    except OSError:
+        return False
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout,
                                     context=context) as r:

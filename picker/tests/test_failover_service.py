@@ -118,7 +118,10 @@ async def test_a_leader_whose_signals_process_dies_stops_and_the_standby_takes_o
         leader, standby = (a, b) if await envoy_sees(a) else (b, a)
         os.kill(leader.signals_proc.pid, signal.SIGKILL)
         await until(lambda: envoy_sees(standby), timeout=5, every=0.005)
-        assert standby.failover.takeovers["leader_gone"] == 1
+        # it saw the link close (leader_gone), or, on a busy machine, the Lease the stopping
+        # leader released first
+        assert (standby.failover.takeovers["leader_gone"] == 1
+                or standby.elector.transitions["acquired"] == 1), standby.failover
         await asyncio.wait_for(ta if leader is a else tb, timeout=10)   # it stops by itself
         assert leader.failed
     finally:

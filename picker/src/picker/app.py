@@ -281,9 +281,9 @@ class App:
         if self.lease is not None:
             from picker.observability.metrics import LeaderCollector
             registry.register(LeaderCollector(lambda: self.elector))
-        if self.failover is not None:
-            from picker.observability.metrics import FailoverCollector
-            registry.register(FailoverCollector(lambda: self.failover, lambda: self.peer_states))
+        from picker.observability.metrics import FailoverCollector
+        registry.register(FailoverCollector(lambda: self.failover, lambda: self.peer_states,
+                                            lambda: bool(self.ready)))
         return registry
 
     async def release_lease(self) -> None:
