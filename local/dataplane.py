@@ -176,8 +176,9 @@ def envoy_gateway_config(layout: Layout, settings: dict | None = None) -> dict:
             "resource": {"type": "File", "file": {"paths": [str(layout.resources)]}},
             "infrastructure": {"type": "Host", "host": host}}},
         "logging": {"level": {"default": "info"}},
-        # as argocd/apps/envoy-gateway.yaml: Backends (the picker's) and Lua (token accounting)
-        "extensionApis": {"enableBackend": True, "enableLua": True,
+        # as argocd/apps/envoy-gateway.yaml: Backends (the picker's), Lua (token accounting) and
+        # EnvoyPatchPolicy (base/gateway/picker-health-check.yaml)
+        "extensionApis": {"enableBackend": True, "enableLua": True, "enableEnvoyPatchPolicy": True,
                           **(settings or {}).get("extensionApis", {})},
         **{k: v for k, v in (settings or {}).items() if k != "extensionApis"},
     }

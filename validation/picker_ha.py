@@ -339,6 +339,7 @@ def _envoy_problems(objs, where, d, args, labels, replicas: int) -> list[str]:
                                     f"{check:g} s exceed the picker's --drain-seconds {drain:g}: a "
                                     f"stopping leader stops answering before Envoy has seen it "
                                     f"stop serving")
+            problems += _cadence_problems(objs, eep, i, active)
             panic = hc.get("panicThreshold")
             if panic is None or not 0 < panic < 100 / replicas:
                 problems.append(f"{at}.backendSettings.healthCheck.panicThreshold: "
@@ -353,6 +354,33 @@ def _envoy_problems(objs, where, d, args, labels, replicas: int) -> list[str]:
                                 f"connect-failure: a stream to a leader that just died goes to "
                                 f"another replica instead of failing")
     return problems
+
+
+NO_TRAFFIC = ("/health_checks/0/no_traffic_interval", "/health_checks/0/no_traffic_healthy_interval")
+
+
+def _cadence_problems(objs, eep, i: int, active: dict) -> list[str]:
+    """Envoy checks every 60 s (no_traffic_interval) until the cluster has made a connection:
+    an EnvoyPatchPolicy must set both no-traffic intervals of this ext_proc cluster to at most
+    the policy's interval."""
+    cluster = f"envoyextensionpolicy/{ns_of(eep)}/{name_of(eep)}/extproc/{i}"
+    interval = seconds(active.get("interval", "3s")) or 3.0
+    patched = {}
+    for epp in of_kind(objs, "EnvoyPatchPolicy"):
+        if ns_of(epp) != ns_of(eep):
+            continue
+        for patch in (epp.get("spec") or {}).get("jsonPatches") or []:
+            op = patch.get("operation") or {}
+            if patch.get("name") == cluster and op.get("path") in NO_TRAFFIC:
+                patched[op["path"]] = seconds(op.get("value"))
+    short = all(patched.get(path) is not None and patched[path] <= interval for path in NO_TRAFFIC)
+    if short:
+        return []
+    return [f"{describe(eep)}: spec.extProc[{i}]: no EnvoyPatchPolicy sets the health check's "
+            f"no_traffic_interval and no_traffic_healthy_interval of cluster {cluster} to at most "
+            f"its interval ({interval:g} s): until that cluster has made a connection (for up to "
+            f"a minute after each Envoy start) Envoy checks the replicas every 60 s and does not "
+            f"see a failover (base/gateway/picker-health-check.yaml)"]
 
 
 def picker_failover_visible(objs) -> list[str]:

@@ -258,3 +258,27 @@ def test_a_drain_shorter_than_a_health_check_fails():
     args(objs).extend(["--drain-seconds", "0.2"])
     found = failover(objs)
     assert len(found) == 1 and "--drain-seconds 0.2" in found[0], found
+
+
+def test_a_health_check_without_the_no_traffic_cadence_fails():
+    objs = rendered(OVERLAY)
+    patch = find(objs, "EnvoyPatchPolicy", "picker-health-check-cadence")
+    patch["spec"]["jsonPatches"][0]["operation"]["value"] = "60s"
+    found = failover(objs)
+    assert len(found) == 1 and "no_traffic_interval" in found[0], found
+    patch["spec"]["jsonPatches"][0]["name"] = "envoyextensionpolicy/default/reasoning-inference-picker/extproc/0"
+    patch["spec"]["jsonPatches"][0]["operation"]["value"] = "0.1s"
+    assert len(failover(objs)) == 1          # another namespace's cluster: not this one
+
+
+def test_envoy_gateway_accepts_the_patch_in_the_cluster_and_on_the_local_stack(tmp_path):
+    """The cadence patch is an EnvoyPatchPolicy: Envoy Gateway ignores one unless enabled."""
+    import yaml
+
+    from local import dataplane
+    assert find(rendered(OVERLAY), "EnvoyPatchPolicy", "picker-health-check-cadence")
+    app = yaml.safe_load((ROOT / "argocd" / "apps" / "envoy-gateway.yaml").read_text())
+    apis = app["spec"]["source"]["helm"]["valuesObject"]["config"]["envoyGateway"]["extensionApis"]
+    assert apis["enableEnvoyPatchPolicy"] is True
+    local = dataplane.envoy_gateway_config(dataplane.Layout(tmp_path))
+    assert local["extensionApis"]["enableEnvoyPatchPolicy"] is True
