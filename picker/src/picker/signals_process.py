@@ -325,8 +325,14 @@ def main(conns: list[Connection], interval: float, staleness: float, log_level: 
          peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
          outcomes: dict | None = None, link: dict | None = None) -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
+    import signal
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
+    # Worker 0 decides when this process ends ("stop", or its pipe closing): a SIGTERM sent to the
+    # whole process group (Ctrl-C, `kill -- -PGID`) must not cut the peer link before worker 0
+    # has told the other replicas that it leaves.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import uvloop
     hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, outcomes, link)
     try:

@@ -56,6 +56,7 @@ class SignalsLink:
         self.on_objects = on_objects
         self.scrape_batches = 0
         self.closing = False  # set on shutdown: the signals process going away is expected
+        self._gone = False
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.arrivals = arrivals
@@ -97,8 +98,9 @@ class SignalsLink:
         try:
             self.conn.send(msg)
         except (OSError, BrokenPipeError):
-            if not self.closing:
+            if not self.closing and not self._gone:
                 log.error("signals process gone")
+                self._gone = True     # said once (a heartbeat every 50 ms would repeat it)
 
     def _on_readable(self) -> None:
         try:
