@@ -67,7 +67,8 @@ def procs(config: StackConfig, cp: ControlPlaneLayout) -> list[Proc]:
     return [Proc("etcd", etcd_argv(etcd, cp.root / "etcd", cp.etcd_port, cp.etcd_peer_port),
                  str(config.run_dir / "etcd.log"), f"http:{etcd_url}/health"),
             Proc("kube-apiserver", apiserver_argv(KUBE_APISERVER, cp.root, etcd_url, cp.port, admin),
-                 str(config.run_dir / "kube-apiserver.log"), f"https:{cp.url}/readyz#{cp.ca_file}")]
+                 str(config.run_dir / "kube-apiserver.log"),
+                 f"https-anonymous:{cp.url}/readyz#{cp.ca_file}")]
 
 
 def picker_rbac(docs: list[dict]) -> list[dict]:

@@ -136,8 +136,10 @@ class Proc:
     name: str
     cmd: list[str]
     log: str
-    # "http:<url>", "https:<url>#<CA file>", "grpc:<address>" (the ext_proc service SERVING) or
-    # "grpc:<address>#<service>"; several separated by spaces must all pass
+    # "http:<url>", "https:<url>#<CA file>", "https-anonymous:<url>#<CA file>" (without the
+    # listeners' API key: kube-apiserver refuses a token it does not know), "grpc:<address>" (the
+    # ext_proc service SERVING) or "grpc:<address>#<service>"; several separated by spaces must
+    # all pass
     health: str
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
@@ -163,9 +165,9 @@ class Proc:
         """headers: sent with the http checks (the API key when the listeners need one)."""
         for check in self.health.split():
             kind, _, target = check.partition(":")
-            if kind == "https":
+            if kind in ("https", "https-anonymous"):
                 url, _, cafile = target.partition("#")
-                ok = http_ok(url, headers=headers, cafile=cafile)
+                ok = http_ok(url, headers=headers if kind == "https" else None, cafile=cafile)
             elif kind == "http":
                 ok = http_ok(target, headers=headers)
             else:
