@@ -36,9 +36,10 @@ def report(d: dict) -> list[str]:
            "deadline 1.5 s, retry 0.25 s), linked (`--peers`), both in the gateway's picker Backend "
            "with base/gateway's health checks (gRPC, every 100 ms) and retries; 50 streamed "
            "completions a second on 8081; 30 s before and after each fault. \"Open at the fault\": "
-           "requests sent before it and not finished; \"affected\": failed, or a first token later "
-           "than twice the steady P99 + 100 ms; the degraded window runs from the first affected "
-           "request's send to the last one's end. Unrouted: Envoy's count of requests let through "
+           "requests sent before it and not finished; \"affected\": running at the fault or sent "
+           "until 5 s after it ended, and failed or with a first token later than twice the "
+           "steady P99 + 100 ms; the degraded window runs from the first affected request's "
+           "send to the last one's end. Unrouted: Envoy's count of requests let through "
            "without the picker (failOpen; 0 by design with FailClose). TTFT in wall ms "
            "(x 100 = model time).", ""]
     rows = [[c["case"], c["body_mode"], c["requests"], c["failed"], c["failed_arriving_after"],

@@ -42,6 +42,7 @@ HANG = 10.0 if BENCH else 2.5       # s the leader stays stopped (SIGSTOP)
 OUTAGE = 30.0 if BENCH else 4.0     # s the API server stays stopped (> the lease duration)
 RATE = 50.0                         # requests/s (below the `loadtest` key's rate limit)
 MESSAGE_TIMEOUT = 35.0              # base/gateway's ext_proc messageTimeout
+SETTLE = 5.0                        # s after a fault (its end) in which a slow request counts
 # The test-sized Lease: a dead leader's Lease expires after 2 s (the API outage outlasts it)
 LEASE = ["--leader-election-lease-duration", "2", "--leader-election-renew-deadline", "1.5",
          "--leader-election-retry-period", "0.25"]
@@ -148,8 +149,10 @@ def figures(load: Load, fault_at: float, end_at: float, open_at_fault: list[Sent
     window = [r for r in load.sent if fault_at - AROUND <= r.sent <= end_at + AROUND]
     before = [r.ttft for r in window if r.sent < fault_at and r.ttft is not None]
     slow = 2 * statistics.quantiles(before, n=100)[98] + 0.1 if len(before) >= 20 else 1.0
-    # affected: failed, or its first token later than twice the steady P99 (+100 ms)
-    affected = [r for r in window if r.sent >= fault_at - 1 and
+    # affected: still running at the fault or sent until SETTLE s after it ended, and failed or
+    # its first token later than twice the steady P99 (+100 ms); later slow requests are this
+    # busy machine's, not the fault's
+    affected = [r for r in window if r.done >= fault_at and r.sent <= end_at + SETTLE and
                 (not r.ok or r.ttft is None or r.ttft > slow)]
     ttfts = sorted(r.ttft * 1000 for r in window if r.ttft is not None)
     failed_after = [r for r in window if r.sent >= fault_at and not r.ok]
