@@ -35,8 +35,10 @@ EDGE_SECURITY ?= on
 PRECISE     ?= on
 
 export PYTHONPATH := $(CURDIR):$(CURDIR)/picker/src
+# With APT_ALL=1 (`make test`), the targets that install a Debian package wait for debian-packages.
+APT_FIRST   := $(if $(APT_ALL),| debian-packages)
 
-.PHONY: help setup tools lock crds tiny-model vllm validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
+.PHONY: help setup tools lock crds tiny-model vllm check validate test demo up observe down loadtest compare sweep bench bench-picker bench-picker-scale
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -92,17 +94,15 @@ tools: $(KUBECONFORM) $(ENVOY_GATEWAY) $(EGCTL) $(RATELIMIT) $(TOOLS)/picker-loa
 KUBE_APISERVER := $(TOOLS)/kube-apiserver
 KUBE_VERSION   := v1.34.2
 KUBE_LDFLAGS   := $(foreach v,gitVersion=$(KUBE_VERSION) gitMajor=1 gitMinor=34 gitTreeState=clean,-X k8s.io/component-base/version.$(v))
-$(KUBE_APISERVER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
-	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
-		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_APISERVER) k8s.io/kubernetes/cmd/kube-apiserver
-
 # kube-controller-manager (its HPA controller, for tests/apiserver/test_hpa.py) from the same wrapper
-# module as kube-apiserver (cold: 18 min here beside kube-apiserver's own build, load average ~20 on 2
-# cores; most packages are shared with kube-apiserver).
+# module, in the same `go build`: most packages are shared, and one build compiles each once (two
+# builds side by side compiled them twice: 18 min cold, load average ~20 on 2 cores).
 KUBE_CONTROLLER_MANAGER := $(TOOLS)/kube-controller-manager
-$(KUBE_CONTROLLER_MANAGER): tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
+$(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) &: tools/kube-apiserver/go.mod tools/kube-apiserver/go.sum
 	mkdir -p $(TOOLS) && cd tools/kube-apiserver && \
-		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(KUBE_CONTROLLER_MANAGER) k8s.io/kubernetes/cmd/kube-controller-manager
+		go build -ldflags "$(KUBE_LDFLAGS)" -o $(CURDIR)/$(TOOLS)/ k8s.io/kubernetes/cmd/kube-apiserver \
+			k8s.io/kubernetes/cmd/kube-controller-manager
+	touch $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER)
 
 # KEDA's operator and metrics API server, v2.20.2 (the newest release Go 1.26 builds), by the wrapper
 # module in tools/keda (it copies KEDA's `replace` directives). Cold: ~5 min each on 2 cores.
@@ -117,7 +117,7 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 .PHONY: apiserver-tools etcd test-apiserver autoscaling-tools test-autoscaling
 apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) etcd
 
-etcd:
+etcd: $(APT_FIRST)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
@@ -131,13 +131,27 @@ test-autoscaling: setup autoscaling-tools ## the whole autoscaling chain on loop
 
 # The picker's replica tests start a real Redis on a free loopback port (Debian's package).
 .PHONY: redis-server
-redis-server:
+redis-server: $(APT_FIRST)
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 # Prometheus and promtool from Debian (bookworm: 2.42.0+ds-5+deb12u1), installed when missing.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+# Every Debian package the tests use, missing ones in one apt-get run before the targets that need
+# them when `make test` builds its prerequisites side by side (APT_ALL=1, APT_FIRST above): several
+# apt-gets at once would fight over dpkg's lock. Run alone, each of those targets installs its own.
+DEBIAN_PACKAGES := etcd-server redis-server prometheus
+.PHONY: debian-packages
+debian-packages:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	browser=$$(test -x $(CHROMIUM) || echo chromium); \
+	if [ -n "$$missing$$browser" ]; then $(SUDO) apt-get update -qq && \
+		{ [ -z "$$missing" ] || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
+			--no-install-recommends $$missing >/dev/null; } && \
+		{ [ -z "$$browser" ] || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
+			chromium >/dev/null; }; fi
 .PHONY: promtool
-promtool:
+promtool: $(APT_FIRST)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
@@ -183,6 +197,32 @@ validate: setup $(EXTRA_CRDS_DIR) ## render every overlay and Argo CD app path; 
 	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
 	@$(MAKE) --no-print-directory -j2 --output-sync=target validate-manifests validate-policy
 
+# The inner loop, for a change before `make test`: lint, the manifests, and every component's unit
+# tests, in two lanes side by side; no server process starts (tests marked `server`, `e2e` or
+# `soak` are left to `make test`).
+UNIT_TESTS_A := picker/tests tests/policy
+UNIT_TESTS_B := local/tests lab/tests loadtest/tests bench/tests monitoring/tests tests/docs
+UNIT_ONLY    := -m "not server and not e2e and not soak"
+.PHONY: check-lint check-units-a check-units-b check-units-native
+# What `make check` runs on: the virtualenv, the picker's compiled transport, kubeconform, Envoy
+# Gateway's egctl (validation translates the gateway objects), promtool; not the servers' tools.
+CHECK_NEEDS := $(VENV)/.stamp $(EXTPROC) $(KUBECONFORM) $(EGCTL) promtool
+check: $(CHECK_NEEDS) $(EXTRA_CRDS_DIR) ## the inner loop (<2 min warm): lint (ruff), manifests validated, every component's unit tests; starts no server
+	@test -d $(CRDS_DIR) || $(MAKE) --no-print-directory crds
+	@$(MAKE) --no-print-directory -j2 --output-sync=target check-units-a check-lint validate-manifests check-units-native check-units-b
+
+check-lint:
+	$(PY) -m ruff check .
+
+check-units-a:
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q $(UNIT_ONLY) $(UNIT_TESTS_A)
+
+check-units-b:
+	$(PY) -m pytest -q $(UNIT_ONLY) $(UNIT_TESTS_B)
+
+check-units-native:
+	cd picker && cargo test --release --locked --no-default-features
+
 # The two halves of `make validate`, run side by side (each keeps its own schema cache).
 .PHONY: validate-manifests validate-policy
 validate-manifests:
@@ -193,17 +233,42 @@ validate-manifests:
 validate-policy:
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/policy
 
-test: setup vllm $(CHROMIUM) ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
-	$(MAKE) --no-print-directory validate
-	cd picker && cargo test --release --locked --no-default-features
-	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs tests/translation tests/lifecycle tests/conformance tests/e2e
-	$(PY) -m pytest -q monitoring/tests
-	$(MAKE) --no-print-directory test-apiserver
+test: ## make validate, then every test suite: unit, protocol, lab smoke, conformance to real vLLM, end-to-end on the local stack, real API server and HPA controller
+	@# what the suites need, built side by side (Go builds, pip installs and apt overlap on a fresh machine)
+	@$(MAKE) --no-print-directory -j3 APT_ALL=1 setup vllm $(CHROMIUM)
+	@$(MAKE) --no-print-directory -j2 --output-sync=line test-stack-lane test-lane
+
+# `make test` in two lanes side by side. The stack lane holds every test that starts the local data
+# plane (one per machine: Envoy Gateway binds fixed ports) or real vLLM; those mostly wait (on
+# Envoy, engines, timeouts), while the other lane computes: validation, the unit suites, the
+# gateway translations, the API server.
+.PHONY: test-stack-lane test-lane
+# Each lane runs all of its suites even after one fails, so that one run reports every failure;
+# it fails if any did.
+test-stack-lane:
+	@status=0; \
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/e2e tests/conformance || status=1; \
+	$(PY) -m pytest -q monitoring/tests || status=1; \
+	exit $$status
+
+test-lane:
+	@status=0; \
+	$(MAKE) --no-print-directory validate || status=1; \
+	(cd picker && cargo test --release --locked --no-default-features) || status=1; \
+	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q picker/tests local/tests lab/tests loadtest/tests bench/tests tests/docs \
+		tests/translation tests/lifecycle || status=1; \
+	$(MAKE) --no-print-directory test-apiserver || status=1; \
+	exit $$status
 
 test-apiserver: setup ## server-side dry-run of every target + the picker's discovery and RBAC + the HPA on a real kube-apiserver (~3 min)
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
-up: setup $(if $(filter vllm,$(ENGINE)),vllm) $(if $(filter-out 1,$(PICKERS)),$(KUBE_APISERVER) etcd) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker, PICKERS=2 for active-passive replicas; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+# What the local stack runs (a newcomer's first `make demo` builds only these): the virtualenv, the
+# picker's compiled transport and Envoy Gateway; `--token-budget` needs `make tools` too, PICKERS=2
+# the API server and etcd for the picker replicas' Lease.
+STACK_NEEDS := $(VENV)/.stamp $(EXTPROC) $(ENVOY_GATEWAY)
+
+up: $(STACK_NEEDS) $(if $(filter vllm,$(ENGINE)),vllm) $(if $(filter-out 1,$(PICKERS)),$(KUBE_APISERVER) etcd) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker, PICKERS=2 for active-passive replicas; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
 		--pickers $(PICKERS) \
 		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
@@ -217,7 +282,7 @@ down: ## stop the local stack started by `make up`
 	@if [ -x $(PY) ]; then $(PY) -m local.stack down --name $(notdir $(RUN_DIR)); fi
 
 DEMO_ARGS ?=
-demo: setup $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
+demo: $(STACK_NEEDS) $(if $(filter vllm,$(ENGINE)),vllm) ## start the stack, compare listener http vs llm-gw on the article workload scaled / 6 (speedup 5), print the table, stop it; ENGINE=vllm: completions and chat through both listeners to real vLLM (functional)
 	$(PY) -m local.stack demo --name demo --engine $(ENGINE) --groups $(GROUPS) \
 		$(if $(filter off,$(PRECISE)),--no-precise-prefix) $(DEMO_ARGS)
 
@@ -252,8 +317,8 @@ sweep: setup ## headless: each of LT_PORTS at several request rates -> results/s
 	$(PY) -m loadtest sweep --host $(LT_HOST) --ports $(LT_PORTS) --workload $(WORKLOAD) --seed $(SEED) \
 		--out results/sweep-$$(date +%Y%m%d-%H%M%S) $(SWEEP_ARGS)
 
-$(CHROMIUM):
-	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null
+$(CHROMIUM): $(APT_FIRST)
+	test -x $@ || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium >/dev/null; }
 
 bench: setup vllm ## every benchmark (validation, picker, lab, lab matrix, HTTP vs lab crosscheck, make demo, picker scale; 30-40 min + the matrix) -> BENCHMARKS.md
 	$(PY) -m bench

@@ -42,6 +42,48 @@ def run_matrix(seeds: list[int] | None = None, extra: list[str] | None = None) -
     return run_suite("lab-matrix", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)
 
 
+# Where the learned lengths' gap to the oracles goes: the picker told each request's class
+# distribution or its true length instead of learning it, beside the learner and both oracles.
+LENGTHS_SCENARIOS = ["chat-reasoning", "kv-0.8x", "client-mix", "reasoning-mix"]
+LENGTHS_POLICIES = [("least-request", "least request"), ("picker", "default"),
+                    ("picker:lengths", "lengths, learned"),
+                    ("picker-told-distributions", "lengths, told each class's distribution"),
+                    ("picker-told-lengths", "lengths, told each true length"),
+                    ("oracle-dist", "oracle knowing distributions"), ("oracle", "oracle")]
+
+
+def run_lengths_gap(seeds: list[int] | None = None) -> dict:
+    """`python -m lab matrix` on LENGTHS_SCENARIOS with LENGTHS_POLICIES."""
+    seeds = seeds or [0, 1, 2, 3, 4]
+    out = RESULTS / "lengths-gap"
+    cmd = [PY, "-m", "lab", "matrix", "--out", str(out), "--seeds", *map(str, seeds),
+           *(a for s in LENGTHS_SCENARIOS for a in ("--scenario", s)),
+           *(a for p, _ in LENGTHS_POLICIES for a in ("--policy", p))]
+    return run_suite("lengths-gap", cmd, lambda: {"matrix": read_json(out / "matrix.json")}, seeds=seeds)
+
+
+def lengths_gap_report(d: dict) -> list[str]:
+    m = d["matrix"]
+    rows = []
+    for s in m["scenarios"]:
+        p = s["policies"]
+        lr, orc = p["least-request"]["mean_ttft_ms"]["mean"], p["oracle"]["mean_ttft_ms"]["mean"]
+        cells = []
+        for name, _ in LENGTHS_POLICIES:
+            mean = p[name]["mean_ttft_ms"]["mean"]
+            gap = f" ({(lr - mean) / (lr - orc) * 100:.0f} %)" if lr > orc and name != "least-request" else ""
+            cells.append(f"{num(mean)} ± {num(p[name]['mean_ttft_ms']['std'])}{gap}")
+        rows.append([s["name"], *cells])
+    return [f"Command: `{d['command']}` (lab/matrix.py on {', '.join(LENGTHS_SCENARIOS)}; "
+            f"{len(m['seeds'])} seeds, {d['wall_s'] / 60:.1f} min wall). The profile `lengths` as "
+            "deployed (learning from the outcomes, cold at the start of every run), then told what "
+            "the distribution oracle knows (each request's class distribution) or what the clairvoyant "
+            "one knows (each request's length) instead of learning it; everything else as deployed (its "
+            "view of the engines: a scrape every 0.1 s, which request runs and how far it got "
+            "estimated). Cells: mean TTFT ms ± std over the seeds (share of the oracle's gap closed).",
+            ""] + md_table(["scenario", *(label for _, label in LENGTHS_POLICIES)], rows)
+
+
 # The replica experiment: both lab workloads on 16 groups at the same load per group as the
 # 3-group runs (concurrency 160). At a low Poisson rate the outcome swings with each replica's
 # tie-break draws far more than with sharing, so the closed loop is what is compared.
@@ -145,11 +187,12 @@ def lab_section(article: dict | None, shared: dict | None) -> list[str]:
     return out
 
 
-MATRIX_POLICIES = [("least-request", "least request"), ("round-robin", "round robin"),
-                   ("picker-upstream", "upstream-default"), ("picker", "**default**"),
-                   ("picker-flow", "default + flow control"),
-                   ("picker-flow-reject", "flow control, reject at bound"), ("oracle", "oracle"),
-                   ("oracle-late", "oracle, may hold")]
+MATRIX_POLICIES = [("least-request", "least request"), ("picker-upstream", "upstream-default"),
+                   ("picker", "**default**"), ("picker:lengths", "**default + learned lengths**"),
+                   ("oracle-dist", "oracle knowing length distributions"), ("oracle", "oracle")]
+OTHER_POLICIES = [("round-robin", "round robin"), ("picker-flow", "default + flow control"),
+                  ("picker-flow-reject", "flow control, reject at bound"),
+                  ("oracle-late", "oracle, may hold")]
 
 
 def _cell(stats: dict) -> str:
@@ -196,45 +239,128 @@ def _cpu_minutes(m: dict) -> float:
                for p in s["policies"].values()) / 60
 
 
+def _pct(value) -> str:
+    return "-" if value is None else num(value) + " %"
+
+
+def _changes(c: dict) -> str:
+    return (f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %"
+            if c else "-")
+
+
+def _routing_rows(scenarios: list[dict]) -> list[list[str]]:
+    rows = []
+    for s in scenarios:
+        a, al, p = s["assessment"], s.get("assessment_lengths") or {}, s["policies"]
+        rows.append([f"{s['name']}: {s['description']}", s["factor"],
+                     *(_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES),
+                     _changes(a.get("change_pct")), _changes(al.get("change_vs_default_pct")),
+                     f"{_pct(a.get('gap_closed_pct'))} / {_pct(al.get('gap_closed_pct'))}",
+                     f"{_pct(a.get('dist_gap_closed_pct'))} / {_pct(al.get('dist_gap_closed_pct'))}"])
+    return rows
+
+
+def _other_rows(scenarios: list[dict]) -> list[list[str]]:
+    rows = []
+    for s in scenarios:
+        p, f = s["policies"], s.get("assessment_flow") or {}
+        failed = [p[n]["failed"]["mean"] for n in ("picker-flow", "picker-flow-reject") if n in p]
+        rows.append([s["name"], *(_cell(p[name]) if name in p else "-" for name, _ in OTHER_POLICIES),
+                     _changes(f.get("change_pct")), _pct(f.get("gap_closed_pct")),
+                     " / ".join(num(v, 1) for v in failed) if failed else "-"])
+    return rows
+
+
+def _accuracy_rows(scenarios: list[dict], policy: str = "picker:lengths") -> list[list[str]]:
+    rows = []
+    for s in scenarios:
+        p = s["policies"].get(policy, {})
+        if "length_abs_error_median" not in p:
+            continue
+        cell = lambda key, pct=False: (num(100 * p[key]["mean"]) + " %" if pct  # noqa: E731
+                                       else num(p[key]["mean"])) if key in p else "-"
+        rows.append([s["name"], cell("length_abs_error_median"),
+                     cell("length_rel_error_median", True), cell("length_p90_coverage", True),
+                     cell("length_abs_error_median_learned"),
+                     cell("length_rel_error_median_learned", True),
+                     cell("length_p90_coverage_learned", True)])
+    return rows
+
+
+def _lengths_targets(scenarios: list[dict]) -> list[str]:
+    """Issue targets of routing on learned lengths (picker:lengths), scenario by scenario."""
+    if not any(s.get("assessment_lengths") for s in scenarios):
+        return []
+    hard = {"chat-reasoning", "kv-0.8x", "open-bursty-80", "open-bursty-95", "outage"}
+    mixes = [s for s in scenarios if s["factor"] == "lengths"]
+    short, short_mix, worse = [], [], []
+    for s in scenarios:
+        al = s.get("assessment_lengths") or {}
+        gap, dist = al.get("gap_closed_pct"), al.get("dist_gap_closed_pct")
+        label = f"{s['name']} ({_pct(gap)} of the oracle's gap, {_pct(dist)} of the distribution oracle's)"
+        if s["name"] in hard and not ((gap or 0) >= 75 or (dist or 0) >= 90):
+            short.append(label)
+        if s in mixes and (dist or 0) < 90 and s["name"] != "no-signal":
+            short_mix.append(label)
+        bad = [f"{k} vs {who}" for who, key in (("least request", "worse_than_baseline_beyond_spread"),
+                                                ("default", "worse_than_default_beyond_spread"))
+               for k, v in (al.get(key) or {}).items() if v]
+        if bad:
+            worse.append(f"{s['name']} ({', '.join(bad)})")
+    return ["", "Targets of routing on learned lengths (`default + learned lengths` = profile `lengths`, "
+            "means over the seeds; spread as above):", "",
+            "- chat-reasoning, kv-0.8x, open-bursty-80, open-bursty-95, outage: each closes at least 75 % of "
+            "the oracle's gap or at least 90 % of the distribution oracle's: "
+            + ("met;" if not short else "not met in " + "; ".join(short) + ";"),
+            "- the observable-field mixes (client-mix, template-mix, reasoning-mix): at least 90 % of the "
+            "distribution oracle's gap: " + ("met;" if not short_mix else "not met in " + "; ".join(short_mix) + ";"),
+            "- never worse than `default` nor than least request beyond the seed spread (mean TTFT, P99 TTFT, "
+            "output tok/s), no-signal and KV-starved pools included: "
+            + ("met in every scenario." if not worse else "not met in " + "; ".join(worse) + ".")]
+
+
 def matrix_report(d: dict) -> list[str]:
     m = d["matrix"]
     seeds = " ".join(map(str, m["seeds"]))
-    rows = []
-    for s in m["scenarios"]:
-        a, p = s["assessment"], s["policies"]
-        c = a.get("change_pct", {})
-        gap = a.get("gap_closed_pct")
-        f = s.get("assessment_flow") or {}
-        cf, gap_f = f.get("change_pct", {}), f.get("gap_closed_pct")
-        failed = [p[n]["failed"]["mean"] for n in ("picker-flow", "picker-flow-reject") if n in p]
-        rows.append([f"{s['name']}: {s['description']}", s["factor"],
-                     *(_cell(p[name]) if name in p else "-" for name, _ in MATRIX_POLICIES),
-                     f"{c['mean_ttft_ms']:+.1f} %, {c['p99_ttft_ms']:+.1f} %, {c['output_throughput']:+.1f} %" if c else "-",
-                     num(-a["oracle_gain_pct"], 1) + " %" if "oracle_gain_pct" in a else "-",
-                     num(gap) + " %" if gap is not None else "-",
-                     f"{cf['mean_ttft_ms']:+.1f} %, {cf['p99_ttft_ms']:+.1f} %, {cf['output_throughput']:+.1f} %" if cf else "-",
-                     num(gap_f) + " %" if gap_f is not None else "-",
-                     " / ".join(num(f, 1) for f in failed) if failed else "-"])
-    return [f"Command: `{d['command']}` (lab/matrix.py; {len(m['scenarios'])} scenarios x "
-            f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
-            f"**{d['wall_s'] / 60:.1f} min wall**{reuse_note(m)}, target 15 min; 1-minute load average "
-            f"{d['load_average_start']:.1f} at the start, {d['load_average_end']:.1f} at the end, on a machine "
-            "shared with other work). Design: a base scenario (the article's run: `article` workload, closed "
-            "loop at concurrency 30, 3 `a10-qwq32b` groups, KV 1x) and one-factor variations of it, not the "
-            "full cartesian product. Open-loop rates are fractions of the pool's capacity measured in the same "
-            f"run (least request's request throughput on the base scenario: {num(m['capacity_rps'], 4)} "
-            f"requests/s). CPU time of all runs: {_cpu_minutes(m):.1f} min. "
-            f"Reported seeds {seeds}; the picker's profiles were not tuned on them (tuning seeds: "
-            f"{' '.join(map(str, m['tuning_seeds']))}).", "",
-            "The oracle is clairvoyant (lab/oracle.py): it knows every engine's exact state and every request's "
-            "output length, plays each candidate group forward and sends the request where its first token "
-            "comes soonest. Gap closed = (least request - default) / (least request - oracle) in mean TTFT.", "",
-            "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""] + md_table(
-        ["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
-         "default vs least request (mean, P99, tok/s)", "oracle vs least request", "gap closed",
-         "flow control vs least request (mean, P99, tok/s)", "gap closed with flow control",
-         "failed with flow control (of the scenario's prompts; dispatch / reject at bound)"], rows) \
-        + [""] + _matrix_targets(m["scenarios"]) + _flow_targets(m["scenarios"])
+    scenarios = m["scenarios"]
+    out = [f"Command: `{d['command']}` (lab/matrix.py; {len(scenarios)} scenarios x "
+           f"{len(m['policies'])} policies x {len(m['seeds'])} seeds in {m['workers']} processes: "
+           f"**{d['wall_s'] / 60:.1f} min wall**{reuse_note(m)}, target 15 min; 1-minute load average "
+           f"{d['load_average_start']:.1f} at the start, {d['load_average_end']:.1f} at the end). Design: a "
+           "base scenario (the article's run: `article` workload, closed loop at concurrency 30, 3 "
+           "`a10-qwq32b` groups, KV 1x) and one-factor variations of it, not the full cartesian product. "
+           "Open-loop rates are fractions of the pool's capacity measured in the same run (least request's "
+           f"request throughput on the base scenario: {num(m['capacity_rps'], 4)} requests/s). Every client "
+           "sends `max_tokens` as a cap (16,384, or its workload's own), never its answer's length. CPU time "
+           f"of all runs: {_cpu_minutes(m):.1f} min. Reported seeds {seeds}; the picker's profiles were not "
+           f"tuned on them (tuning seeds: {' '.join(map(str, m['tuning_seeds']))}).", "",
+           "The oracle is clairvoyant (lab/oracle.py): it knows every engine's exact state and every request's "
+           "output length, plays each candidate group forward and sends the request where its first token "
+           "comes soonest. The distribution oracle (lab/distribution_oracle.py) does the same with every "
+           "length replaced by what its class's distribution says (a running request's expected residual "
+           "given what it produced): the best any length learner could know. Gap closed = (least request - "
+           "policy) / (least request - oracle) in mean TTFT; to the distribution oracle likewise.", "",
+           "Cells: mean TTFT ms / P99 TTFT ms / output tok/s, means over the seeds.", ""]
+    out += md_table(["scenario", "varied", *(label for _, label in MATRIX_POLICIES),
+                     "default vs least request (mean, P99, tok/s)",
+                     "learned lengths vs default (mean, P99, tok/s)",
+                     "oracle's gap closed (default / learned lengths)",
+                     "distribution oracle's gap closed (default / learned lengths)"],
+                    _routing_rows(scenarios))
+    out += ["", "The other policies, and flow control with the default profile:", ""]
+    out += md_table(["scenario", *(label for _, label in OTHER_POLICIES),
+                     "flow control vs least request (mean, P99, tok/s)", "gap closed with flow control",
+                     "failed with flow control (of the scenario's prompts; dispatch / reject at bound)"],
+                    _other_rows(scenarios))
+    accuracy = _accuracy_rows(scenarios)
+    if accuracy:
+        out += ["", "The predictor's accuracy (profile `lengths`; every decision's forecast against the "
+                "answer's true length; \"once learned\": the decisions after the first 50):", ""]
+        out += md_table(["scenario", "median abs error (tokens)", "median relative error",
+                         "true length <= forecast 0.9 quantile", "once learned: median abs error",
+                         "median relative error", "0.9-quantile coverage"], accuracy)
+    return out + [""] + _matrix_targets(scenarios) + _lengths_targets(scenarios) \
+        + _flow_targets(scenarios)
 
 
 def replicas_report(d: dict) -> list[str]:

@@ -64,9 +64,11 @@ def configure(stack, original: list[dict], config: str) -> None:
     want_als, want_lua = config == "on", config != "off"
     deadline = time.monotonic() + 60
     while True:
-        active = active_listeners(stack)  # a replaced listener drains beside the new one for a while
-        has_als = "picker-outcomes" in active
-        has_lua = "reasoning-inference-picker/lua/" in active
+        # the access logger is the listeners' (a replaced listener drains beside the new one for a
+        # while: only the active ones count); Envoy Gateway leaves the Lua filter in the listener,
+        # disabled, and turns it on per route: the routes say whether it runs
+        has_als = "picker-outcomes" in active_listeners(stack)
+        has_lua = "reasoning-inference-picker/lua/" in route_configs(stack)
         if has_als == want_als and has_lua == want_lua:
             return
         if time.monotonic() > deadline:
@@ -80,6 +82,11 @@ def active_listeners(stack) -> str:
     url = f"{stack.envoy_admin()}/config_dump?resource=dynamic_listeners"
     dump = json.load(urllib.request.urlopen(url, timeout=10))
     return json.dumps([c.get("active_state") for c in dump.get("configs", [])])
+
+
+def route_configs(stack) -> str:
+    url = f"{stack.envoy_admin()}/config_dump?resource=dynamic_route_configs"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
 def envoy_pid(stack) -> int:

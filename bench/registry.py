@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import (autoscale, coldstart, crosscheck, demo, failover, flow, flow_clients_http, keda_chain,
-                   kv_http, kv_suites, lab_suites, outcomes_http, phases, robustness, validation_time,
-                   vllm_engine)
+                   kv_http, kv_suites, lab_suites, lengths_http, outcomes_http, phases, robustness, test_time,
+                   validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -46,6 +46,10 @@ BENCHMARKS = [
     Benchmark("matrix", "python -m lab matrix: every scenario x policy x seed (--matrix-args for more options)",
               lambda a: lab_suites.run_matrix(a.seeds, a.matrix_args.split()),
               titled("Routing lab: scenario matrix", lab_suites.matrix_report), results=("lab-matrix",)),
+    Benchmark("lengths-gap", "the lab on the length-sensitive scenarios: the learned-lengths profile, told "
+              "each class's distribution or each true length, both oracles (where its gap goes)",
+              lambda a: lab_suites.run_lengths_gap(a.seeds),
+              titled("Learned output lengths: where the gap to the oracles goes", lab_suites.lengths_gap_report)),
     Benchmark("autoscale", "python -m lab plan on the day trace: fixed pools of 2..6 groups vs the shipped "
               "autoscaler settings, --seeds", lambda a: autoscale.run_autoscale(a.seeds),
               titled("Autoscaling: fixed pools vs the shipped scaler over a day", autoscale.report)),
@@ -127,6 +131,11 @@ BENCHMARKS = [
               "received, their lag, what a picker restart loses (run under flock /work/heavy.lock)",
               lambda a: outcomes_http.run(),
               titled("Outcomes: what the access log to the picker costs and loses", outcomes_http.report)),
+    Benchmark("lengths-http", "routing on learned output lengths through the real data plane: "
+              "chat-reasoning and client-mix, least request vs the picker's default and lengths profiles, "
+              "each run cold (run under flock /work/heavy.lock)",
+              lambda a: lengths_http.main(a.seeds[:1] if a.seeds else None),
+              titled("Learned output lengths through HTTP", lengths_http.report)),
     Benchmark("vllm", "real vLLM's CPU build (make vllm): server start, memory, request latency on this "
               "CPU, the conformance suite's wall time", lambda a: vllm_engine.run_vllm(),
               titled("Real vLLM on this machine (CPU build, tiny model)", vllm_engine.report)),
@@ -148,5 +157,11 @@ BENCHMARKS = [
               "streamed and not (run under flock /tmp/local-stack.lock)",
               lambda a: robustness.token_budget(),
               titled("Token budgets per client", robustness.token_budget_report)),
+    Benchmark("test-time", "make check (once to warm its caches, then timed) and make test, warm, with "
+              "pytest's durations", lambda a: test_time.run_warm(),
+              titled("How long the checks take: make check and make test", test_time.report)),
+    Benchmark("ci-time", "a fresh clone's .ci/run (its own virtualenvs and tools; ~30 min of both cores)",
+              lambda a: test_time.run_fresh(),
+              titled("A fresh clone's CI run (.ci/run)", test_time.ci_report)),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}

@@ -14,7 +14,13 @@ groups with their KV capacity. Each other scenario changes one factor of the bas
   per group;
 - KV capacity 0.8x and 2x the engine model's;
 - heterogeneous pool: group 0 steps 1.5x slower, or has half the KV (a canary on other hardware);
-- outage: group 0 fails at 600 s (its in-flight requests fail) and comes back empty at 900 s.
+- outage: group 0 fails at 600 s (its in-flight requests fail) and comes back empty at 900 s;
+- lengths: answer lengths that differ by class, the class shown only by the client id, the
+  system prompt, the thinking switch, or by nothing, in a KV-starved pool (0.7x).
+
+Every client sends max_tokens as a cap (CAP, or its workload's own), never the answer's length:
+only the two oracles know lengths (the clairvoyant one each request's, the distribution one each
+class's distribution, lab/distribution_oracle.py).
 
 Every scenario runs every policy of POLICIES on the same prompts for each seed (the seed
 changes the prompts, the arrival times and the policy's randomness).
@@ -45,9 +51,15 @@ from lab.policies import make_policy
 from lab.simulation import OUTAGE_KEYS, LabConfig
 from lab.stats import mean, over_seeds
 
-POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "picker-flow", "oracle",
-            "oracle-late"]
+POLICIES = ["least-request", "round-robin", "picker-upstream", "picker", "picker:lengths",
+            "picker-flow", "oracle", "oracle-late", "oracle-dist"]
+# Every client sends max_tokens = the model's context (vLLM's default when none is sent), unless
+# its workload gives its own cap: no policy but the oracles sees an answer's true length.
+CAP = A10_QWQ32B.max_model_len
 KEYS = summary_keys(*REPORT_KEYS, "request_throughput", "completed", "failed")
+# The picker's own forecast accuracy (lab/picker_policy.py forecast_accuracy), when it has one.
+LENGTH_KEYS = tuple(f"length_{k}{s}" for s in ("", "_learned")
+                    for k in ("abs_error_median", "rel_error_median", "p90_coverage"))
 REPORTED_SEEDS = [0, 1, 2, 3, 4]
 TUNING_SEEDS = [100, 101, 102, 103, 104]    # the seeds any tuning of the picker used
 BASE = "base"
@@ -85,7 +97,7 @@ class Scenario:
         """The scenario's pool and client (the seed is set per run)."""
         return LabConfig(num_engines=self.engines, engine_models=self.engine_models(),
                          concurrency=self.concurrency, request_rate=request_rate,
-                         burstiness=self.burstiness, outages=self.outages)
+                         burstiness=self.burstiness, outages=self.outages, max_tokens_cap=CAP)
 
 
 def _open(load: float, bursty: bool) -> Scenario:
@@ -119,6 +131,17 @@ SCENARIOS: list[Scenario] = [
              small_kv_group=0.5),
     Scenario("outage", "outage", "group 0 down from 600 s to 900 s, back with an empty cache",
              outages=((0, 600.0, 900.0),)),
+    # Answer lengths that differ by class, each class shown only by one field of the request
+    # (loadtest/workloads.py), in a KV-starved pool (0.7x), where lengths decide who waits.
+    Scenario("client-mix", "lengths", "3 applications' answers (median 150 / 700 / 3,000 tokens) "
+             "told apart only by the client id, KV 0.7x", workload="client-mix", kv_scale=0.7),
+    Scenario("template-mix", "lengths", "8 system prompts whose answers run from ~80 to ~4,000 "
+             "tokens, one client, KV 0.7x", workload="template-mix", kv_scale=0.7),
+    Scenario("reasoning-mix", "lengths", "60 % chat (median 200) + 40 % heavy-tailed reasoning "
+             "(log-t, median 2,500) told apart by enable_thinking, KV 0.7x",
+             workload="reasoning-mix", kv_scale=0.7),
+    Scenario("no-signal", "lengths", "lognormal answers (median 700, sigma 1) nothing in the "
+             "request predicts, KV 0.7x", workload="no-signal", kv_scale=0.7),
 ]
 
 
@@ -151,7 +174,8 @@ def run_one(scenario: Scenario, seed: int, capacity_rps: Optional[float],
                         scenario.config(rate))
     out = {}
     for name, (run,) in runs.items():
-        out[name] = {k: float(run.summary[k]) for k in KEYS + OUTAGE_KEYS if k in run.summary}
+        out[name] = {k: float(run.summary[k]) for k in KEYS + OUTAGE_KEYS + LENGTH_KEYS
+                     if k in run.summary}
         out[name]["cpu_s"] = run.cpu_s
     return out
 
@@ -276,8 +300,9 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
     out = []
     for s in scenarios:
         by_seed = per[s.name]
-        keys = KEYS + ("cpu_s",) + (OUTAGE_KEYS if s.outages else ())
-        stats = {p: {k: over_seeds(by_seed[seed][p][k] for seed in seeds) for k in keys}
+        keys = KEYS + ("cpu_s",) + (OUTAGE_KEYS if s.outages else ()) + LENGTH_KEYS
+        stats = {p: {k: over_seeds(by_seed[seed][p][k] for seed in seeds) for k in keys
+                     if all(k in by_seed[seed][p] for seed in seeds)}
                  for p in policies}
         settings = workload_settings(s.workload, num_prompts=s.num_prompts, **dict(s.workload_args))
         out.append({"name": s.name, "factor": s.factor, "description": s.description,
@@ -286,6 +311,7 @@ def run_matrix(scenarios: list[Scenario], seeds: list[int], policies: list[str],
                     "concurrency": s.concurrency, "engines": s.engines,
                     "request_rate": s.load * capacity if s.load else None,
                     "policies": stats, "assessment": assess(stats),
+                    "assessment_lengths": assess(stats, picker="picker:lengths"),
                     "assessment_flow": assess(stats, picker="picker-flow")})
     return {"seeds": seeds, "policies": policies, "capacity_rps": capacity,
             "wall_s": time.monotonic() - started, "scenarios": out,
@@ -321,6 +347,19 @@ def assess(stats: dict, picker: str = "picker", baseline: str = "least-request")
         out["oracle_gain_pct"] = gain * 100
         out["gap_closed_pct"] = (lr - pk) / (lr - orc) * 100 if lr > orc else None
         out["gap_target_applies"] = gain >= 0.20
+    if "oracle-dist" in stats:     # the gap to what knowing each class's distribution gives
+        dist = stats["oracle-dist"]["mean_ttft_ms"]["mean"]
+        lr, pk = b["mean_ttft_ms"]["mean"], p["mean_ttft_ms"]["mean"]
+        out["dist_gain_pct"] = -(percent_change(lr, dist) or 0.0)
+        out["dist_gap_closed_pct"] = (lr - pk) / (lr - dist) * 100 if lr > dist else None
+    if "picker" in stats and picker != "picker":     # against today's default
+        d = stats["picker"]
+        out["worse_than_default_beyond_spread"] = {
+            key: ((d[key]["mean"] - p[key]["mean"]) if key == "output_throughput"
+                  else (p[key]["mean"] - d[key]["mean"])) > max(p[key]["std"], d[key]["std"])
+            for key in HEADLINE_KEYS}
+        out["change_vs_default_pct"] = {k: percent_change(d[k]["mean"], p[k]["mean"])
+                                        for k in HEADLINE_KEYS}
     if "picker-upstream" in stats:
         out["default_beats_upstream"] = (p["mean_ttft_ms"]["mean"]
                                          <= stats["picker-upstream"]["mean_ttft_ms"]["mean"])

@@ -42,8 +42,10 @@ from picker.core import RequestInfo, Router, RouterSettings
 from picker.errors import PickerError
 from picker.flowcontrol.controller import FlowControl, FlowSettings
 from picker.flowcontrol.queue import Held
+from picker.lengths.predictor import PredictorSettings
 from picker.scheduling.profile import load_profile
 from picker.signals.metrics import parse_vllm_metrics
+from picker.signals.outcomes import Outcome
 
 from local.sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from local.sim.metrics import cache_config_labels, render_gauges
@@ -56,6 +58,13 @@ PHASES = ("request", "response")
 # wall) and hands index changes to the workers within its 10 ms flush interval, about 7.5 ms
 # wall on average = 38 ms of model time at speedup 5, 12.5 ms wall at most = 62 ms: 50 ms.
 KV_EVENTS_DELAY = 0.05
+# Outcomes (what the picker learns answer lengths and timings from) come with Envoy's access log:
+# its gRPC access log sink flushes its buffer every second (Envoy's default
+# buffer_flush_interval), so a request's outcome reaches the picker at the next full second
+# after its last byte.
+OUTCOME_FLUSH = 1.0
+LENGTHS_ON = PredictorSettings()     # the picker's default: output lengths learned from outcomes
+TOLD = (None, "length", "distribution")
 
 
 def picker_events(events: list) -> list:
@@ -79,9 +88,13 @@ class PickerPolicy(Policy):
     def __init__(self, profile: str = "default", scrape_interval: float | None = None,
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
-                 kv_delay: float | None = None, objectives: tuple = ()):
+                 kv_delay: float | None = None, objectives: tuple = (),
+                 lengths: PredictorSettings | None = LENGTHS_ON, told: str | None = None):
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
+        if told not in TOLD:
+            raise ValueError(f"told must be one of {TOLD}, not {told!r}")
+        self.told = told
         self.phases = phases
         self.objectives = list(objectives)   # picker.discovery.objects.Objective
         self.profile_name = profile
@@ -98,14 +111,19 @@ class PickerPolicy(Policy):
             self.name += "+precise" if kv_delay is None else f"+precise={kv_delay:g}"
         self.profile = load_profile(profile)
         self.scrape_interval = scrape_interval or defaults.SCRAPE_INTERVAL
-        self.settings = RouterSettings() if staleness is None else RouterSettings(staleness=staleness)
+        self.settings = RouterSettings(lengths=lengths)
+        if staleness is not None:
+            self.settings.staleness = staleness
         self.scrapes = 0
+        self.forecasts: list = []   # (request, Forecast) of every decided request, for accuracy
 
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
         self.router = Router(self.profile, objectives=self.objectives, clock=clock,
                              rng=random.Random(rng.random()), settings=self.settings)
         self.router.set_endpoints([ep.address for ep in endpoints])
+        if self.told is not None:
+            self.router.predictor = ToldPredictor(self.router.predictor, self.told)
         self.by_address = {ep.address: ep for ep in endpoints}
         self.flow = FlowControl(self.router, self.flow_settings) if self.flow_settings else None
         self.out: list = []   # (request, Decision | PickerError) handed out by the queue
@@ -117,6 +135,8 @@ class PickerPolicy(Policy):
         self.pages: dict = {}            # (endpoint, running, waiting, kv) -> parsed page
         self.kv_queue: list = []         # heap of (deliver at, n, address, seq, published at, events)
         self.kv_batches = 0
+        self.outcomes: list = []         # heap of (deliver at, n, Outcome)
+        self.outcome_seq = 0
         if self.kv_events:
             from picker.tokenizer import load_tokenizer
             from lab.tokenizer import tokenizer_dir
@@ -140,6 +160,9 @@ class PickerPolicy(Policy):
         now, iv = self.clock(), self.scrape_interval
         if self.kv_queue:
             self._apply_kv(now)
+        outcomes = self.outcomes
+        while outcomes and outcomes[0][0] <= now:
+            self.router.on_outcome(heapq.heappop(outcomes)[2])
         for ep in self.endpoints:
             i = ep.index
             tick = self.phase[i] + math.floor((now - self.phase[i]) / iv) * iv
@@ -170,6 +193,8 @@ class PickerPolicy(Policy):
 
     def pick(self, request: LabRequest):
         self._catch_up()
+        if self.told is not None:
+            self.router.predictor.request = request
         body = json.dumps(request.body(self.endpoints[0].model_name)).encode()
         info = RequestInfo(request.path, request.headers(), body)
         try:
@@ -185,6 +210,9 @@ class PickerPolicy(Policy):
 
     def _bound(self, request: LabRequest, decision):
         request.router_id = decision.request_id
+        request.features = decision.features
+        if decision.forecast is not None:
+            self.forecasts.append((request, decision.forecast))
         if self.phases == "request":  # Envoy closes the stream once the request phase is answered
             self.router.on_request_done(decision.request_id)
         return self.by_address[decision.endpoint]
@@ -218,3 +246,66 @@ class PickerPolicy(Policy):
         self._catch_up()
         if self.phases == "response" and request.router_id is not None:
             self.router.on_request_done(request.router_id)
+        if request.router_id is not None and request.first_token_at is not None:
+            self._queue_outcome(request, endpoint)
+
+    def report(self) -> dict:
+        return forecast_accuracy([(f, r.max_tokens) for r, f in self.forecasts])
+
+    def _queue_outcome(self, request: LabRequest, endpoint) -> None:
+        """The request's access-log entry, delivered at the next flush of Envoy's buffer."""
+        now = self.clock()
+        deliver = math.floor(now / OUTCOME_FLUSH + 1.0) * OUTCOME_FLUSH
+        outcome = Outcome(request.router_id, endpoint.address, 200, len(request.token_ids),
+                          request.completion_tokens, request.first_token_at - request.sent_at,
+                          now - request.sent_at, request.client, self.endpoints[0].model_name,
+                          getattr(request, "features", ""), deliver)
+        self.outcome_seq += 1
+        heapq.heappush(self.outcomes, (deliver, self.outcome_seq, outcome))
+
+
+LEARNED_AFTER = 50     # accuracy "once learned": the forecasts made after this many decisions
+
+
+def forecast_accuracy(pairs: list) -> dict:
+    """The predictor's accuracy over (forecast, true length) pairs in decision order: the median
+    absolute error of the median forecast (tokens, and relative to the true length), and how
+    often the true length stayed at or below the forecast's 0.9 quantile; the same over the
+    forecasts made once LEARNED_AFTER requests had been decided."""
+    if not pairs:
+        return {}
+    out = {}
+    for suffix, part in (("", pairs), ("_learned", pairs[LEARNED_AFTER:])):
+        if not part:
+            continue
+        errors = sorted(abs(f.median - n) for f, n in part)
+        relative = sorted(abs(f.median - n) / n for f, n in part)
+        out[f"length_abs_error_median{suffix}"] = errors[len(errors) // 2]
+        out[f"length_rel_error_median{suffix}"] = relative[len(relative) // 2]
+        out[f"length_p90_coverage{suffix}"] = sum(n <= f.high for f, n in part) / len(part)
+    return out
+
+
+class ToldPredictor:
+    """For the lab's analysis only (policies `picker-told-lengths`, `picker-told-distributions`):
+    the picker told each request's true length, or its class's length distribution, instead of
+    its learned forecast; everything else (learning, the projection, timings) as deployed. The
+    gap between these and the learner is what learning costs; between them and the oracles, what
+    the picker's view of the engines costs."""
+
+    def __init__(self, learner, told: str):
+        self.learner, self.told = learner, told
+        self.request: LabRequest | None = None     # set before each decision
+
+    def forecast(self, features):
+        from loadtest import lengths
+        from picker.lengths.predictor import LEVELS, Forecast
+        r = self.request
+        if self.told == "length" or r.length_dist is None:
+            return Forecast((float(r.max_tokens),) * len(LEVELS), "told", 1.0)
+        grid = lengths.quantiles(r.length_dist)
+        step = len(grid) / len(LEVELS)
+        return Forecast(tuple(grid[int((i + 0.5) * step)] for i in range(len(LEVELS))), "told", 1.0)
+
+    def __getattr__(self, name):        # learn, prior, learned, ...: the learner's
+        return getattr(self.learner, name)

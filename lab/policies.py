@@ -79,6 +79,9 @@ def make_policy(name: str, **options) -> Policy:
     if name == "oracle":
         from lab.oracle import Oracle
         return Oracle()
+    if name == "oracle-dist":
+        from lab.distribution_oracle import DistributionOracle
+        return DistributionOracle()
     if name == "oracle-late":
         from lab.oracle import LateOracle
         return LateOracle()
@@ -92,6 +95,16 @@ def make_policy(name: str, **options) -> Policy:
         from lab.picker_policy import PickerPolicy
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, flow=True, **options)
+    if name in ("picker-told-lengths", "picker-told-distributions"):   # analysis: lab/picker_policy.py
+        from lab.picker_policy import PickerPolicy
+        policy = PickerPolicy("lengths", told=name.rsplit("-", 1)[1].rstrip("s"), **options)
+        policy.name = name
+        return policy
+    if name == "picker-no-lengths":   # the default profile without output-length forecasts
+        from lab.picker_policy import PickerPolicy
+        policy = PickerPolicy("default", lengths=None, **options)
+        policy.name = name
+        return policy
     if name == "picker-upstream":
         name = "picker:upstream-default"
     if name == "picker" or name.startswith("picker:"):
@@ -99,6 +112,6 @@ def make_policy(name: str, **options) -> Policy:
         profile = name.partition(":")[2] or "default"
         return PickerPolicy(profile, **options)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(BASIC_POLICIES)}, oracle, "
-                     f"oracle-late, picker[:PROFILE], picker-flow[:PROFILE], picker-flow-reject, "
+                     f"oracle-late, oracle-dist, picker-no-lengths, picker-told-lengths, picker-told-distributions, picker[:PROFILE], picker-flow[:PROFILE], picker-flow-reject, "
                      f"picker-upstream, "
                      f"replicas:N[:independent|:active-passive], each picker or replicas name with +precise[=SECONDS]")

@@ -50,9 +50,19 @@ class LabRequest:
     path: str = "/v1/completions"
     endpoint: Optional[LabEndpoint] = None
     router_id: Optional[str] = None    # the picker's request id, for on_request_done
+    features: str = ""                 # the picker's predictor key for it (Decision.features)
     max_tokens_cap: Optional[int] = None  # what the client sends as max_tokens (None: the length)
     client: str = ""                   # the edge's x-client-id ("" = none)
     objective: Optional[str] = None    # x-gateway-inference-objective (None = none)
+    cap: Optional[int] = None          # the request's own max_tokens cap (PromptSpec.cap)
+    extra: Optional[dict] = None       # more body fields (PromptSpec.extra)
+    length_class: str = ""             # hidden: the class its length was drawn from
+    length_dist: Optional[tuple] = None  # hidden: that class's distribution (loadtest/lengths.py)
+    # What the lab saw of it (set before the policy's on_done): times and tokens, as Envoy's
+    # access log reports them to the picker.
+    sent_at: float = 0.0
+    first_token_at: Optional[float] = None
+    completion_tokens: int = 0
 
     def headers(self) -> dict:
         """The request headers the picker sees (what Envoy forwards to it)."""
@@ -64,16 +74,20 @@ class LabRequest:
         return out
 
     def body(self, model: str) -> dict:
-        """The client's body. With a cap, `max_tokens` is the cap (the model stops earlier, at
-        its own end of sequence: the true length); without one, the true length + ignore_eos,
-        as vLLM's benchmark sends it."""
-        if self.max_tokens_cap is not None:
-            return {"model": model, "prompt": self.prompt,
-                    "max_tokens": max(self.max_tokens_cap, self.max_tokens), "stream": True,
-                    "stream_options": {"include_usage": True}}
-        return {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                "ignore_eos": True, "stream": True,
+        """The client's body. With a cap (the request's own, else the run's), `max_tokens` is the
+        cap and the model stops earlier, at its own end of sequence (the true length); without
+        one, the true length + ignore_eos, as vLLM's benchmark sends it."""
+        cap = self.cap if self.cap is not None else self.max_tokens_cap
+        body = {"model": model, "prompt": self.prompt, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if cap is not None:
+            body["max_tokens"] = max(cap, self.max_tokens)
+        else:
+            body["max_tokens"] = self.max_tokens
+            body["ignore_eos"] = True
+        if self.extra:
+            body.update(self.extra)
+        return body
 
 
 class Deferred(Exception):
@@ -119,6 +133,11 @@ class Policy:
         BlockRemoved, AllBlocksCleared), published at `at` with sequence number `seq` (from 0
         at every engine start, as vLLM numbers them). Only called when `kv_events` is True; the
         policy models its own delivery delay. Called at every step, not synced (as next_wakeup)."""
+
+    def report(self) -> dict:
+        """Figures of the policy's own to add to the run's summary (e.g. the picker's forecast
+        accuracy), computed after the run."""
+        return {}
 
     # Late binding: a policy whose pick() raises Deferred answers these.
     def next_wakeup(self) -> Optional[float]:

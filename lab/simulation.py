@@ -95,7 +95,11 @@ def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
     for i, (s, ids) in enumerate(zip(specs, all_ids)):
         out.append(LabRequest(index=i, request_id=f"req-{i}", prompt=s.prompt, token_ids=ids,
                               hashes=block_hashes(ids, block_size), max_tokens=s.output_tokens,
-                              group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None)))
+                              group=getattr(s, "group", ""), arrival=getattr(s, "arrival", None),
+                              client=getattr(s, "client", ""), cap=getattr(s, "cap", None),
+                              extra=getattr(s, "extra", None),
+                              length_class=getattr(s, "length_class", ""),
+                              length_dist=getattr(s, "length_dist", None)))
     return out
 
 
@@ -258,6 +262,7 @@ class Lab:
             latency=client.last - client.sent, itl=client.itl,
             prompt_tokens=len(req.token_ids), output_tokens=client.tokens, end=client.last,
             target=ep.address, endpoint=req.path, group=req.group))
+        req.sent_at, req.first_token_at, req.completion_tokens = client.sent, client.first, client.tokens
         self._policy().on_done(req, ep)
 
     # ----- engine side ---------------------------------------------------------------------
@@ -374,6 +379,7 @@ class Lab:
                 prefix_cache_queries=e.prefix_cache_queries,
                 prefix_cache_hits=e.prefix_cache_hits, generation_tokens=e.generation_tokens)
         summary["per_endpoint"] = per_endpoint
+        summary.update(self.policy.report())
         if cfg.outages:
             summary.update(outage_windows(self.samples, cfg.outages[0]))
         return LabRun(summary, self.samples, self.series, per_endpoint)

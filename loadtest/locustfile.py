@@ -34,8 +34,8 @@ from loadtest.metrics import (RequestSample, StreamTimer, parse_goodput, parse_p
 from loadtest.openai_api import (DONE, ENDPOINTS, OBJECTIVE_HEADER, SSEDecoder, SSEError,
                                  error_reason, request_body)
 from loadtest.plan import MODES, WAIT, RunOptions, RunPlan, parse_ports, parse_workload_args
-from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, api_key, default_ports, describe_ports,
-                              routing_names, target_url, unreachable)
+from loadtest.targets import (CLUSTER_PORTS, LOCAL_PORTS, api_key, client_keys, default_ports,
+                              describe_ports, routing_names, target_url, unreachable)
 from loadtest.workloads import WORKLOADS
 
 log = logging.getLogger("loadtest")
@@ -110,6 +110,7 @@ def options_from_parsed(opts, host: str) -> RunOptions:
 
 # once per target, not once per simulated user (it may read the local stack's key file)
 _api_key = functools.lru_cache(maxsize=8)(api_key)
+_client_keys = functools.lru_cache(maxsize=8)(client_keys)
 
 
 class OpenAIUser(FastHttpUser):
@@ -133,6 +134,11 @@ class OpenAIUser(FastHttpUser):
                                              OBJECTIVE_HEADER)
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
+        # a workload's own client ids (class mixes): each with its API key, when there is one
+        for client, client_key in _client_keys(self.environment.host or self.host,
+                                               tuple(options.ports)).items():
+            if client not in self.client_headers:
+                self.client_headers[client] = {**self.headers, "Authorization": f"Bearer {client_key}"}
 
     @task
     def stream_one(self):

@@ -36,8 +36,11 @@ def chat_reasoning_workload(rng: np.random.Generator, num_prompts: int, long_sha
                    _uniform(rng, short_input, num_prompts))
     outs = np.where(is_long, _uniform(rng, long_output, num_prompts),
                     _uniform(rng, short_output, num_prompts))
+    dists = {"chat": ("uniform", *short_output), "reasoning": ("uniform", *long_output)}
     return [PromptSpec(prompt=random_words(rng, int(i)), prompt_tokens=int(i), output_tokens=int(o),
-                       group="reasoning" if long else "chat")
+                       group="reasoning" if long else "chat",
+                       length_class="reasoning" if long else "chat",
+                       length_dist=dists["reasoning" if long else "chat"])
             for i, o, long in zip(ins, outs, is_long)]
 
 
@@ -54,7 +57,8 @@ def multi_turn_workload(rng: np.random.Generator, num_prompts: int, num_sessions
             prompt = " ".join(p for p in (history[s], user) if p)
             out = int(_uniform(rng, output_len, 1)[0])
             specs.append(PromptSpec(prompt=prompt, prompt_tokens=len(prompt.split(" ")),
-                                    output_tokens=out, group=f"session-{s}"))
+                                    output_tokens=out, group=f"session-{s}", length_class="turn",
+                                    length_dist=("uniform", *output_len)))
             # The answer joins the history the next turn resends (synthetic words of its length).
             history[s] = " ".join((prompt, random_words(rng, out)))
             if len(specs) == num_prompts:
@@ -69,9 +73,47 @@ def long_tail_workload(rng: np.random.Generator, num_prompts: int, input_median:
                   max_model_len // 2).astype(int)
     outs = np.clip(rng.lognormal(np.log(output_median), output_sigma, num_prompts), 4,
                    max_model_len - ins).astype(int)
-    return [PromptSpec(prompt=random_words(rng, int(i)), prompt_tokens=int(i), output_tokens=int(o))
+    dist = ("lognormal", output_median, output_sigma, 4, max_model_len)
+    return [PromptSpec(prompt=random_words(rng, int(i)), prompt_tokens=int(i), output_tokens=int(o),
+                       length_class="answer", length_dist=dist)
             for i, o in zip(ins, outs)]
 
 
+def class_mix_workload(rng: np.random.Generator, num_prompts: int, classes, prompt_len,
+                       template_len: int, cap) -> list:
+    """Requests of several classes whose answer lengths differ, each class showing itself (or
+    not) only through what a real request would carry.
+
+    classes: (name, share, length distribution (loadtest/lengths.py), client id ("" = none),
+    template (True: the class's own system prompt of `template_len` words opens its prompts),
+    extra body fields (dict or None)) per class; prompt_len: the distribution of the prompts'
+    own lengths (the same for every class, so the length shows nothing); cap: the max_tokens
+    every client sends (None: the true length, as vLLM's benchmark)."""
+    from loadtest import lengths
+    if not classes:
+        raise ValueError("a class mix needs at least one class")
+    shares = np.array([float(c[1]) for c in classes])
+    if (shares < 0).any() or shares.sum() <= 0:
+        raise ValueError("class shares must be >= 0 and not all 0")
+    for c in classes:
+        lengths.check(tuple(c[2]))
+    which = rng.choice(len(classes), size=num_prompts, p=shares / shares.sum())
+    templates = [random_words(rng, template_len) if c[4] else "" for c in classes]
+    prompt_lens = lengths.sample(tuple(prompt_len), rng, num_prompts)
+    specs = []
+    for k, plen in zip(which.tolist(), prompt_lens.tolist()):
+        name, _, dist, client, _, extra = classes[k]
+        dist = tuple(dist)
+        out = int(lengths.sample(dist, rng, 1)[0])
+        question = random_words(rng, int(plen))
+        prompt = " ".join(p for p in (templates[k], question) if p)
+        specs.append(PromptSpec(prompt=prompt, prompt_tokens=len(prompt.split(" ")),
+                                output_tokens=out, group=name, client=client,
+                                cap=None if cap is None else max(int(cap), out),
+                                extra=dict(extra) if extra else None, length_class=name,
+                                length_dist=dist))
+    return specs
+
+
 BUILDERS = {"chat-reasoning": chat_reasoning_workload, "multi-turn": multi_turn_workload,
-            "long-tail": long_tail_workload}
+            "long-tail": long_tail_workload, "class-mix": class_mix_workload}

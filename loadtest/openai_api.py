@@ -10,15 +10,24 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 def request_body(spec: PromptSpec, endpoint: str, model: str, *, ignore_eos: bool = True) -> dict:
-    """Streaming request like vLLM's benchmark client (usage in the last chunk)."""
+    """Streaming request like vLLM's benchmark client (usage in the last chunk).
+
+    A spec with a cap hides its length as a real client's request does: max_tokens is the cap,
+    and `min_tokens` (a vLLM sampling parameter) is the length, which the simulator takes as the
+    point where its model's answer ends (local/sim/server.py); the picker never reads it."""
+    limit = spec.output_tokens if spec.cap is None else spec.cap
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                  "temperature": 0.0, "ignore_eos": ignore_eos}
+                  "temperature": 0.0, "ignore_eos": ignore_eos and spec.cap is None}
+    if spec.cap is not None:
+        body["min_tokens"] = spec.output_tokens
     if endpoint == "completions":
-        body.update(prompt=spec.prompt, max_tokens=spec.output_tokens)
+        body.update(prompt=spec.prompt, max_tokens=limit)
     elif endpoint == "chat":
-        body.update(messages=spec.chat_messages(), max_completion_tokens=spec.output_tokens)
+        body.update(messages=spec.chat_messages(), max_completion_tokens=limit)
     else:
         raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}")
+    if spec.extra:
+        body.update(spec.extra)
     return body
 
 

@@ -24,6 +24,16 @@ class PromptSpec:
     messages: list | None = None  # for chat: OpenAI messages (None: one user message = prompt)
     arrival: float | None = None  # send time in s from the start (traces); None: the run decides
     client: str = ""       # the client that sends it (loadtest/clients.py; "" = the run's only one)
+    # Realistic requests hide their answer's length: `cap` is the max_tokens the client sends
+    # (>= output_tokens; None: output_tokens itself, with ignore_eos, as vLLM's benchmark does),
+    # `extra` more body fields (reasoning_effort, chat_template_kwargs, tools, ...). What decides
+    # the length stays with the workload: `length_class` names the request's class and
+    # `length_dist` its class's length distribution (loadtest/lengths.py), known only to the lab's
+    # distribution oracle and to reports.
+    cap: int | None = None
+    extra: dict | None = None
+    length_class: str = ""
+    length_dist: tuple | None = None
 
     def chat_messages(self) -> list:
         return self.messages if self.messages is not None else [

@@ -128,6 +128,27 @@ def api_key(host: str, ports, run_root: Path | None = None) -> str | None:
         return None
 
 
+API_KEYS_ENV = "LOADTEST_API_KEYS"  # a JSON file {client id: key} for workloads with client ids
+
+
+def client_keys(host: str, ports, run_root: Path | None = None) -> dict[str, str]:
+    """API keys by client id, for workloads whose requests name their client (PromptSpec.client):
+    the JSON file $LOADTEST_API_KEYS names, else the local stack's throw-away keys, else none."""
+    path = os.environ.get(API_KEYS_ENV)
+    if not path:
+        stack = local_stack(host, ports, run_root)
+        if stack is None:
+            return {}
+        path = Path(stack["state"]).parent / "api-keys.json"
+    try:
+        keys = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"${API_KEYS_ENV} ({path}): not a readable JSON file: {err}") from None
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        raise ValueError(f"{path}: expected a JSON object of client id -> API key")
+    return keys
+
+
 def routing_names(host: str, ports) -> dict[str, str]:
     """{port: routing label}: by the local stack's listeners when one serves `ports`, else by
     the cluster's or the default local ports."""

@@ -24,6 +24,7 @@ Everything is deterministic for a given seed.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,39 @@ WORKLOADS: dict[str, dict] = {
                       output_sigma=1.0, max_model_len=16384, num_prompts=400, concurrency=30),
     # A JSONL trace by path (loadtest/traces.py); every line unless num_prompts is given.
     "trace": dict(kind="trace", path=None, num_prompts=None, concurrency=30),
+    # Class mixes (loadtest/mixes.py class_mix_workload): answer lengths that differ by class,
+    # each class visible only through what a real request carries, every client sending the same
+    # max_tokens cap and prompts of the same lengths. Classes: (name, share, length distribution,
+    # client id, own system prompt, extra body fields).
+    # The class shows only in the client id: three applications behind three API keys.
+    "client-mix": dict(kind="class-mix", classes=(
+        ("chat", 0.5, ("lognormal", 150, 0.6, 8, 8192), "chat-app", False, None),
+        ("agent", 0.3, ("lognormal", 700, 0.6, 16, 8192), "agent-app", False, None),
+        ("reasoner", 0.2, ("lognormal", 3000, 0.5, 64, 9000), "reasoner-app", False, None)),
+        prompt_len=("lognormal", 1500, 0.6, 64, 6000), template_len=0, cap=9000,
+        num_prompts=300, concurrency=30),
+    # The class shows only in the system prompt: one client, eight templates (600-token system
+    # prompts) whose answers run from ~80 to ~4,000 tokens.
+    "template-mix": dict(kind="class-mix", classes=tuple(
+        (f"template-{i}", 1.0, ("lognormal", m, 0.5, 8, 10000), "app", True, None)
+        for i, m in enumerate((80, 140, 250, 450, 800, 1400, 2500, 4000))),
+        prompt_len=("lognormal", 800, 0.6, 32, 4000), template_len=600, cap=10000,
+        num_prompts=300, concurrency=30),
+    # Nothing predicts the length: one class, heavy-tailed answers, random prompts.
+    "no-signal": dict(kind="class-mix", classes=(
+        ("answer", 1.0, ("lognormal", 700, 1.0, 8, 10000), "app", False, None),),
+        prompt_len=("lognormal", 1500, 0.6, 64, 6000), template_len=0, cap=10000,
+        num_prompts=300, concurrency=30),
+    # A reasoning model's two kinds of answers, the class visible in the thinking switch
+    # (chat_template_kwargs.enable_thinking): short chat answers (lognormal, median 200) and
+    # heavy-tailed reasoning (log-t with 3 degrees of freedom, median 2,500).
+    "reasoning-mix": dict(kind="class-mix", classes=(
+        ("chat", 0.6, ("lognormal", 200, 0.8, 8, 8000), "app", False,
+         {"chat_template_kwargs": {"enable_thinking": False}}),
+        ("reasoning", 0.4, ("logt", 2500, 0.6, 3, 64, 10000), "app", False,
+         {"chat_template_kwargs": {"enable_thinking": True}})),
+        prompt_len=("lognormal", 1000, 0.7, 32, 6000), template_len=0, cap=10000,
+        num_prompts=300, concurrency=30),
 }
 
 _KIND_PARAMS = {
@@ -101,14 +135,20 @@ _KIND_PARAMS = {
     "multi-turn": {"num_sessions", "turns", "system_prompt_len", "user_len", "output_len"},
     "long-tail": {"input_median", "input_sigma", "output_median", "output_sigma", "max_model_len"},
     "trace": {"path"},
+    "class-mix": {"classes", "prompt_len", "template_len", "cap"},
 }
+
+# Any workload: `cap` = the max_tokens every request sends instead of its length (at least the
+# length; the length then goes as min_tokens, loadtest/openai_api.py), as real clients send caps.
+COMMON_PARAMS = {"cap"}
+
 
 def workload_settings(name: str, **overrides) -> dict:
     """The named workload's settings with overrides applied (None overrides are ignored)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
     settings = dict(WORKLOADS[name])
-    allowed = _KIND_PARAMS[settings["kind"]] | set(RUN_KEYS)
+    allowed = _KIND_PARAMS[settings["kind"]] | set(RUN_KEYS) | COMMON_PARAMS
     for key, value in overrides.items():
         if key not in allowed:
             raise ValueError(f"workload {name!r} ({settings['kind']}) has no parameter {key!r}; "
@@ -121,6 +161,15 @@ def workload_settings(name: str, **overrides) -> dict:
 def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]:
     """Build the prompts of workload `name` (see WORKLOADS), deterministic for `seed`."""
     s = workload_settings(name, **overrides)
+    specs = _build(s, seed)
+    cap = s.get("cap")
+    if cap is not None and s["kind"] != "class-mix":    # a class mix applies its own
+        specs = [replace(p, cap=max(int(cap), p.output_tokens)) if p.cap is None else p
+                 for p in specs]
+    return specs
+
+
+def _build(s: dict, seed: int) -> list[PromptSpec]:
     if s["kind"] == "trace":
         return trace_workload(seed, s["path"], s["num_prompts"])
     rng = np.random.default_rng(seed)
@@ -141,7 +190,7 @@ def build_workload(name: str, *, seed: int = 0, **overrides) -> list[PromptSpec]
     return sharegpt_workload(rng, n, s["path"], s["output_len"], bool(keep_long))
 
 
-MIX_KINDS = ("chat-reasoning", "multi-turn", "long-tail")     # built by loadtest/mixes.py
+MIX_KINDS = ("chat-reasoning", "multi-turn", "long-tail", "class-mix")   # loadtest/mixes.py
 
 
 def random_workload(rng: np.random.Generator, num_prompts: int, prefix_len: int,
@@ -156,8 +205,10 @@ def random_workload(rng: np.random.Generator, num_prompts: int, prefix_len: int,
     output_lens = np.maximum(
         1, rng.integers(int(output_len * range_ratio), output_len + 1, size=num_prompts))
     prefix = random_words(rng, prefix_len)
+    dist = ("uniform", max(1, int(output_len * range_ratio)), output_len)
     return [PromptSpec(prompt=join_parts(prefix, random_words(rng, int(i))),
-                       prompt_tokens=prefix_len + int(i), output_tokens=int(o))
+                       prompt_tokens=prefix_len + int(i), output_tokens=int(o),
+                       length_class="answer", length_dist=dist)
             for i, o in zip(input_lens, output_lens)]
 
 
@@ -176,7 +227,7 @@ def shared_prefix_workload(rng: np.random.Generator, num_prompts: int, num_group
         specs.append(PromptSpec(
             prompt=join_parts(systems[g], question),
             prompt_tokens=system_prompt_len + question_len, output_tokens=output_len,
-            group=f"tenant-{g}",
+            group=f"tenant-{g}", length_class="answer", length_dist=("const", output_len),
             messages=[{"role": "system", "content": systems[g]},
                       {"role": "user", "content": question, "name": f"user-{g}-{u}"}]))
     return specs

@@ -10,7 +10,7 @@ import base64
 import datetime
 import functools
 
-from validation.manifests import gateway_listeners, name_of, ns_of, of_kind, routes_on_listener
+from validation.manifests import gateway_listeners, name_of, ns_of, of_kind, routes_on_listener, seconds
 from validation.problems import describe
 
 GATEWAY = "inference-gateway"
@@ -117,6 +117,27 @@ def listeners_limit_connections(objs):
         if not limited:
             problems.append(f"Gateway {GATEWAY} listener {listener!r}: no ClientTrafficPolicy sets "
                             f"spec.connection.connectionLimit")
+    return problems
+
+
+def listeners_time_out_headers(objs):
+    """Each listener bounds how long a client may take to send its headers, below the whole
+    request's bound: without it a client dribbling header lines (slowloris) holds a connection,
+    of the connectionLimit, for the whole requestReceivedTimeout."""
+    problems = []
+    for listener in _listeners(objs):
+        covering = [p for p in of_kind(objs, "ClientTrafficPolicy") if _covers(p, listener)]
+        http = [(p, (((p.get("spec") or {}).get("timeout") or {}).get("http") or {})) for p in covering]
+        headers = [(p, t["requestHeadersReceivedTimeout"]) for p, t in http if t.get("requestHeadersReceivedTimeout")]
+        if not headers or not seconds(headers[0][1]):
+            problems.append(f"Gateway {GATEWAY} listener {listener!r}: no ClientTrafficPolicy sets "
+                            f"spec.timeout.http.requestHeadersReceivedTimeout (a client dribbling its "
+                            f"headers holds a connection for the whole request timeout)")
+            continue
+        whole = [t["requestReceivedTimeout"] for _, t in http if t.get("requestReceivedTimeout")]
+        if whole and seconds(headers[0][1]) >= seconds(whole[0]):
+            problems.append(f"{describe(headers[0][0])}: spec.timeout.http.requestHeadersReceivedTimeout "
+                            f"{headers[0][1]} must be shorter than requestReceivedTimeout {whole[0]}")
     return problems
 
 
@@ -260,7 +281,7 @@ def _self_signed() -> dict[str, str]:
 
 
 EDGE_CHECKS = [listeners_authenticate, listeners_strip_endpoint_headers, listeners_strip_client_id,
-               listeners_limit_connections, routes_rate_limit, listeners_use_tls, picker_hop_verified]
+               listeners_limit_connections, listeners_time_out_headers, routes_rate_limit, listeners_use_tls, picker_hop_verified]
 # what an Argo CD app's path must hold unless the app opts in to an open Gateway
 CLOSED_CHECKS = [listeners_authenticate, routes_rate_limit]
 # every overlay (components/healthy-backends is part of every overlay)

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from validation.edge import placeholder_secrets
-from validation.manifests import GATEWAY_GROUPS, gateway_objects, group_of, seconds  # seconds: part of this API
+from validation.manifests import GATEWAY_GROUPS, gateway_objects, group_of, seconds  # noqa: F401 (seconds: part of this API)
 from validation.problems import Problem, describe
 
 CHECKED_CONDITIONS = ("Accepted", "ResolvedRefs", "Programmed")

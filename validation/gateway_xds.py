@@ -324,7 +324,8 @@ def _client_policy(target: str, policy: dict, namespace: str, xds) -> list[Probl
                 "spec.connection.bufferLimit")
         for hcm in _hcms(listener):
             for field, xds_field in (("streamIdleTimeout", "streamIdleTimeout"),
-                                     ("requestReceivedTimeout", "requestTimeout")):
+                                     ("requestReceivedTimeout", "requestTimeout"),
+                                     ("requestHeadersReceivedTimeout", "requestHeadersTimeout")):
                 if field in http and seconds(hcm.get(xds_field)) != seconds(http[field]):
                     add(f"listener {name} {xds_field} is {hcm.get(xds_field)!r}, want {http[field]}",
                         f"spec.timeout.http.{field}")

@@ -4,7 +4,9 @@
                                  [--workers 1,2] [--seconds 5] [--repeat 3] [--json FILE]
 
 1. In process: Router.decide() at each pool size, with the candidate prefilter (the default)
-   and without it (every candidate scored). Wall time and the thread's CPU time per decision:
+   and without it (every candidate scored); and at --lengths-sizes with output lengths off, the
+   predictor learning (outcomes flowing, a forecast per decision, the learning counted) and the
+   `lengths` profile routing on them (20 requests tracked per endpoint). Wall time and the thread's CPU time per decision:
    on a shared machine the wall-time tail is mostly preemption by other processes.
 2. Through gRPC at each of --grpc-sizes: the real ext_proc server (one worker), its router fed
    parsed scrapes at the pool's adapted interval as the signals process would, driven by the
@@ -45,6 +47,12 @@ def inprocess(sizes: list[int], count: int = 3000) -> list[dict]:
             out.append(service.bench_inprocess(n, count if prefilter or n <= 256 else count // 3,
                                                prefilter=prefilter))
     return out
+
+
+def lengths(sizes: list[int], count: int = 3000) -> list[dict]:
+    """decide() with output lengths off, learning, and routing on them (service.LENGTHS_MODES)."""
+    return [service.bench_inprocess_lengths(n, mode, count)
+            for n in sizes for mode in service.LENGTHS_MODES]
 
 
 # ---- 2. gRPC at pool sizes --------------------------------------------------------------------
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", default="1,2")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--parts", default="inprocess,grpc,scrape,workers")
+    p.add_argument("--lengths-sizes", default="16,1024")
+    p.add_argument("--parts", default="inprocess,lengths,grpc,scrape,workers")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
     if not os.access(service.LOAD_CLIENT, os.X_OK):
@@ -286,6 +295,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {r['endpoints']:5d} endpoints, prefilter {'on ' if r['prefilter'] else 'off'}: "
                   f"{r['decisions_per_s']:6.0f}/s  wall p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:.3f} ms  "
                   f"CPU p50 {r['cpu_p50_ms']:.3f} p99 {r['cpu_p99_ms']:.3f} ms", flush=True)
+    if "lengths" in parts:
+        print("\nRouter.decide() with output lengths off / learning / routing on them:")
+        res["lengths"] = lengths([int(x) for x in a.lengths_sizes.split(",")])
+        _save(res, a.json)
+        for r in res["lengths"]:
+            print(f"  {r['endpoints']:5d} endpoints, {r['mode']:8s}: CPU p50 {r['cpu_p50_ms']:.3f} "
+                  f"p99 {r['cpu_p99_ms']:.3f} ms, {r['cpu_ms_per_decision']:.3f} ms/decision", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         bodies = os.path.join(tmp, "bodies.jsonl")
         service._write_bodies(bodies)

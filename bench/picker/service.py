@@ -66,7 +66,8 @@ def vllm_page(waiting: int, running: int, kv: float, model: str = "qwq") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _router(n: int, profile: str = "default", metrics=None, prefilter: bool = True):
+def _router(n: int, profile: str = "default", metrics=None, prefilter: bool = True,
+            settings=None):
     """A Router on n endpoints; prefilter=False scores every candidate (no candidate prefilter)."""
     import dataclasses
 
@@ -75,7 +76,7 @@ def _router(n: int, profile: str = "default", metrics=None, prefilter: bool = Tr
     prof = load_profile(profile)
     if not prefilter:
         prof.prefilter = dataclasses.replace(prof.prefilter, above=1 << 30)
-    router = Router(prof, rng=random.Random(1), metrics=metrics)
+    router = Router(prof, rng=random.Random(1), metrics=metrics, settings=settings)
     addrs = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(n)]
     router.set_endpoints(addrs)
     return router, addrs
@@ -130,6 +131,61 @@ def bench_inprocess(n: int, count: int = 3000, prefilter: bool = True) -> dict:
         del d
     return {"endpoints": n, "prefilter": prefilter, "decisions_per_s": count / sum(lat),
             "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99),
+            "cpu_p50_ms": 1000 * _pct(cpu, 0.5), "cpu_p99_ms": 1000 * _pct(cpu, 0.99),
+            "cpu_ms_per_decision": 1000 * sum(cpu) / count}
+
+
+# decide() with output lengths (picker.lengths): off; the predictor learning with outcomes flowing
+# (every decision forecast, the default profile); and the `lengths` profile routing on them
+# (a projection of each candidate's KV over its tracked requests' predicted ends).
+LENGTHS_MODES = ("off", "learning", "routing")
+TRACKED_PER_ENDPOINT = 20        # requests in flight per endpoint the projection walks
+
+
+def bench_inprocess_lengths(n: int, mode: str, count: int = 3000) -> dict:
+    """decide() CPU per decision with output lengths `mode` (LENGTHS_MODES), n endpoints."""
+    from picker.core import RequestInfo, RouterSettings
+    from picker.lengths.features import Features
+    from picker.lengths.predictor import PredictorSettings
+    from picker.signals.outcomes import Outcome
+    router, addrs = _router(n, profile="lengths" if mode == "routing" else "default",
+                            settings=RouterSettings(lengths=None if mode == "off"
+                                                    else PredictorSettings()))
+    rng = random.Random(2)
+    _refresh(router, addrs, rng)
+    bodies = [_request_body(rng) for _ in range(200)]
+    clients = [f"app-{k}" for k in range(8)]
+
+    def decide(i: int):
+        return router.decide(RequestInfo("/v1/completions", {"x-client-id": clients[i % 8]},
+                                         bodies[i % len(bodies)]))
+
+    def outcome(d, tokens: int) -> Outcome:
+        return Outcome(d.request_id, d.endpoint, 200, 4000, tokens, 1.0, 1.0 + 0.1 * tokens, "",
+                       d.target_model, d.features, 0.0)
+
+    if mode != "off":       # a history of answers, then every endpoint's requests in flight
+        for i in range(400):
+            router.on_outcome(outcome(decide(i), rng.randint(50, 4000)))
+        forecast = router.predictor.forecast(Features.from_key(decide(0).features))
+        for a in addrs:
+            for k in range(TRACKED_PER_ENDPOINT):
+                router.work.add(f"bench-{a}-{k}", a, -rng.random() * 60, 3000, 4000, forecast)
+        _refresh(router, addrs, rng)
+    lat, cpu = [], []
+    for i in range(count):
+        if i % 100 == 0:
+            _refresh(router, addrs, rng)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        d = decide(i)
+        cpu.append(time.thread_time() - c0)
+        lat.append(time.perf_counter() - t0)
+        router.on_request_done(d.request_id)
+        if mode != "off":   # its outcome (learning is part of the cost: every worker learns)
+            c1 = time.thread_time()
+            router.on_outcome(outcome(d, rng.randint(50, 4000)))
+            cpu[-1] += time.thread_time() - c1
+    return {"endpoints": n, "mode": mode, "decisions_per_s": count / sum(lat),
             "cpu_p50_ms": 1000 * _pct(cpu, 0.5), "cpu_p99_ms": 1000 * _pct(cpu, 0.99),
             "cpu_ms_per_decision": 1000 * sum(cpu) / count}
 

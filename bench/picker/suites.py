@@ -303,6 +303,23 @@ def scale_report(d: dict) -> list[str]:
             x = big[0]
             out += ["", f"Target 1,024 endpoints at <= 1 ms p99 in process: CPU p99 {x['cpu_p99_ms']:.3f} ms, "
                         f"{'met' if x['cpu_p99_ms'] <= 1 else 'not met'} (wall p99 {x['p99_ms']:.3f} ms)."]
+    lengths = r.get("lengths") or []
+    if lengths:
+        labels = {"off": "off (`--no-lengths`)", "learning": "learning (default profile)",
+                  "routing": "routing on them (`lengths` profile)"}
+        out += ["", "Output lengths (picker/README.md, \"Output lengths\"): decide() with the predictor "
+                    "off, learning (outcomes flowing: a forecast per decision, each outcome learned, "
+                    "counted in the decision's CPU) and the `lengths` profile (a projection per candidate "
+                    "over 20 requests tracked per endpoint):", ""]
+        out += md_table(["in process", "output lengths", "CPU p50 / p99 ms", "CPU ms/decision"],
+                        [[f"{x['endpoints']:,} endpoints", labels[x["mode"]],
+                          f"{x['cpu_p50_ms']:.3f} / {x['cpu_p99_ms']:.3f}", f"{x['cpu_ms_per_decision']:.3f}"]
+                         for x in lengths])
+        big = [x for x in lengths if x["endpoints"] >= 1024]
+        if big:
+            worst = max(x["cpu_p99_ms"] for x in big)
+            out += ["", f"Target p99 CPU per decision at 1,024 endpoints <= 1 ms with output lengths on: "
+                        f"{worst:.3f} ms at most, {'met' if worst <= 1 else 'not met'}."]
     grpc = r.get("grpc") or []
     if grpc:
         rows = []

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench.picker import service as bench
 
 
@@ -37,7 +39,10 @@ def test_the_latency_bounded_rate_stops_at_the_first_rate_that_misses():
     assert bench.latency_bounded_rate([run(250, 6)]) is None
 
 
+@pytest.mark.server
 def test_bench_drives_the_real_server_and_times_every_decision(tmp_path):
+    """Over 30 s on a busy machine: the real picker server and the Go load client run the bench's
+    closed and open loops (short ones), each started as a process."""
     assert os.access(bench.LOAD_CLIENT, os.X_OK), "load client missing: run `make tools`"
     out = tmp_path / "bench.json"
     run = subprocess.run(

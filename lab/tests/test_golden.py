@@ -42,10 +42,11 @@ _SMALL = A10_QWQ32B.with_overrides(num_gpu_blocks=300)
 CASES = {
     "closed": ("demo", dict(num_prompts=60), 0, dict(num_engines=3, concurrency=30),
                ["least-request", "round-robin", "picker", "picker-upstream", "picker-flow",
-                "oracle", "oracle-late", "picker+precise"]),
+                "oracle", "oracle-late", "picker+precise", "picker:lengths", "oracle-dist"]),
     "kv-starved": ("demo", dict(num_prompts=36), 1,
                    dict(num_engines=3, concurrency=12, engine_models=[_STARVED] * 3),
-                   ["least-request", "picker", "picker-flow", "oracle", "oracle-late"]),
+                   ["least-request", "picker", "picker-flow", "oracle", "oracle-late",
+                    "picker:lengths", "oracle-dist"]),
     "shared-prefix": ("shared-prefix", dict(num_prompts=40, num_groups=12, system_prompt_len=1000,
                                             question_len=200, output_len=100), 2,
                       dict(num_engines=2, concurrency=10, engine_models=[_SMALL] * 2),
@@ -59,7 +60,7 @@ CASES = {
                ["least-request", "picker", "picker-flow", "oracle", "oracle-late"]),
     "capped": ("chat-reasoning", dict(num_prompts=30), 5,
                dict(num_engines=3, concurrency=10, max_tokens_cap=4096),
-               ["picker", "picker-flow", "oracle"]),
+               ["picker", "picker-flow", "oracle", "picker:lengths", "oracle-dist"]),
 }
 
 

@@ -162,9 +162,13 @@ def test_scenarios_vary_one_factor_of_the_base():
             "workload": {"workload"}, "arrivals": {"num_prompts", "concurrency", "load",
                                                    "burstiness"},
             "pool": {"engines", "num_prompts", "concurrency"}, "KV": {"kv_scale"},
-            "heterogeneous": {"slow_group", "small_kv_group"}, "outage": {"outages"}}[s.factor], s.name
-    assert len(matrix.SCENARIOS) == 18
-    assert len(matrix.BY_NAME) == 18 + len(matrix.PRESSURE_SCENARIOS)
+            "heterogeneous": {"slow_group", "small_kv_group"}, "outage": {"outages"},
+            # a class mix, always in a KV-starved pool (where answer lengths decide who waits)
+            "lengths": {"workload", "kv_scale"}}[s.factor], s.name
+        if s.factor == "lengths":
+            assert s.kv_scale == 0.7
+    assert len(matrix.SCENARIOS) == 22
+    assert len(matrix.BY_NAME) == 22 + len(matrix.PRESSURE_SCENARIOS)
 
 
 def test_pressure_scenarios_fill_60_to_80_percent_of_the_pools_kv():

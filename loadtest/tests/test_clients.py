@@ -90,6 +90,7 @@ def test_by_client_summarizes_each_client_alone():
     assert by_client([RequestSample(0.0, True)]) == {}
 
 
+@pytest.mark.server
 def test_compare_runs_two_clients_with_their_keys_and_objectives(fake_server, tmp_path):
     port = fake_server("--ttft", "0.01", "--itl", "0.002", "--api-key", "sk-heavy", "--api-key", "sk-light",
                        "--refuse-objective", "batch")

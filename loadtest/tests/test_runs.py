@@ -9,9 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from loadtest.tests.conftest import REPO, env_with_repo
 from loadtest.metrics import read_samples
 from loadtest.workloads import build_workload
+
+pytestmark = pytest.mark.server  # starts other programs as processes
 
 LOCUST = str(Path(sys.executable).with_name("locust"))
 
@@ -128,6 +132,13 @@ def test_compare_and_sweep_without_a_listener_say_what_to_run(tmp_path):
         assert "make up" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def streaming(port: int) -> bool:
+    """The fake server has a request in flight (its /metrics' running gauge)."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return 'vllm:num_requests_running{model_name="qwq"} 0\n' not in r.read().decode()
+
+
 def test_ctrl_c_stops_with_one_line_and_removes_an_empty_folder(fake_server, tmp_path):
     port = fake_server("--ttft", "2", "--itl", "0.5")
     out = tmp_path / "cmp"
@@ -135,13 +146,15 @@ def test_ctrl_c_stops_with_one_line_and_removes_an_empty_folder(fake_server, tmp
                              "--workload", "smoke", "--metrics-endpoints", "none",
                              "--out", str(out)], cwd=REPO, env=env_with_repo(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Interrupt once the first run streams (a request in flight at the server): earlier, a loaded
+    # machine could still be starting locust, later the run could be over.
     deadline = time.monotonic() + 60
-    while not out.exists() and time.monotonic() < deadline:   # the first run has started
+    while not streaming(port) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)
+    assert out.exists(), "the run started without its folder"
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, (stdout[-1000:], stderr[-2000:])
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.count("interrupted:") == 1 and f"{out}/ removed" in stderr
     assert not out.exists()

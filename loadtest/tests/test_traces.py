@@ -147,6 +147,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.server
 def test_trace_replayed_over_http_against_the_simulator(tmp_path):
     """loadtest compare sends the trace to a real simulator process: lengths and send times."""
     arrivals = [0.0, 0.4, 0.8, 1.2, 2.0, 2.4]

@@ -20,8 +20,8 @@ from loadtest.tests.conftest import REPO, env_with_repo
 CHROMIUM = "/usr/bin/chromium"
 LOCUST = str(Path(sys.executable).with_name("locust"))
 playwright_api = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="chromium missing (make test installs it)")
+pytestmark = [pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium missing (make test installs it)"),
+              pytest.mark.server]  # locust and a browser, as processes
 
 
 def free_port() -> int:

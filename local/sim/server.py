@@ -259,8 +259,15 @@ class SimServer:
         return model, ids, room if max_tokens is None else min(max_tokens, room)
 
     def _stop_at(self, ids: list[int], body: dict, max_tokens: int) -> Optional[int]:
+        """Where the model's own end of sequence falls: never with ignore_eos; right at
+        `min_tokens` when given (vLLM holds EOS back until then; the simulated model then ends
+        its answer, which is how load tests give a capped request a length of their choosing);
+        else from a hash of the prompt."""
         if body.get("ignore_eos"):
             return None
+        minimum = body.get("min_tokens")
+        if isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > 0:
+            return minimum if minimum < max_tokens else None
         h = zlib.crc32(repr((self.seed, len(ids), ids[:8], ids[-8:])).encode())
         return EOS_MIN + h % EOS_SPAN if EOS_MIN + h % EOS_SPAN < max_tokens else None
 

@@ -112,6 +112,7 @@ def check_max_tokens(body: dict, chat: bool, max_model_len: int) -> Optional[int
         max_tokens = completion if completion is not None else max_tokens
     elif max_tokens is None:
         max_tokens = 16                                   # vLLM's completions default
+    _check_min_tokens(_lax_int(body, "min_tokens"), max_tokens)
     if max_tokens is None:
         return None
     if max_tokens < 1:
@@ -124,6 +125,18 @@ def check_max_tokens(body: dict, chat: bool, max_model_len: int) -> Optional[int
                                 f"tokens. (parameter=max_tokens, value={max_tokens})",
                            "BadRequestError", "max_tokens")
     return max_tokens
+
+
+def _check_min_tokens(minimum: Optional[int], max_tokens: Optional[int]) -> None:
+    """vLLM's SamplingParams checks of min_tokens (its messages)."""
+    if minimum is None:
+        return
+    if minimum < 0:
+        raise RequestError(400, f"min_tokens must be greater than or equal to 0, got {minimum}.",
+                           "BadRequestError", "min_tokens")
+    if max_tokens is not None and minimum > max_tokens:
+        raise RequestError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                                f"got {minimum}.", "BadRequestError", "min_tokens")
 
 
 def empty_prompt() -> RequestError:

@@ -13,8 +13,10 @@ TOKEN_BUDGET = "components/token-budget"
 # TLS on both listeners and the verified picker hop, with the run's throw-away CA (local/certs.py)
 TLS = ("components/gateway-tls", "components/picker-tls")
 # Client ids of the throw-away keys: `loadtest` has the load generators' rate limit (the demo, the
-# load tests and the end-to-end tests use it), `user` the limit of any other client.
-API_CLIENTS = ("loadtest", "user")
+# load tests and the end-to-end tests use it), the others the limit of any other client: `user`,
+# and the applications of the class-mix workloads (loadtest/workloads.py), which the picker tells
+# apart by client id.
+API_CLIENTS = ("loadtest", "user", "chat-app", "agent-app", "reasoner-app", "app")
 API_KEYS_FILE = "api-keys.json"
 ENGINES = ("sim", "vllm")
 # Real vLLM's CPU build takes about a minute to start when the machine is idle, several when not.

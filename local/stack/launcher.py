@@ -19,8 +19,8 @@ from local.stack import control_plane
 from local.stack.api_keys import api_keys_secret, bearer, new_api_keys, read_api_keys
 from local.stack.config import API_KEYS_FILE, RUN_ROOT, StackConfig, StackError
 from local.stack.plan import kv_event_ports, objects_file, picker_timing, plan, tokenizer_dir
-from local.stack.processes import (Proc, RunState, alive, port_free, process_cpu_seconds, spawn, stop_group,
-                                   stop_groups, wait_healthy)
+from local.stack.processes import (Proc, RunState, alive, describe_holders, port_free, process_cpu_seconds, spawn,
+                                   stop_group, stop_groups, wait_healthy)
 from local.stack.topology import Topology, listener_ports, picker_tls, topology
 from local.tinymodel.tokenizer import ensure_tokenizer
 
@@ -108,7 +108,9 @@ class Stack:
             ports += [*dataclasses.astuple(c.ratelimit_ports), ratelimit.XDS_PORT]
         busy = [p for p in ports if not port_free(c.host, p)]
         if busy:
-            raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)")
+            holders = describe_holders(busy)
+            raise StackError(f"ports already in use on {c.host}: {busy} (another stack? `make down`)"
+                             + (f"; held by:\n{holders}" if holders else ""))
         try:
             ensure_tokenizer(tokenizer_dir(c))          # the tiny model's: built once, offline
             election = self._start_control_plane() if c.leader_election else None
@@ -297,10 +299,15 @@ def down(name: str, run_root: Path = RUN_ROOT) -> int:
     if state is None:
         print(f"no running stack {name!r} ({RunState.file(run_dir)} not found)")
         return 0
-    ours = [p for p in state.procs if p.running()]
+    ours = [p for p in state.procs if p.leftovers()]
     stop_groups([p.pid for p in ours])
     for p in ours:
         print(f"stopped {p.name} (pid {p.pid})")
+    left = {p.name: p.leftovers() for p in state.procs}
+    left = {name: pids for name, pids in left.items() if pids}
+    if left:  # keep the record: it is what finds them next time
+        print(f"still running after SIGKILL: {left}; state kept in {RunState.file(run_dir)}", file=sys.stderr)
+        return 1
     RunState.remove(run_dir)
     return 0
 

@@ -41,6 +41,46 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def port_holders(ports: list[int]) -> dict[int, int]:
+    """port -> the pid listening on it (TCP, any address), for the ports some process of this
+    machine listens on and psutil can see (all of them as root)."""
+    import psutil
+
+    wanted, held = set(ports), {}
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return {}
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in wanted and c.pid:
+            held.setdefault(c.laddr.port, c.pid)
+    return held
+
+
+def describe_holders(ports: list[int]) -> str:
+    """Who holds `ports`, and for leftovers of a local stack of this checkout (a process the
+    launcher started: its own session, working directory the repo) the command that frees them."""
+    import psutil
+
+    lines, groups = [], []
+    for port, pid in sorted(port_holders(ports).items()):
+        try:
+            proc = psutil.Process(pid)
+            cmd, cwd, pgid = " ".join(proc.cmdline())[:120], proc.cwd(), os.getpgid(pid)
+        except (psutil.Error, OSError):
+            continue
+        ours = Path(cwd) == REPO and pgid != os.getpgid(0)
+        lines.append(f"  {port}: pid {pid} (process group {pgid}) {cmd}"
+                     + (" <- started by a local stack of this checkout" if ours else ""))
+        if ours and pgid not in groups:
+            groups.append(pgid)
+    if groups:
+        lines.append("if `make down` (or `python -m local.stack down --name <name>`) finds no stack, these "
+                     "are leftovers of one whose record is gone; free the ports with: kill -TERM -- "
+                     + " ".join(f"-{g}" for g in groups))
+    return "\n".join(lines)
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` distinct ports nobody listens on now (all bound at once, then released)."""
     socks = [socket.socket() for _ in range(n)]
@@ -96,6 +136,36 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat field 22): with the pid,
+    it names one process for good, whatever the process later runs or calls itself (vLLM renames
+    its processes, and `env ...` execs what it runs)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def group_members(pgid: int, since: int | None = None) -> list[int]:
+    """The live processes of process group `pgid` (started at or after `since`, in clock ticks: a
+    group whose leader is gone keeps its id, and only processes as old as it can be its members)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat(int(entry))
+        if fields and fields[0] != "Z" and int(fields[2]) == pgid and (since is None or int(fields[19]) >= since):
+            members.append(int(entry))
+    return members
+
+
 def is_ours(pid: int, cmd: list[str]) -> bool:
     """The pid still runs the command we started (pids get reused)."""
     try:
@@ -114,7 +184,9 @@ def stop_group(pid: int, timeout: float = 5.0) -> None:
 
 
 def stop_groups(pids: list[int], timeout: float = 5.0) -> None:
-    """SIGTERM the process groups led by pids, then SIGKILL what is left after `timeout`."""
+    """SIGTERM the process groups led by pids, then SIGKILL what is left after `timeout`. A group
+    counts as stopped when none of its processes is left, its leader's children included (vLLM's
+    engine core outlives a killed API server otherwise)."""
     pending = list(pids)
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
         for pid in list(pending):
@@ -124,7 +196,7 @@ def stop_groups(pids: list[int], timeout: float = 5.0) -> None:
                 pending.remove(pid)
         deadline = time.monotonic() + wait
         while pending and time.monotonic() < deadline:
-            pending = [p for p in pending if alive(p)]
+            pending = [p for p in pending if alive(p) or group_members(p)]
             if pending:
                 time.sleep(0.05)
         if not pending:
@@ -144,22 +216,38 @@ class Proc:
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    started: int | None = None  # start_time(pid) when spawned: tells our process from a reused pid
 
     def to_json(self) -> dict:
         return {"name": self.name, "cmd": self.cmd, "log": self.log, "health": self.health, "pid": self.pid,
-                "env": self.env}
+                "env": self.env, "started": self.started}
 
     @classmethod
     def from_json(cls, raw: dict) -> "Proc":
-        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"), env=raw.get("env") or {})
+        return cls(raw["name"], raw["cmd"], raw["log"], raw["health"], raw.get("pid"), env=raw.get("env") or {},
+                   started=raw.get("started"))
 
     def fresh(self) -> "Proc":
         """The same process, not started."""
         return Proc(self.name, self.cmd, self.log, self.health, env=self.env)
 
     def running(self) -> bool:
-        """Started, still alive and still running our command."""
-        return bool(self.pid) and alive(self.pid) and is_ours(self.pid, self.cmd)
+        """Started and still alive: the same process (its start time), or, for a record without
+        one, a process still running our command."""
+        if not self.pid or not alive(self.pid):
+            return False
+        if self.started is not None:
+            return start_time(self.pid) == self.started
+        return is_ours(self.pid, self.cmd)
+
+    def leftovers(self) -> list[int]:
+        """What is left of the process group we started: the leader if it runs, else the members
+        that outlived it."""
+        if not self.pid:
+            return []
+        if self.running():
+            return [self.pid]
+        return group_members(self.pid, self.started) if self.started is not None else []
 
     def healthy(self, headers: dict[str, str] | None = None) -> bool:
         """headers: sent with the http checks (the API key when the listeners need one)."""
@@ -184,6 +272,7 @@ def spawn(p: Proc) -> Proc:
         p.popen = subprocess.Popen(p.cmd, cwd=REPO, env={**python_env(), **p.env}, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     p.pid = p.popen.pid
+    p.started = start_time(p.pid)
     return p
 
 

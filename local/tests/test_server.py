@@ -92,6 +92,20 @@ async def test_eos_point_is_deterministic_without_ignore_eos(make_client):
     assert first["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_the_answer_ends_at_min_tokens_under_a_larger_cap(make_client):
+    # how load tests give a capped request the length they choose (loadtest/openai_api.py)
+    client, _ = await make_client()
+    for n in (5, 33):
+        body = {"model": "qwq", "prompt": "w " * 20, "max_tokens": 400, "min_tokens": n}
+        out = await (await client.post("/v1/completions", json=body)).json()
+        assert out["usage"]["completion_tokens"] == n
+        assert out["choices"][0]["finish_reason"] == "stop"
+    over = {"model": "qwq", "prompt": "w " * 20, "max_tokens": 8, "min_tokens": 30}
+    resp = await client.post("/v1/completions", json=over)        # refused, as vLLM does
+    assert resp.status == 400 and "min_tokens must be less than or equal to max_tokens=8" \
+        in (await resp.json())["error"]["message"]
+
+
 async def test_errors(make_client):
     client, _ = await make_client()
     resp = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from local.stack.config import API_CLIENTS, REPO
 from local.stack.demo import DEMO_SPEEDUP, demo_command
 from local.stack.launcher import down
 from local.stack.plan import MIN_WALL_SCRAPE_INTERVAL, kv_scale_args, picker_timing, picker_timing_args
-from local.stack.processes import alive, is_ours
+from local.stack.processes import Proc, RunState, alive, group_members, is_ours, spawn
 from local.stack.topology import topology
 
 
@@ -97,26 +99,34 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path, monkeypatch):
     assert stack.procs == []
 
 
+@pytest.mark.server
 def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypatch):
     """The simulators here get a bogus option and exit; everything started must be gone."""
     monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)  # tested below
-    ports = []
-    for _ in range(9):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    config = StackConfig(name="broken", run_root=tmp_path, groups=2, sim_ports=ports[:2], http_port=ports[2],
-                         llm_port=ports[3], picker_grpc_port=ports[5],
-                         picker_health_port=ports[6], picker_metrics_port=ports[7],
-                         picker_outcomes_port=ports[8],
-                         sim_args=["--no-such-option"], startup_timeout=30)
-    stack = Stack(config)
-    with pytest.raises(StackError, match="exited"):
-        stack.start()
+    # Free ports are picked by binding port 0 and letting go, so a test running beside this one
+    # can take one before the stack binds it; the check that refuses then is tested above.
+    for _attempt in range(5):
+        ports = []
+        for _ in range(9):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        config = StackConfig(name="broken", run_root=tmp_path, groups=2, sim_ports=ports[:2], http_port=ports[2],
+                             llm_port=ports[3], picker_grpc_port=ports[5],
+                             picker_health_port=ports[6], picker_metrics_port=ports[7],
+                             picker_outcomes_port=ports[8], kv_events_base_port=ports[4],
+                             sim_args=["--no-such-option"], startup_timeout=30)
+        stack = Stack(config)
+        with pytest.raises(StackError) as failure:
+            stack.start()
+        if "ports already in use" not in str(failure.value):
+            break
+    assert "exited" in str(failure.value)
     assert stack.procs and all(not alive(p.pid) for p in stack.procs)
     assert not stack.state_file.exists()
 
 
+@pytest.mark.server
 def test_down_stops_the_recorded_process_group(tmp_path):
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
     child = subprocess.Popen(cmd, start_new_session=True)
@@ -204,22 +214,111 @@ def test_demo_order_sets_which_listener_loadtest_compare_loads_first(tmp_path, c
     assert "--order" in capsys.readouterr().err
 
 
-def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path):
-    """Envoy Gateway binds fixed ports: with one of them taken, nothing starts and the error says why."""
+def test_a_second_data_plane_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Envoy Gateway binds fixed ports: with one of them taken, nothing starts and the error says why.
+    The test holds a free port and has the launcher probe that one in their place: binding the real
+    ones would break a stack another test starts meanwhile (`make test` runs lanes side by side)."""
+    import functools
+
     from local import dataplane
 
-    port = dataplane.ENVOY_GATEWAY_PORTS[1]
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-            s.listen()
-        except OSError:
-            pass  # already taken (another stack runs): the launcher must refuse all the same
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        monkeypatch.setattr(dataplane, "busy_ports", functools.partial(dataplane.busy_ports, ports=(s.getsockname()[1],)))
         stack = Stack(StackConfig(name="second", run_root=tmp_path, groups=1, sim_ports=[1]))
         with pytest.raises(StackError, match="Only one local stack can run at a time"):
             stack.start()
     assert stack.procs == [] and not (tmp_path / "second").exists()
+
+
+# What real vLLM does to the launcher: started through `env ...` (so its command line is not the one
+# recorded), and an API server that forks an engine core into its process group.
+ENGINE_LIKE = ("import os, socket, sys, time\n"
+               "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+               "if os.fork() == 0:\n"
+               "    time.sleep(120)\n"
+               "time.sleep(120)\n")
+
+
+@pytest.fixture
+def engines():
+    """Whatever engine-like group a test started is gone after it, whatever `down` did."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.popen.wait(timeout=10)
+
+
+def engine_like(tmp_path, port: int, started: list[Proc]) -> Proc:
+    proc = spawn(Proc("vllm-x", ["env", "-u", "PYTHONPATH", sys.executable, "-c", ENGINE_LIKE, str(port)],
+                      str(tmp_path / "engine.log"), "http:"))
+    started.append(proc)
+    deadline = time.monotonic() + 20
+    while len(group_members(proc.pid)) < 2:  # the leader and its forked child
+        assert time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
+        time.sleep(0.02)
+    return proc
+
+
+def record(tmp_path, name: str, procs: list[Proc]) -> None:
+    (tmp_path / name).mkdir(exist_ok=True)
+    RunState(name, None, procs).write(tmp_path / name)
+
+
+@pytest.mark.server
+def test_down_stops_a_process_that_runs_another_command_line_and_its_children(tmp_path, engines):
+    proc = engine_like(tmp_path, free_port(), engines)
+    assert not is_ours(proc.pid, proc.cmd)  # `env` exec'd python: the old check lost it
+    record(tmp_path, "x", [proc])
+    assert down("x", run_root=tmp_path) == 0
+    assert group_members(proc.pid) == [] and not (tmp_path / "x" / "state.json").exists()
+
+
+@pytest.mark.server
+def test_down_stops_what_outlived_a_killed_leader(tmp_path, engines):
+    proc = engine_like(tmp_path, free_port(), engines)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.popen.wait(timeout=10)
+    assert group_members(proc.pid, proc.started)  # the forked child holds on
+    record(tmp_path, "x", [proc])
+    assert down("x", run_root=tmp_path) == 0
+    assert group_members(proc.pid) == []
+
+
+@pytest.mark.server
+def test_ports_held_by_a_leftover_say_how_to_free_them(tmp_path, monkeypatch, engines):
+    monkeypatch.setattr(Stack, "check_no_other_data_plane", lambda self: None)
+    port = free_port()
+    proc = engine_like(tmp_path, port, engines)  # as if its stack's record were lost
+    stack = Stack(free_port_config("again", tmp_path, sim_port=port))
+    with pytest.raises(StackError) as refused:
+        stack.start()
+    message = str(refused.value)
+    assert f"{port}: pid " in message and "started by a local stack of this checkout" in message
+    kill = message.split("free the ports with: kill -TERM -- ", 1)[1].split()
+    assert f"-{proc.pid}" in kill, message
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_config(name: str, run_root, sim_port: int, **overrides) -> StackConfig:
+    """A one-group stack on free ports only: none of the defaults (18080, 9002, the KV events'
+    18101...), which a stack another test runs meanwhile may hold (`make test` runs lanes side by side)."""
+    from local.stack.processes import free_ports
+
+    http, llm, grpc, health, metrics, outcomes, kv = free_ports(7)
+    return StackConfig(name=name, run_root=run_root, groups=1, sim_ports=[sim_port], http_port=http, llm_port=llm,
+                       picker_grpc_port=grpc, picker_health_port=health, picker_metrics_port=metrics,
+                       picker_outcomes_port=outcomes, kv_events_base_port=kv, **overrides)
 
 
 def test_run_state_round_trips_through_its_file(tmp_path):
@@ -285,6 +384,7 @@ def test_precise_routing_is_on_by_default_and_can_be_turned_off(tmp_path):
     assert kv_event_ports(off, topology(off)) == []
 
 
+@pytest.mark.server
 def test_reset_restarts_the_cold_start_processes_and_keeps_their_cpu(tmp_path):
     """`reset` from another shell: the simulator (here a plain HTTP server) is stopped and started
     again with the same command; Envoy Gateway's entry (here a sleeper) is left alone."""

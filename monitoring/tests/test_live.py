@@ -6,6 +6,8 @@ plain requests, sheddable ones (objective `batch`) against a picker whose satura
 are low enough to shed them, and one simulator stopped half way (so the picker's scrape errors
 and a down target exist). Then every dashboard query must return series, every selector in an
 alert expression must match series, and every metric named must be one a component exports.
+Over 30 s: the load runs LOAD_SECONDS before and after the simulator stops, for Prometheus's
+rate windows to fill, after the stack and Prometheus start.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ SAMPLES = REPO.parent / "shared" / "metrics-samples"
 RATE_WINDOW = "30s"            # $__rate_interval for the dashboards' queries (scrapes every 1 s)
 LOAD_SECONDS = 12.0            # before and after one simulator is stopped
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.server]  # the local stack and Prometheus
 
 
 def dashboard_queries() -> list[tuple[str, str]]:

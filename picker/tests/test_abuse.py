@@ -28,7 +28,7 @@ import aiohttp
 import grpc
 import pytest
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import FakeVllm, body, free_ports, metrics_text
 
 SOAK_SECONDS = float(os.environ.get("PICKER_SOAK_SECONDS", "0"))

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from picker.app import App
 from picker.config import parse_args
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import FakeVllm, body, free_ports, until
 
 OBJECTIVES = """\

@@ -15,7 +15,7 @@ from picker.flowcontrol.room import RoomRule
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import start_servers
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import FakeClock, body, make_router, metrics_text
 
 OBJECTIVES = [Objective("interactive", 10), Objective("batch", -10)]

@@ -2,14 +2,13 @@
 and the gRPC server keeps serving."""
 import json
 
-import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from picker.core import PickerError, RequestInfo, RouterSettings
 from picker.protocol.server import start_servers
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import body, make_router
 
 json_values = st.recursive(

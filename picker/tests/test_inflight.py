@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from helpers import FakeClock, metrics_text
+from helpers import FakeClock
 from local.tinymodel.tokenizer import write_tokenizer
 from picker import defaults
 from picker.openai import parse_body

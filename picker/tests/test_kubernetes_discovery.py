@@ -141,5 +141,7 @@ def test_objects_filtered_by_pool_and_invalid_ones_skipped():
     state.apply("rewrites", "ADDED", rw)
     assert rec.calls[-1][2][0].rules[0].targets == (("qwq-2", 1.0),)
     assert not state.is_synced
-    state.reset("pool", [POOL]); state.reset("pods", []); state.reset("rewrites", [rw])
+    state.reset("pool", [POOL])
+    state.reset("pods", [])
+    state.reset("rewrites", [rw])
     assert state.is_synced

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import FakeVllm, free_ports, metrics_text, start_app, until
 from kvpublisher import StandInPublisher
 from kvsamples import map_payload, stored

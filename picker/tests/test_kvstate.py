@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvsamples import capture, cleared, map_payload, messages, payload, removed, stored
+from kvsamples import capture, map_payload, messages, payload, removed, stored
 from picker.scheduling.kvindex import PreciseIndex
 from picker.signals.kvstate import (FLOODING, JOINED_LATE, MALFORMED, NO_EVENTS, REPLAY_FAILED,
                                     SILENT, SYNCING, KVTracker, chain_hashes)

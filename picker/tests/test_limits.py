@@ -14,7 +14,7 @@ from picker.observability.metrics import PickerMetrics
 from picker.protocol.limits import ServerLimits
 from picker.protocol.server import start_servers
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import body, make_router, until
 
 MIB = 1024 * 1024

@@ -17,7 +17,7 @@ from picker.protocol.limits import ServerLimits
 from picker.protocol.native import NativeExtProc, load_extension
 from picker.protocol.server import start_servers
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import body, make_router
 
 ext = load_extension()

@@ -23,7 +23,7 @@ from picker.runtime import build_router
 from picker.config import parse_args
 from picker.signals.outcomes import Outcome, parse_entries, parse_entry
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import body, make_router
 
 DATA = Path(__file__).parent / "data" / "als-envoy-1.39.jsonl"

@@ -11,7 +11,7 @@ from picker.discovery.objects import Objective, Rewrite, RewriteRule
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import start_servers
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import body, make_router, metrics_text
 
 DEST = "x-gateway-destination-endpoint"

@@ -20,6 +20,8 @@ from picker.signals.kvstate import KVTracker, chain_hashes
 from picker.tokenizer import ModelTokenizer
 from vllm_engines import running, tiny_model_dir
 
+pytestmark = pytest.mark.server  # starts other programs as processes
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -1,6 +1,7 @@
 """The engine's own eviction, on two real vLLM engines (the CPU build serving the tiny model,
 `make vllm`; skipped where it is not installed) with a deliberately small KV cache: it makes the
-approximate prefix index wrong and precise routing (the engines' KV-cache events) right.
+approximate prefix index wrong and precise routing (the engines' KV-cache events) right. Over 30 s:
+the first test waits for two real vLLM servers to start (CPU build, ~30 s on 2 cores).
 
 1. A tenant's first chat request goes to engine A through both pickers (the protocol's subset
    hint pins it there) and A serves it: both pickers hold its prefix on A.
@@ -26,7 +27,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import free_ports, start_app, until
 from loadtest.prompts import random_words
 from local.vllm_server import VllmServer
@@ -38,6 +39,8 @@ from picker.signals.kvevents import (BlockRemoved, BlockStored, EventBatch, deco
 from picker.signals.kvstate import STAT_FIELDS, chain_hashes
 from picker.tokenizer import ModelTokenizer
 from vllm_engines import running, tiny_model_dir
+
+pytestmark = pytest.mark.server  # starts other programs as processes
 
 BLOCK = 128                 # the CPU backend's block size
 NUM_BLOCKS = 16             # --num-gpu-blocks-override: 2,048 tokens of KV cache per engine

@@ -214,12 +214,13 @@ def _sockets_on(pid: int, port: int, state: str = "01") -> int:
     return count
 
 
+@pytest.mark.server
 async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
     import subprocess
     import sys
     import urllib.request
 
-    import extproc_client as c
+    from tests.helpers import extproc_client as c
     vllm = await FakeVllm().start()
     port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
@@ -273,6 +274,7 @@ async def test_workers_share_the_grpc_port_and_the_metrics(tmp_path):
     assert "signals process gone" not in err and "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.server
 async def test_flow_control_workers_hold_back_for_a_client_only_the_other_worker_saw():
     """Two workers with flow control, 16 connections spread over them: the light client's one
     request reaches one worker; the heavy client's on every connection must all leave the
@@ -280,7 +282,7 @@ async def test_flow_control_workers_hold_back_for_a_client_only_the_other_worker
     import subprocess
     import sys
 
-    import extproc_client as c
+    from tests.helpers import extproc_client as c
     vllm = await FakeVllm(metrics_text(waiting=0, kv=0.75)).start()  # room, not beyond the reserve
     port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
@@ -362,6 +364,7 @@ async def redis_url(tmp_path):
     proc.wait(10)
 
 
+@pytest.mark.server
 async def test_replicas_share_in_flight_counts_and_prefixes_through_redis(redis_url):
     from picker.workers import SignalsLink, start_signals_process
     vllm = await FakeVllm().start()

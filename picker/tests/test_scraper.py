@@ -1,5 +1,4 @@
 """The scraper against fake vLLM /metrics servers started in-test on 127.0.0.1."""
-import asyncio
 
 from picker.scraper import Scraper
 

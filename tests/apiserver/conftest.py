@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.kube import ETCD, KUBE_APISERVER, ROOT, wait_until  # noqa: F401 (the tests' imports)
 from validation.apiserver import ControlPlane, install_crds
 from validation.cli import default_crds_dir, default_extra_crds_dirs
 
-ROOT = Path(__file__).resolve().parents[2]
-KUBE_APISERVER = Path(os.environ.get("KUBE_APISERVER", ROOT / ".tools" / "bin" / "kube-apiserver"))
-ETCD = os.environ.get("ETCD", "etcd")
 _namespaces = itertools.count()
 
 
@@ -57,15 +55,3 @@ def namespace(control_plane, admin):
     core.create_namespace({"metadata": {"name": name}})
     core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})
     return name
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Poll until predicate() is truthy; returns the seconds it took, fails after `timeout`."""
-    started = time.monotonic()
-    while True:
-        value = predicate()
-        if value:
-            return time.monotonic() - started
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"not within {timeout}s: {what}")
-        time.sleep(interval)

@@ -11,12 +11,11 @@ import threading
 import pytest
 
 from picker.discovery.kubernetes import PoolState, api_watches, start_threads
-from tests.apiserver.conftest import ROOT, wait_until
+from tests.helpers.kube import POOL, ROOT, wait_until
 from validation.apiserver import ServerSideApply, render_targets
 from validation.cli import default_crds_dir
 
 BOUND = 5.0      # seconds for a change to reach the picker (a watch event takes milliseconds)
-POOL = "reasoning-pool"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.apiserver.conftest import ROOT
+from tests.helpers.kube import ROOT
 from validation.apiserver import ServerSideApply, dry_run_all, render_targets
 from validation.cli import default_crds_dir
 from validation.render import Rendered

@@ -25,12 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.apiserver.conftest import ETCD, KUBE_APISERVER, ROOT, wait_until
+from tests.helpers.kube import ETCD, KUBE_APISERVER, KUBE_CONTROLLER_MANAGER, ROOT, start_hpa_controller, wait_until
 from validation.apiserver import ControlPlane, install_crds
 from validation.cli import default_crds_dir
 
-KUBE_CONTROLLER_MANAGER = Path(os.environ.get("KUBE_CONTROLLER_MANAGER",
-                                              ROOT / ".tools" / "bin" / "kube-controller-manager"))
 SCALED_OBJECT = yaml.safe_load((ROOT / "components/autoscaling/scaledobject.yaml").read_text())
 STANDIN_IP = "127.0.100.10"   # the stand-in's address and its Service's ClusterIP
 LWS = ("leaderworkerset.x-k8s.io", "v1", "default", "leaderworkersets", "qwq-dist-v1")
@@ -123,13 +121,6 @@ def hpa_from_scaled_object(so: dict, scale_down_window_s: int | None = None) -> 
                          "target": {"type": "AverageValue", "averageValue": trigger["metadata"]["threshold"]}}}]}}
 
 
-def start_hpa_controller(kubeconfig: Path, workdir: Path, sync_s: float) -> subprocess.Popen:
-    """kube-controller-manager running only its HPA controller, every `sync_s` seconds."""
-    return subprocess.Popen([str(KUBE_CONTROLLER_MANAGER), f"--kubeconfig={kubeconfig}",
-                             "--controllers=horizontalpodautoscaling", "--leader-elect=false",
-                             "--secure-port=0", f"--horizontal-pod-autoscaler-sync-period={sync_s}s"],
-                            stdout=(workdir / "kube-controller-manager.log").open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.apiserver.conftest import ROOT, wait_until
-from tests.apiserver.test_picker_rbac import NAMESPACE, PICKER, STARTUP, apply_role, deployed, picker_token  # noqa: F401
+from tests.apiserver.test_picker_rbac import apply_role, deployed, picker_token  # noqa: F401 (fixtures)
+from tests.helpers.kube import NAMESPACE, PICKER, ROOT, STARTUP, wait_until
 from validation.apiserver import free_port
 
 LEASE = "reasoning-pool-picker"     # the default: <pool-name>-picker

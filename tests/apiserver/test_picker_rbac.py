@@ -6,27 +6,15 @@ ready; and the token can do nothing beyond reading what discovery watches and ho
 from __future__ import annotations
 
 import copy
-import json
-import os
-import re
-import subprocess
-import sys
-import urllib.request
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.apiserver.conftest import ROOT, wait_until
-from tests.apiserver.test_discovery import BOUND, POOL, Cluster, leader_labels
-from validation.apiserver import ServerSideApply, ensure_namespaces, free_port, render_targets
+from tests.apiserver.test_discovery import BOUND, Cluster, leader_labels
+from tests.helpers.kube import NAMESPACE, PICKER, POOL, ROOT, STARTUP, Picker, wait_until
+from validation.apiserver import ServerSideApply, ensure_namespaces, render_targets
 from validation.cli import default_crds_dir
 
-NAMESPACE = "llm"
-PICKER = "inference-gateway-ext-proc"
-SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LEASE = "reasoning-pool-picker"   # --leader-election's Lease (base/picker/rbac.yaml)
-STARTUP = 60.0   # seconds for the picker process to start (imports; slow on a busy machine)
 
 
 @pytest.fixture(scope="module")
@@ -58,49 +46,6 @@ def apply_role(admin, role):
     ServerSideApply(admin).apply(role, dry_run=False)
 
 
-class Picker:
-    def __init__(self, kubeconfig, log_path, ports: tuple[int, int, int] | None = None):
-        """`ports` (gRPC, health, metrics): a restarted picker keeps its predecessor's."""
-        self.kubeconfig = kubeconfig
-        self.grpc_port, self.health_port, self.metrics_port = ports or (free_port(), free_port(), free_port())
-        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
-        env["KUBECONFIG"] = str(kubeconfig)
-        self.log_path, self.log_file = log_path, log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "picker", "--discovery", "kubernetes", "--pool-name", POOL,
-             "--pool-namespace", NAMESPACE, "--no-secure-serving", "--bind", "127.0.0.1",
-             "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
-             "--metrics-port", str(self.metrics_port), "--outcomes-port", "0"],
-            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log_file)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.health_port}")
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def serving(self) -> bool | None:
-        """True/False from the gRPC health check; None while the server is not up."""
-        assert self.proc.poll() is None, self.log_path.read_text()[-2000:]
-        try:
-            reply = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
-        except grpc.RpcError:
-            return None
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def endpoints(self) -> list[str]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-        return sorted(re.findall(r'^picker_endpoint_ready\{endpoint="([^"]+)"\}', text, re.M))
-
-    def log(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-
-    def stop(self):
-        self.channel.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log_file.close()
 
 
 def test_picker_does_its_job_with_exactly_the_role(control_plane, deployed, picker_token, tmp_path):

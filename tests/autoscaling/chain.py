@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import json
 import os
 import re
@@ -504,14 +503,6 @@ class Actuator:
 
 # ---- load through the picker -------------------------------------------------------------------
 
-def _extproc_client():
-    """picker/tests/extproc_client.py: drives the picker's ext_proc server as Envoy does."""
-    spec = importlib.util.spec_from_file_location("extproc_client", ROOT / "picker" / "tests" / "extproc_client.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @dataclass
 class Outcome:
     started: float
@@ -547,7 +538,7 @@ class Load:
     async def _main(self) -> None:
         import aiohttp
         import grpc
-        c = _extproc_client()
+        from tests.helpers import extproc_client as c
         # Reconnect within half a second of the picker coming back (gRPC's default backoff grows
         # to minutes; Envoy's ext_proc cluster reconnects on the next request).
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.picker_port}", options=[

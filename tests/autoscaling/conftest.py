@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from monitoring.local_prometheus import Prometheus, pod_discovery_jobs
-from tests.apiserver.conftest import ETCD, KUBE_APISERVER, ROOT, wait_until
-from tests.apiserver.test_hpa import KUBE_CONTROLLER_MANAGER, start_hpa_controller
-from tests.apiserver.test_picker_rbac import NAMESPACE, STARTUP, Picker
+from tests.helpers.kube import (ETCD, KUBE_APISERVER, KUBE_CONTROLLER_MANAGER, NAMESPACE, ROOT, STARTUP, Picker,
+                                start_hpa_controller, wait_until)
 from tests.autoscaling.chain import (KEDA_ADAPTER, KEDA_NAMESPACE, KEDA_OPERATOR, Actuator, Keda,
                                      LeaderMetricsStandIn, PodDiscovery, keda_crds_dir, stop_process,
                                      write_certificates)

@@ -24,9 +24,8 @@ from datetime import datetime
 
 import pytest
 
-from tests.apiserver.conftest import wait_until
 from tests.autoscaling.chain import StatusLog, group_ip
-from tests.apiserver.test_picker_rbac import STARTUP
+from tests.helpers.kube import STARTUP, wait_until
 from tests.autoscaling.conftest import HPA_SYNC_S, NAMESPACE, SCRAPE, Chain
 
 pytestmark = pytest.mark.timeout(600)

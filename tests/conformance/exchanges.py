@@ -47,8 +47,6 @@ def words(n: int, offset: int = 0) -> str:
 def exchanges(model: str, max_len: int) -> list[Exchange]:
     prompt = words(40)
     chat = [{"role": "system", "content": words(3, 100)}, {"role": "user", "content": words(20, 200)}]
-    J = "application/json"
-
     def post(name, path, body, counts=False):
         return Exchange(name, "POST", path, body, counts=counts)
 

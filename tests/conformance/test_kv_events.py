@@ -1,7 +1,9 @@
 """KV-cache events of the live vLLM, read by the picker's own subscriber and decoder
 (picker/src/picker/kvsubscriber.py, signals/kvevents.py, signals/kvstate.py): the picker finds
 the publisher through vLLM's /kv_event_sources, follows it live and through the replay socket,
-and ends up holding exactly the full blocks of a prompt the engine computed."""
+and ends up holding exactly the full blocks of a prompt the engine computed. Over 30 s: the first
+test waits for the live vLLM's start (its CPU build: torch import and model load, up to a minute
+on 2 busy cores)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@ overlays/a10 renders it (active /health checks every 3 s, outlier detection, ret
 saw the request): on 8080 (Envoy's own least request) a killed group costs at most a handful of
 failed requests and none once the health checks have taken it out; a stalled group (SIGSTOP: it
 accepts connections and never answers) is out within TAKEN_OUT seconds. 8081 is measured the same way.
-The figures are printed (pytest -s)."""
+The figures are printed (pytest -s). Each case takes ~30 s: the load runs until 40 requests were sent
+after the group is out (TAKEN_OUT, set by the rendered health check's 3 s interval), and the next
+case waits until the health checks and the picker have the group back."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from tests.e2e.conftest import LOAD_RATE, start_stack, stream_load, wait_for
+from tests.e2e.conftest import LOAD_RATE, scrape, start_stack, stream_load, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -75,19 +77,37 @@ def stall(stack):
     return stalled
 
 
-async def restore(stack, victim, stalled: bool):
+async def restore(stack, session, victim, stalled: bool):
+    """The group serves again, and the next test starts only once Envoy's health checks and the
+    picker both have it back (not after a guessed sleep)."""
     if stalled:
         os.killpg(stack.proc(f"sim-{victim.port}").pid, signal.SIGCONT)
     else:
         stack.restart_process(f"sim-{victim.port}")
-    await asyncio.sleep(TAKEN_OUT)  # the health checks bring it back
+    await wait_for(lambda: back_in_service(stack, session, victim.address), timeout=4 * TAKEN_OUT, interval=0.2)
+
+
+async def back_in_service(stack, session, address: str) -> bool:
+    """Every Envoy cluster that has the host counts it healthy (no failed active health check, no
+    outlier ejection) and the picker counts it ready."""
+    async with session.get(f"{stack.envoy_admin()}/clusters?format=json") as r:
+        data = await r.json()
+    flags = [host.get("health_status", {}) for cluster in data.get("cluster_statuses", [])
+             for host in cluster.get("host_statuses", [])
+             if f"{host['address']['socket_address']['address']}:{host['address']['socket_address']['port_value']}" == address]
+    envoy_ok = bool(flags) and all(f.get("eds_health_status", "HEALTHY") == "HEALTHY" and
+                                   not any(v is True for k, v in f.items() if k != "eds_health_status") for f in flags)
+    metrics = f"http://{stack.config.host}:{stack.config.picker_metrics_port}/metrics"
+    ready = [value for name, labels, value in await scrape(session, metrics)
+             if name == "picker_endpoint_ready" and f'endpoint="{address}"' in labels]
+    return envoy_ok and ready == [1.0]
 
 
 @pytest.mark.parametrize("listener", ["http", "llm-gw"])
 async def test_killed_group_costs_a_handful_of_requests(stack, session, listener, record_property):
     figures = await run_fault(stack, session, listener, kill(stack))
     record_property("figures", json.dumps(figures))  # `python -m bench dead-backend` reads them
-    await restore(stack, stack.topology.sims[0], stalled=False)
+    await restore(stack, session, stack.topology.sims[0], stalled=False)
     assert figures["failed"] <= HANDFUL, figures
     assert figures["late_requests"] >= 40 and figures["late_failed"] == 0, figures
 
@@ -96,5 +116,5 @@ async def test_killed_group_costs_a_handful_of_requests(stack, session, listener
 async def test_stalled_group_is_taken_out_within_seconds(stack, session, listener, record_property):
     figures = await run_fault(stack, session, listener, stall(stack))
     record_property("figures", json.dumps(figures))
-    await restore(stack, stack.topology.sims[0], stalled=True)
+    await restore(stack, session, stack.topology.sims[0], stalled=True)
     assert figures["late_requests"] >= 40 and figures["late_failed"] == 0, figures

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from loadtest.openai_api import error_reason
+from local.stack.config import API_CLIENTS
 from tests.e2e.conftest import completion, envoy_stats, envoy_upstream_requests, picker_decisions, start_stack, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -74,12 +75,12 @@ def test_the_keys_live_only_in_the_run_folder_and_the_secret(stack):
     """The keys exist only in the run folder (mode 600) and in the Secret handed to Envoy Gateway."""
     path = stack.config.api_keys_file
     assert path.stat().st_mode & 0o777 == 0o600
-    assert set(json.loads(path.read_text())) == {"loadtest", "user"}
+    assert set(json.loads(path.read_text())) == set(API_CLIENTS)
     resources = (stack.layout.resources / "gateway.yaml").read_text()
     secret = next(d for d in yaml.safe_load_all(resources) if d and d["kind"] == "Secret")
     ref = edge_policy(stack, "SecurityPolicy", "inference-gateway-api-keys")["spec"]["apiKeyAuth"]["credentialRefs"][0]
     assert secret["metadata"] == {"name": ref["name"], "namespace": "llm"}
-    assert set(secret["data"]) == {"loadtest", "user"}
+    assert set(secret["data"]) == set(API_CLIENTS)
 
 
 @pytest.mark.parametrize("listener", ["http", "llm-gw"])

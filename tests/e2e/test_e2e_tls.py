@@ -70,7 +70,6 @@ def test_a_client_trusting_another_ca_fails(stack, listener, tmp_path):
 async def test_envoy_verifies_the_picker_certificate(stack, tmp_path):
     """A picker whose certificate the run's CA did not sign (another CA, same names) is refused by
     Envoy: 8081 answers 503 and the picker decides nothing; with the right one again, it routes."""
-    import aiohttp
 
     verified = await _ext_proc_tls(stack)
     assert verified["ssl.handshake"] >= 1, verified  # the 8081 requests above went over verified TLS

@@ -195,7 +195,8 @@ async def test_a_missing_key_secret_fails_closed_before_the_picker(stack):
                     out.append((r.status, await r.json(content_type=None) if r.status != 401 else {}))
         return out
 
-    async with aiohttp.ClientSession() as session:
+    # a request that hangs fails the test in 30 s, naming it, instead of at pytest's 300 s timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         set_budget(stack, 10_000_000)
         assert [s for s, _ in await answers(session)] == [200, 200, 401] * 2
         try:
@@ -225,7 +226,8 @@ async def test_a_window_edge_lets_a_client_spend_up_to_twice_the_budget(stack, r
     """The budget's window is fixed (the rate limit service counts per calendar minute, hour, ...):
     a client that spends its budget just before a window ends gets a whole budget again when the next
     one starts. Measured with a per-minute budget: spent from second 50, then again from second 0,
-    within a few seconds; at most 2 budgets plus the one request that crosses each."""
+    within a few seconds; at most 2 budgets plus the one request that crosses each. Over 30 s: it
+    waits for second 50 of the current minute (up to a minute) to spend the budget at a window's edge."""
     budget, max_tokens = 1500, 60
     set_budget(stack, budget, unit="Minute")
     now = time.time()

@@ -109,6 +109,8 @@ def until_running(ns: Namespace, n: int) -> None:
 
 
 def test_the_leader_waits_until_vllm_has_finished_what_it_serves(netns, hooks):
+    """Over 30 s: the hook as rendered waits its settling time (15 s) and polls every 5 s until the
+    request it must let finish (~25 s of A10 time) has ended."""
     start_vllm(netns)
     request = start_request(netns, max_tokens=300)          # ~25 s on the A10 timings
     until_running(netns, 1)

@@ -66,6 +66,18 @@ def test_no_connection_limit_is_caught():
     assert len(edge.listeners_limit_connections(objs)) == 2
 
 
+def test_a_missing_or_too_long_header_timeout_is_caught():
+    assert edge.listeners_time_out_headers(rendered(OVERLAY)) == []
+    objs = rendered(OVERLAY)
+    http = find(objs, "ClientTrafficPolicy")["spec"]["timeout"]["http"]
+    del http["requestHeadersReceivedTimeout"]
+    problems = edge.listeners_time_out_headers(objs)
+    assert len(problems) == 2 and all("requestHeadersReceivedTimeout" in p for p in problems), problems
+    http["requestHeadersReceivedTimeout"] = http["requestReceivedTimeout"]
+    problems = edge.listeners_time_out_headers(objs)
+    assert problems and all("must be shorter than requestReceivedTimeout" in p for p in problems), problems
+
+
 @pytest.mark.parametrize("breakage, message", [
     ("rate-limit", "no rule per distinct client id"),
     ("rate-limit-exact", "no rule per distinct client id"),

@@ -28,7 +28,7 @@ def test_a_broken_rule_is_reported_with_target_rule_and_object():
                and "llm-models" in p for p in found), found
 
 
-def test_validate_cli_runs_the_rules(tmp_path, capsys):
+def test_validate_cli_runs_the_rules(tmp_path, capsys, crds_dir):
     from validation.cli import main
 
     root = tmp_path / "repo"
@@ -39,8 +39,9 @@ def test_validate_cli_runs_the_rules(tmp_path, capsys):
     broken = text.replace('- --tensor-parallel-size\n              - "2"', '- --tensor-parallel-size\n              - "3"', 1)
     assert broken != text
     lws.write_text(broken)
+    # the copy has no ../shared/crds or .cache/crds of its own: the CRDs this checkout validates with
     code = main(["--root", str(root), "overlays/a10", "--skip-workflows", "--skip-kubeconform",
-                 "--skip-gateway", "--cache-dir", str(CACHE)])
+                 "--skip-gateway", "--cache-dir", str(CACHE), "--crds-dir", str(crds_dir)])
     out = capsys.readouterr().out
     assert code == 1 and "[policy parallelism_matches_resources] overlays/a10:" in out, out
 

@@ -113,6 +113,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flow-stale-hold", type=float, default=defaults.FLOW_STALE_HOLD,
                    help="seconds beyond --staleness that requests are held while every "
                         "candidate's metrics are stale; then nothing is held until they are fresh")
+    p.add_argument("--lengths", action=argparse.BooleanOptionalAction, default=True,
+                   help="learn output lengths from the outcomes Envoy's access log reports "
+                        "(--outcomes-port) and forecast every request's; the `lengths` profile "
+                        "routes on them (see README, \"Output lengths\")")
     p.add_argument("--precise-prefix", action=argparse.BooleanOptionalAction,
                    default=defaults.PRECISE_PREFIX,
                    help="route on the engines' KV-cache events (needs --tokenizer); off: the "

@@ -19,6 +19,9 @@ from typing import Any, Callable, Iterable
 from picker import defaults
 from picker.discovery.objects import Objective, Rewrite
 from picker.errors import PickerError, clip
+from picker.lengths.features import Features
+from picker.lengths.predictor import Forecast, LengthPredictor, PredictorSettings
+from picker.lengths.work import WorkTracker, project
 from picker.openai import parse_body, rewrite_model
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.prefilter import LeastLoaded, prefilter
@@ -36,6 +39,7 @@ from picker.signals.state import (ZERO_LOAD, EndpointState, InflightEntry, Load,
 __all__ = ["Router", "RouterSettings", "RequestInfo", "Decision", "PickerError"]
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+PROJECTION_TTL = 0.1   # seconds a projection is reused while nothing else changes (~a decode step)
 REQUEST_ID_HEADER = "x-request-id"
 UNKNOWN_LABEL = "unknown"  # metric label of every model name neither configured nor served
 
@@ -48,6 +52,8 @@ class RouterSettings:
     default_objective: str | None = None
     avg_prompt_alpha: float = defaults.AVG_PROMPT_ALPHA
     timeouts_to_unready: int = defaults.SCRAPE_FAILURES_TO_UNREADY  # see on_scrape_failed
+    # Output lengths learned from outcomes (picker.lengths); None: no forecasts, no learning.
+    lengths: PredictorSettings | None = field(default_factory=PredictorSettings)
 
 
 @dataclass(slots=True)
@@ -75,7 +81,8 @@ class Decision:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     client_request_id: str = ""  # the request's x-request-id (clipped), for logs only
-    features: str = ""  # what the output-length predictor saw; comes back in the Outcome
+    features: str = ""           # what the predictor saw; comes back in the Outcome
+    forecast: Forecast | None = None  # its predicted answer length (None: predictor off)
 
 
 class Router:
@@ -117,6 +124,11 @@ class Router:
         self.configured_models: frozenset[str] = frozenset()  # rewrite sources and targets
         self.set_objects(objectives, rewrites)
         self.precise: PrecisePrefix | None = None  # precise prefix routing (enable_precise)
+        # Output lengths (picker.lengths): the predictor learns from outcomes, the tracker keeps
+        # each endpoint's requests in flight with their forecasts.
+        lengths = self.settings.lengths
+        self.predictor: LengthPredictor | None = LengthPredictor(lengths) if lengths else None
+        self.work = WorkTracker()
 
     # ---- discovery -------------------------------------------------------------------------
     def set_endpoints(self, addresses: Iterable[str]) -> None:
@@ -128,6 +140,7 @@ class Router:
                 if self.precise is not None:
                     self.precise.forget(addr)
                 self._least.forget(addr)
+                self.work.forget(addr)
                 if self.metrics is not None:
                     self.metrics.forget_endpoint(addr)
         for addr in wanted:
@@ -162,6 +175,9 @@ class Router:
         was_ready = state.ready
         had_since = state.since_scrape != state.peer_since_scrape
         record_scrape(state, metrics, self.clock() if now is None else now)
+        work = self.work.endpoints.get(address)
+        if work is not None:
+            work.on_scrape(state.scraped_at, metrics.waiting + state.since_scrape)
         self._least.observe(state)
         if self.precise is not None:
             self.precise.on_metrics(address, metrics.num_gpu_blocks, metrics.block_size,
@@ -313,10 +329,29 @@ class Router:
 
     def on_outcome(self, outcome: Outcome) -> None:
         """A request Envoy served completed (signals/outcomes.py): the endpoint, status, token
-        counts and timings it had."""
+        counts and timings it had. Its entry in flight ends, the predictor learns its answer's
+        length, its endpoint's timings are updated."""
         if self.metrics is not None and self.count_outcomes:
             self.metrics.record_outcome(outcome, self.metric_label(outcome.model),
                                         self._matched(outcome.request_id))
+        self.work.outcomes += 1
+        entry = self.work.finish(outcome.request_id)
+        if outcome.status != 200 or outcome.completion_tokens is None:
+            return
+        if entry is not None:
+            if outcome.prompt_tokens:
+                self.work.learn_token_ratio(entry.counted, outcome.prompt_tokens)
+            if self.metrics is not None:
+                self.metrics.record_forecast_error(self.metric_label(outcome.model),
+                                                   entry.forecast.family, entry.forecast.median,
+                                                   outcome.completion_tokens)
+        if outcome.endpoint in self.endpoints:
+            self.work.learn_timings(outcome.endpoint, outcome.ttft, outcome.duration,
+                                    outcome.completion_tokens)
+        if self.predictor is not None and outcome.features:
+            features = Features.from_key(outcome.features)
+            if features is not None:
+                self.predictor.learn(features, outcome.completion_tokens)
 
     def _matched(self, request_id: str) -> str:
         """Whose decision an outcome's request id names: "replica" (this one), "other" (another
@@ -328,6 +363,7 @@ class Router:
 
     def reap(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
+        self.work.reap(now)
         limit = now - self.settings.inflight_timeout
         lost = [rid for rid, e in self.inflight.items() if e.sent_at < limit]
         for rid in lost:
@@ -452,6 +488,13 @@ class Router:
                 ctx.prefix_match = self.prefix.match(ctx.hashes)
             if prep is not None:
                 precise.apply_to(ctx, prep)
+        features = None
+        if self.predictor is not None:
+            features = Features.of(info.path, info.headers, parsed.obj, target, parsed.prompt,
+                                   prompt_tokens, parsed.max_tokens, ctx.hashes)
+            ctx.forecast = self.predictor.forecast(features)
+            if self.work.outcomes:   # the outcome path works: entries end when requests do
+                ctx.projection = self._projector(target, now)
         candidates = self._prefilter(candidates, by_addr, ctx)
         self._mark_stale(candidates, now)
         if self.gate is not None:
@@ -459,6 +502,8 @@ class Router:
         chosen = schedule(profile, ctx, candidates, self.rng)
         cached = ctx.cached_tokens(chosen.address)
         uncached = prompt_tokens - cached
+        if features is not None and self.work.outcomes:
+            self.work.add(request_id, chosen.address, now, uncached, prompt_tokens, ctx.forecast)
         if prep is not None:
             precise.after_decision(prep, chosen.address, now)
         if ctx.hashes:
@@ -477,7 +522,33 @@ class Router:
         if prep is not None:   # reported in the tokenizer's units
             prompt_tokens, cached = precise.reported(prep, ctx, chosen.address, cached)
         return Decision(chosen.address, request_id, model, target, out_body, objective, priority,
-                        prompt_tokens, cached, client_id)
+                        prompt_tokens, cached, client_id,
+                        features.key() if features is not None else "", ctx.forecast)
+
+    def _projector(self, model: str, now: float):
+        """Per endpoint, the projection of its KV over its running requests' predicted ends
+        (picker.lengths.work). Kept until the endpoint's scrape, its requests or its timings
+        change, or PROJECTION_TTL passes (what its requests produced meanwhile)."""
+        cache = self.work.projections
+        prior = None
+        tick = int(now / PROJECTION_TTL)
+
+        def projection(e: EndpointState):
+            nonlocal prior
+            work = self.work.work(e.address)
+            key = (e.epoch, e.since_scrape, work.version, tick, model)
+            hit = cache.get(e.address)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+            if prior is None:
+                prior = self.predictor.prior(model)
+            m = e.metrics
+            cap = m.kv_capacity_tokens or 0
+            p = project(work, now, cap, m.kv_usage * cap, m.running, m.waiting + e.since_scrape,
+                        self.avg_prompt_tokens, prior, self.work.token_ratio)
+            cache[e.address] = (key, p)
+            return p
+        return projection
 
     def _prefilter(self, candidates: list[EndpointState], by_addr: dict[str, EndpointState] | None,
                    ctx: SchedulingContext) -> list[EndpointState]:

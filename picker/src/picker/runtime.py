@@ -19,6 +19,7 @@ from picker.config import flow_settings, server_limits
 from picker.core import Router, RouterSettings
 from picker.discovery.objects import Objective, Rewrite
 from picker.flowcontrol.controller import FlowControl
+from picker.lengths.predictor import PredictorSettings
 from picker.observability.metrics import PickerMetrics
 from picker.protocol.server import Servers, start_servers
 from picker.scheduling.profile import load_profile
@@ -38,7 +39,9 @@ def build_router(args: Namespace, worker: int = 0) -> Router:
         load_profile(args.profile),
         settings=RouterSettings(staleness=args.staleness, max_body_bytes=args.max_body_bytes,
                                 inflight_timeout=args.inflight_timeout,
-                                default_objective=args.default_objective),
+                                default_objective=args.default_objective,
+                                lengths=PredictorSettings() if getattr(args, "lengths", True)
+                                else None),
         metrics=metrics, id_prefix=f"{args.replica_id}.{worker}.")
     router.count_scrape_errors = router.count_outcomes = worker == 0
     if getattr(args, "precise_prefix", False):

@@ -7,6 +7,8 @@ endpoint labels from the current endpoint set (a removed endpoint's series are d
 """
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,6 +22,7 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 _LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0)
+_LOG2_ERROR_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)   # 1.07x .. 16x off
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -74,6 +77,12 @@ class PickerMetrics:
                                      "Time from a response's end at the gateway to its outcome "
                                      "here (Envoy's access log buffer, mostly)",
                                      buckets=_LAG_BUCKETS, registry=r)
+        # output lengths (picker.lengths): how far the forecasts of this process's decisions were
+        self.forecast_error = Histogram("picker_length_forecast_error_log2",
+                                        "|log2(forecast median / completion tokens)| of the requests "
+                                        "this process decided, when their outcome arrives (1 = a "
+                                        "factor of 2), by the feature family the forecast came from",
+                                        ["model", "family"], buckets=_LOG2_ERROR_BUCKETS, registry=r)
         # model name -> label value; the Router installs its own (configured or served names)
         self.model_label: Callable[[str], str] = lambda model: model
 
@@ -96,6 +105,10 @@ class PickerMetrics:
         if o.ttft is not None:
             self.outcome_ttft.labels(model).observe(o.ttft)
         self.outcome_lag.observe(o.lag)
+
+    def record_forecast_error(self, model: str, family: str, forecast: float, tokens: int) -> None:
+        self.forecast_error.labels(model, family).observe(
+            abs(math.log2(max(1.0, forecast)) - math.log2(max(1, tokens))))
 
     def forget_endpoint(self, address: str) -> None:
         try:

@@ -140,7 +140,8 @@ class Request:
                                          "objective": d.objective, "priority": d.priority,
                                          "client": clip(info.headers.get(CLIENT_HEADER, "")),
                                          "prompt_tokens": d.prompt_tokens,
-                                         "cached_tokens": d.cached_tokens})
+                                         "cached_tokens": d.cached_tokens,
+                                         **_forecast_fields(d)})
         return route_answer(d, info, bodiless, self.full_duplex)
 
     def refuse(self, err: PickerError, path: str | None = None) -> ImmediateAnswer:
@@ -375,3 +376,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self.closing = True
         for following in list(self._answered):
             following.cancel()
+
+
+def _forecast_fields(d: Decision) -> dict:
+    """The decision's forecast answer length, for its log line (none with the predictor off)."""
+    f = d.forecast
+    if f is None:
+        return {}
+    return {"forecast_median": round(f.median), "forecast_p90": round(f.high),
+            "forecast_family": f.family}

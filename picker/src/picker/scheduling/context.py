@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from picker import defaults
 
@@ -22,6 +23,10 @@ class SchedulingContext:
     # the others fall back to the approximate prefix_match.
     precise: dict[str, int] | None = None
     sync: dict[str, str] | None = None
+    # Output lengths (picker.lengths), when the predictor is on: the request's forecast answer
+    # length, and per endpoint the projection of its KV over its running requests' ends.
+    forecast: Any = None                                   # lengths.predictor.Forecast
+    projection: Callable[[Any], Any] | None = None         # EndpointState -> lengths.work.Projection
 
     def cached_tokens(self, address: str) -> int:
         if self.precise is not None and self.sync.get(address) == "":

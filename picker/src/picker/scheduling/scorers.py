@@ -6,6 +6,7 @@ metrics count as unknown-and-saturated: the worst score on every load signal.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from picker.scheduling.context import SchedulingContext
@@ -130,7 +131,7 @@ KV_PRESSURE = 0.5  # KV usage at which a prefix miss costs miss_weight times its
 
 def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens: float,
                         kv_wait_tokens: float, output_reserve_tokens: int,
-                        miss_weight: float = 1.0) -> float:
+                        miss_weight: float = 1.0, wait: WaitModel | None = None) -> float:
     """Prefill work (in tokens) this request would wait for and do on endpoint e.
 
     queue ahead:  waiting requests (size unknown: the recent mean prompt) plus the prompt tokens
@@ -141,20 +142,29 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
                   endpoint waits for, and their blocks displace other prompts' cached
                   prefixes, so a miss costs the pool more than this request's own wait;
     admission:    if the KV cache cannot hold the uncached prompt now, a wait of kv_wait_tokens
-                  plus the shortfall (requests must finish before blocks free up).
+                  plus the shortfall (requests must finish before blocks free up);
+    predicted:    with a wait model (`predicted_wait`) and learned output lengths
+                  (picker.lengths), a share of the decode time until the running requests'
+                  predicted ends free enough KV for it behind the queue, in prefill tokens.
     """
     m = e.metrics
     if m is None or e.stale:
         return math.inf
     uncached = ctx.prompt_tokens - ctx.cached_tokens(e.address)
-    ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
     capacity = m.kv_capacity_tokens
     # A miss displaces other prompts' cached blocks only when the KV cache is under pressure: on
     # an empty cache it costs just its own prefill. Without this, a burst sharing a prefix no
     # group holds yet piles onto the first group that got it (cold start).
     used = m.kv_usage + (e.since_scrape_tokens / capacity if capacity else 0.0)
     weight = 1.0 + (miss_weight - 1.0) * min(1.0, used / KV_PRESSURE)
+    ahead = m.waiting * ctx.avg_prompt_tokens + e.since_scrape_tokens
     cost = ahead + m.running * running_tokens + weight * uncached
+    if wait is not None and ctx.projection is not None:
+        # Learned output lengths (picker.lengths): the decode steps until the running requests'
+        # predicted ends free KV for this request behind the queue there, in prefill tokens.
+        projection = ctx.projection(e)
+        need = uncached * projection.token_ratio + output_reserve_tokens
+        cost += wait.weight * wait.tokens_per_second * projection.wait_seconds(need)
     if capacity:
         free = (1.0 - m.kv_usage) * capacity - e.since_scrape_tokens
         need = uncached + output_reserve_tokens
@@ -165,12 +175,34 @@ def predicted_ttft_cost(ctx: SchedulingContext, e: EndpointState, running_tokens
     return cost
 
 
+@dataclass(frozen=True, slots=True)
+class WaitModel:
+    """How predicted-ttft adds the wait for KV from the running requests' predicted ends
+    (picker.lengths; `predicted_wait` in a profile).
+
+    tokens_per_second: prefill tokens an engine computes per second: converts the wait into the
+                       cost's units (the A10 QwQ-32B groups: ~1,600);
+    weight:            the share of that wait added to the cost. Beside the fixed admission
+                       term, not instead of it: tuned with the routing lab (picker/README.md,
+                       "Output lengths")."""
+    tokens_per_second: float = 1600.0
+    weight: float = 0.5
+
+    def __post_init__(self):
+        if self.tokens_per_second <= 0 or self.weight < 0:
+            raise ValueError("predicted_wait: tokens_per_second must be > 0 and weight >= 0")
+
+
 def predicted_ttft_scorer(running_tokens: float = 16.0, kv_wait_tokens: float = 8192.0,
-                          output_reserve_tokens: int = 256, miss_weight: float = 1.0) -> Scorer:
-    """Scores min_cost / cost over the candidates, cost = predicted_ttft_cost (+1 block)."""
+                          output_reserve_tokens: int = 256, miss_weight: float = 1.0,
+                          predicted_wait: dict | None = None) -> Scorer:
+    """Scores min_cost / cost over the candidates, cost = predicted_ttft_cost (+1 block).
+    `predicted_wait` (a WaitModel's fields) turns on the wait from predicted ends."""
+    wait = WaitModel(**predicted_wait) if predicted_wait is not None else None
+
     def score(ctx: SchedulingContext, eps: list[EndpointState]) -> list[float]:
         costs = [predicted_ttft_cost(ctx, e, running_tokens, kv_wait_tokens, output_reserve_tokens,
-                                    miss_weight)
+                                    miss_weight, wait)
                  + ctx.block_size_tokens for e in eps]
         best = min(costs)
         if best == math.inf:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from picker import defaults
-from picker.signals.kvevents import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored,
+from picker.signals.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored,
                                      EventBatch, KVEventsError, decode_payload)
 
 log = logging.getLogger("picker.kvevents")
