@@ -58,7 +58,7 @@ def test_envoy_gateway_config_turns_on_the_global_rate_limit(tmp_path):
     ports = ratelimit.Ports()
     settings = {"extensionApis": {"enableLua": True}, **ratelimit.envoy_gateway_settings(ports)}
     config = dataplane.envoy_gateway_config(dataplane.Layout(tmp_path), settings)
-    assert config["extensionApis"] == {"enableBackend": True, "enableLua": True}
+    assert config["extensionApis"] == {"enableBackend": True, "enableLua": True, "enableEnvoyPatchPolicy": True}
     assert config["rateLimit"]["failClosed"] is True
     assert config["rateLimit"]["timeout"] == ratelimit.cluster_settings()["timeout"]  # as in the cluster
     assert dataplane.envoy_gateway_config(dataplane.Layout(tmp_path)).get("rateLimit") is None

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import extproc_client as c
+from tests.helpers import extproc_client as c
 from helpers import FakeVllm, free_ports, start_app, until
 from picker import peer_link
 from picker.leader import LeaseElector
@@ -140,6 +140,10 @@ async def test_a_leader_cut_off_from_its_standby_but_renewing_acts_alone(leases,
     try:
         await until(lambda: acting([a, b]), timeout=20)
         leader, standby = (a, b) if await envoy_sees(a) else (b, a)
+        # the link up first: a leader stopped before its connection to the standby opened is
+        # unknown to the standby, not silent
+        await until(lambda: any(p.identity == leader.identity and p.status == "live"
+                                for p in standby.peer_states), timeout=10)
         os.kill(leader.signals_proc.pid, signal.SIGSTOP)   # its heartbeats stop, it renews
         try:
             await until(lambda: any(p.status == "silent" for p in standby.peer_states), timeout=5)
