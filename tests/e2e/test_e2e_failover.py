@@ -144,6 +144,19 @@ async def ext_proc_failed_open(stack) -> int:
     return int(sum(x.get("value", 0) for x in stats if x.get("name", "").endswith("failure_mode_allowed")))
 
 
+async def envoy_routes_to(stack) -> list[str]:
+    """The picker replicas Envoy's health checks pass on the ext_proc cluster (where it sends
+    streams; none or both would mean panic routing, both replicas deciding)."""
+    c = stack.config
+    names = {c.picker_ports(i)[0]: c.picker_name(i) for i in range(c.pickers)}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{stack.envoy_admin()}/clusters?format=json") as r:
+            clusters = (await r.json())["cluster_statuses"]
+    hosts = [h for cl in clusters if "/extproc/" in cl["name"] for h in cl.get("host_statuses", [])]
+    return [names.get(h["address"]["socket_address"]["port_value"], "?") for h in hosts
+            if set(h.get("health_status", {})) == {"eds_health_status"}]
+
+
 def figures(load: Load, fault_at: float, end_at: float, open_at_fault: list[Sent], unrouted: int) -> dict:
     """What a client saw in the window around the fault (seconds relative to it)."""
     window = [r for r in load.sent if fault_at - AROUND <= r.sent <= end_at + AROUND]
@@ -186,6 +199,9 @@ async def around(stack, fault, restore=None) -> tuple[dict, str]:
     await asyncio.sleep(AROUND)
     leaders = await asyncio.to_thread(acting, stack)
     assert len(leaders) == 1, f"before the fault: acting {leaders}"
+    # Envoy's health checks see it too: every stream goes to the leader
+    await wait_for(lambda: envoy_routes_to(stack), timeout=5)
+    assert await envoy_routes_to(stack) == leaders, "Envoy's healthy picker hosts"
     unrouted = await ext_proc_failed_open(stack)
     fault_at = time.monotonic()
     open_at_fault = [r for r in load.sent if not r.done]

@@ -76,7 +76,13 @@ async def test_requests_held_by_a_killed_leader_are_decided_by_the_standby(stack
         for i in range(4):   # every engine running one, one waiting: no room anywhere
             fillers.append(asyncio.ensure_future(post(session, stack, completion(
                 prompt=f"filler {i} " * 50, max_tokens=FILLER_TOKENS, ignore_eos=True), "filler")))
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(0.15)   # a scrape between two sends: the picker sees each one
+
+        async def saturated():   # as test_e2e_flow.py: held requests are sent once no room is left
+            url = f"http://127.0.0.1:{stack.config.picker_ports(lead)[2]}/metrics"
+            waiting = [v for n, _, v in await scrape(session, url) if n == "picker_endpoint_queue"]
+            return len(waiting) == 2 and all(w >= 1 for w in waiting)
+        await wait_for(saturated, timeout=10)
         held = [asyncio.ensure_future(post(session, stack, completion(max_tokens=2), "held"))
                 for _ in range(3)]
 
