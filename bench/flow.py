@@ -13,6 +13,10 @@ Open loop, 3 A10 groups, the article's prompts (1,000-token shared prefix, ~3,40
   completed requests and output tokens. Target: within 1.5x of alone.
 - priorities: `interactive` (priority 10) and `standard` (0) at 0.75 x capacity each (1.5x in
   all). P99 TTFT per class. Target: interactive at most half of standard's.
+- several clients (bench/flow_mixes.py): clients whose answers differ ~10x in length, in one
+  closed loop, each in its own, or open loop, below saturation and at it. Target below
+  saturation: flow control never worse than the picker without it beyond the seed spread, and
+  no request refused.
 Failed requests are counted; TTFT is over completed requests.
 """
 from __future__ import annotations
@@ -131,8 +135,10 @@ def run(seeds: list[int], workload: str = "article", engine=None, policies=None)
 def main(seeds: list[int] | None = None) -> dict:
     seeds = seeds or [0, 1, 2]
     started, load_start = time.monotonic(), load_average()
+    from bench import flow_mixes
+    lab = run(seeds)
     data = {"command": "python -m bench flow", "seeds": seeds, "load_average_start": load_start,
-            "lab": run(seeds), "wall_s": time.monotonic() - started, **stamp()}
+            "lab": lab, "mixes": flow_mixes.run(seeds), "wall_s": time.monotonic() - started, **stamp()}
     save("flow", data)
     return data
 
@@ -156,7 +162,7 @@ def report(d: dict) -> list[str]:
              f"bound, then `--flow-at-bound {defaults.FLOW_AT_BOUND}` (dispatch-uncontested: sent to an engine's "
              "queue when no other band or client is active, else refused with 503); a "
              f"{defaults.FLOW_HOLDBACK:g} KV reserve (`--flow-holdback`) left free by a "
-             "lower band while a higher one is active and by a client over its share of its band. `reject at "
+             "lower band while a higher one is active and, while the pool is saturated, by a client over its share of its band. `reject at "
              "bound`: always refused with 503 there.", "",
              f"**Fairness**: a light client ({LIGHT:g}x capacity) and a heavy one ({HEAVY:g}x), same priority. Target: the "
              "light client's mean TTFT within 1.5x of what it gets alone.", "",
@@ -177,6 +183,9 @@ def report(d: dict) -> list[str]:
         lines.append(f"| {name} | {hi:,.0f} | {lo:,.0f} | {hi / lo:.2f} | {_mean(rows, 'interactive', 'mean_ttft_ms'):,.0f} | "
                      f"{_mean(rows, 'standard', 'mean_ttft_ms'):,.0f} | {_mean(rows, 'interactive', 'failed'):.1f} / "
                      f"{_mean(rows, 'standard', 'failed'):.1f} |")
+    if d.get("mixes"):
+        from bench import flow_mixes
+        lines += [""] + flow_mixes.report(d["mixes"])
     return lines
 
 

@@ -19,6 +19,11 @@ client with its own key, so the edge names them apart in `x-client-id`.
 - priorities: `interactive` (priority 10, key `user`) and standard (no objective: priority 0,
   key `loadtest`) at 0.75 x capacity each. Target: interactive's P99 TTFT at most half of
   standard's.
+- a mix below saturation: a chat client (key `loadtest`, 60 % of the requests, answers of
+  MIX_CHAT tokens) and a reasoning client (key `user`, 40 %, answers ~10x longer, MIX_REASONING)
+  on the demo's prompts, MIX_LOAD x capacity in all, open loop. The busier client is the one with
+  the short answers. Target: flow control refuses nothing and its mean TTFT is that of the
+  picker without it (same run, wall-clock noise aside).
 
 Beside it, the lab on the same scale (`python -m bench flow`'s experiment on the demo workload and
 the demo's engines: KV / 6), same seeds, the picker without and with flow control: through HTTP
@@ -33,6 +38,7 @@ import time
 from pathlib import Path
 
 from bench.common import PY, RESULTS, load_average, read_json, run, save, stamp
+from bench.markdown import versus
 from bench.flow import HEAVY, LIGHT, PRIORITY_LOAD
 
 NAME = "flow-fairness-http"
@@ -41,6 +47,11 @@ HEAVY_PROMPTS = 150                       # the lab's count
 LIGHT_PROMPTS = max(10, round(HEAVY_PROMPTS * LIGHT / HEAVY))
 PRIORITY_PROMPTS = 100                    # each class: stays under the `user` key's 120 a minute
 CALIBRATION_PROMPTS = 150
+# The mix: bench flow's chat and reasoning answer lengths (bench/flow_mixes.py) at the demo's scale.
+MIX_LOAD = 0.8
+MIX_PROMPTS = 150
+MIX_CHAT = (17, 67)          # tokens: 100-400 / DEMO_SCALE
+MIX_REASONING = (167, 667)   # 1,000-4,000 / DEMO_SCALE
 # Each stack: the results' label -> (flow control off/on, more picker arguments). The local stack's
 # picker runs one worker; base/picker runs 2, each with its own queue (the arrivals the holdback
 # counts are shared: flowcontrol/activity.py), so flow control is also measured as deployed.
@@ -60,9 +71,11 @@ def flow_bounds(speedup: float) -> list[str]:
     return [a for flag, model_s in bounds.items() for a in (flag, f"{model_s / speedup:g}")]
 
 
-def client_arg(name: str, rate: float, prompts: int, key: str, objective: str | None = None) -> list[str]:
+def client_arg(name: str, rate: float, prompts: int, key: str, objective: str | None = None,
+               output_len: tuple[int, int] | None = None) -> list[str]:
     fields = f"name={name},rate={rate:.4g},prompts={prompts},key_env={KEY_ENV[key]}"
-    return ["--client", fields + (f",objective={objective}" if objective else "")]
+    fields += f",objective={objective}" if objective else ""
+    return ["--client", fields + (f",output_len={output_len[0]}-{output_len[1]}" if output_len else "")]
 
 
 def fairness_clients(capacity: float, alone: bool = False) -> list[str]:
@@ -74,6 +87,14 @@ def priority_clients(capacity: float) -> list[str]:
     rate = PRIORITY_LOAD * capacity
     return (client_arg("interactive", rate, PRIORITY_PROMPTS, "user", "interactive")
             + client_arg("standard", rate, PRIORITY_PROMPTS, "loadtest"))
+
+
+def mix_clients(capacity: float) -> list[str]:
+    """The chat client sends 60 % of the requests (the `user` key's rate limit is for the other)."""
+    rate = MIX_LOAD * capacity
+    chat = round(MIX_PROMPTS * 0.6)
+    return (client_arg("chat", 0.6 * rate, chat, "loadtest", output_len=MIX_CHAT)
+            + client_arg("reasoning", 0.4 * rate, MIX_PROMPTS - chat, "user", output_len=MIX_REASONING))
 
 
 def kept(summary: dict) -> dict:
@@ -129,6 +150,7 @@ def run_mode(mode: str, seed: int, capacity: float | None, picker_args: tuple[st
         out["fairness"] = {"mixed": runs.clients("fairness", fairness_clients(capacity)),
                            "alone": runs.clients("light-alone", fairness_clients(capacity, alone=True))["light"]}
         out["priorities"] = runs.clients("priorities", priority_clients(capacity))
+        out["mix"] = runs.clients("mix", mix_clients(capacity))
         out["wall_s"] = runs.walls
     f, p = out["fairness"], out["priorities"]
     print(f"flow control {mode} {' '.join(picker_args)}: light alone {f['alone']['mean_ttft_ms']:,.0f} ms, with heavy "
@@ -158,7 +180,8 @@ def main(seeds: list[int] | None = None) -> dict:
     lab = lab_same_scale(seeds)
     data = {"command": f"python -m bench {NAME}", "workload": WORKLOAD, "speedup": 5.0, "seeds": seeds,
             "light": LIGHT, "heavy": HEAVY, "priority_load": PRIORITY_LOAD, "heavy_prompts": HEAVY_PROMPTS,
-            "light_prompts": LIGHT_PROMPTS, "priority_prompts": PRIORITY_PROMPTS, "runs": runs, "lab": lab,
+            "light_prompts": LIGHT_PROMPTS, "priority_prompts": PRIORITY_PROMPTS, "mix_load": MIX_LOAD,
+            "mix_prompts": MIX_PROMPTS, "mix_chat": MIX_CHAT, "mix_reasoning": MIX_REASONING, "runs": runs, "lab": lab,
             "wall_s": time.monotonic() - started, "load_average_start": load_start, **stamp()}
     save(NAME, data)
     return data
@@ -214,10 +237,42 @@ def report(d: dict) -> list[str]:
                          f"{_ratio(hi['p99_ttft_ms'], lo['p99_ttft_ms'])} | {hi['mean_ttft_ms']:,.0f} | "
                          f"{lo['mean_ttft_ms']:,.0f} | {hi['completed']} / {lo['completed']} | {_failed(hi)} | "
                          f"{_failed(lo)} |")
+        if all("mix" in m for m in r["modes"].values()):
+            lines += [""] + _mix_lines(d, r)
         lines.append("")
     if d.get("lab"):
         lines += _lab_lines(d["lab"])
     return lines[:-1]
+
+
+def _mix_lines(d: dict, r: dict) -> list[str]:
+    chat, reasoning = d.get("mix_chat", MIX_CHAT), d.get("mix_reasoning", MIX_REASONING)
+    lines = [f"**A mix below saturation**: chat (key `loadtest`, 60 % of {d.get('mix_prompts', MIX_PROMPTS)} "
+             f"requests, answers {chat[0]}-{chat[1]} tokens) and reasoning (key `user`, 40 %, answers "
+             f"{reasoning[0]}-{reasoning[1]} tokens), the demo's prompts, {d.get('mix_load', MIX_LOAD):g}x capacity in "
+             "all, open loop: the busier client has the short answers. Target: flow control refuses nothing and "
+             "keeps the mean TTFT of the picker without it.", "",
+             "| flow control | chat mean / P99 TTFT ms | reasoning mean / P99 TTFT ms | both: mean TTFT ms | "
+             "failed chat | failed reasoning | target |", "|---|---|---|---|---|---|---|"]
+    off = r["modes"].get("off", {}).get("mix")
+    for mode, m in r["modes"].items():
+        chat_row, reasoning_row = m["mix"]["chat"], m["mix"]["reasoning"]
+        both = _mean_of(chat_row, reasoning_row)
+        target = ""
+        if mode != "off" and off is not None:
+            refused = chat_row["failed"] + reasoning_row["failed"]
+            target = f"{versus(both, _mean_of(off['chat'], off['reasoning']))} vs off; " + (
+                "nothing refused" if not refused else f"NOT met: {refused} refused")
+        lines.append(f"| {mode} | {chat_row['mean_ttft_ms']:,.0f} / {chat_row['p99_ttft_ms']:,.0f} | "
+                     f"{reasoning_row['mean_ttft_ms']:,.0f} / {reasoning_row['p99_ttft_ms']:,.0f} | {both:,.0f} | "
+                     f"{_failed(chat_row)} | {_failed(reasoning_row)} | {target} |")
+    return lines
+
+
+def _mean_of(*rows: dict) -> float:
+    """The mean TTFT over the completed requests of several clients."""
+    done = sum(r["completed"] for r in rows)
+    return sum(r["mean_ttft_ms"] * r["completed"] for r in rows) / done if done else float("nan")
 
 
 def _lab_lines(lab: dict) -> list[str]:

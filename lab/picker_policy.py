@@ -126,6 +126,7 @@ class PickerPolicy(Policy):
             self.router.predictor = ToldPredictor(self.router.predictor, self.told)
         self.by_address = {ep.address: ep for ep in endpoints}
         self.flow = FlowControl(self.router, self.flow_settings) if self.flow_settings else None
+        self.held = 0   # requests flow control held (not decided when they arrived)
         self.out: list = []   # (request, Decision | PickerError) handed out by the queue
         n, iv = len(endpoints), self.scrape_interval
         # Scraping started one interval before the first request, phases spread evenly.
@@ -201,6 +202,7 @@ class PickerPolicy(Policy):
             if self.flow is not None:
                 decision = self.flow.submit(info, lambda o: self.out.append((request, o)))
                 if isinstance(decision, Held):
+                    self.held += 1
                     raise Deferred()
             else:
                 decision = self.router.decide(info)

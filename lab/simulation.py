@@ -7,6 +7,10 @@ virtual time. A discrete-event loop advances that time from event to event:
   a trace with arrival times); it is sent at once
   when the client's concurrency limit allows, else when a running request finishes (vLLM
   benchmark semantics: `--request-rate` gaps, then a `--max-concurrency` semaphore).
+  Several clients (`LabConfig.group_concurrency`): each group of requests (`LabRequest.group`)
+  is its own closed loop with its own concurrency limit and its own FIFO; a request waits only
+  for a slot of its own group (and for `concurrency`, the total cap, if set). Whether the
+  policy can tell the clients apart is the requests' `client` (the `x-client-id` header).
 - send: the policy picks an endpoint; the request is added to that engine; an idle engine
   starts a step at once, with only the requests it holds at that moment. Requests sent later,
   even at the same virtual instant, join its next step: a real client's requests reach the
@@ -33,7 +37,8 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from collections import Counter, deque
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -60,6 +65,9 @@ class LabConfig:
     engine_models: Optional[Sequence[EngineModel]] = None   # per group (heterogeneous pool)
     outages: Sequence[tuple] = ()            # (group index, down at s, back at s)
     max_tokens_cap: Optional[int] = None     # clients send this max_tokens (a cap), not the length
+    # Several closed-loop clients: group -> its own concurrency limit (every request's group
+    # must be listed); None: one client for all requests (`concurrency`).
+    group_concurrency: Optional[Mapping[str, int]] = None
 
     @property
     def block_size(self) -> int:
@@ -103,6 +111,35 @@ def prepare_requests(specs: Sequence, block_size: int) -> list[LabRequest]:
     return out
 
 
+class _ClientLoops:
+    """Several closed-loop clients: per group, its concurrency limit, its requests in flight
+    (held by the policy or running) and its FIFO of arrived requests not sent yet."""
+
+    def __init__(self, limits: Mapping[str, int], requests: Sequence[LabRequest]):
+        missing = sorted({r.group for r in requests} - set(limits))
+        if missing:
+            raise ValueError(f"group_concurrency has no limit for group(s) {', '.join(map(repr, missing))}")
+        bad = [g for g, n in limits.items() if n < 1]
+        if bad:
+            raise ValueError(f"group_concurrency must be >= 1 (groups {', '.join(map(repr, bad))})")
+        self.limits = dict(limits)
+        self.inflight: Counter[str] = Counter()
+        self.waiting: dict[str, deque[tuple[int, LabRequest]]] = {g: deque() for g in limits}
+        self.order = 0                       # arrival order, across groups
+
+    def arrived(self, req: LabRequest) -> None:
+        self.waiting[req.group].append((self.order, req))
+        self.order += 1
+
+    def next_to_send(self) -> Optional[LabRequest]:
+        """The earliest arrived request whose group has a free slot (it leaves the FIFO)."""
+        best = None
+        for group, q in self.waiting.items():
+            if q and self.inflight[group] < self.limits[group] and (best is None or q[0][0] < best[0][0]):
+                best = q
+        return best.popleft()[1] if best is not None else None
+
+
 class Lab:
     def __init__(self, requests: Sequence[LabRequest], policy: Policy, config: LabConfig):
         self.config = config
@@ -124,6 +161,8 @@ class Lab:
         self.pending: list[LabRequest] = []      # arrived, waiting for a concurrency slot
         self.pending_head = 0
         self.inflight = 0
+        self.loops = _ClientLoops(config.group_concurrency, self.requests) \
+            if config.group_concurrency is not None else None
         self.clients: dict[str, _Client] = {}
         self.samples: list[RequestSample] = []
         self.series = {ep.address: {"t": [], "kv": [], "running": [], "waiting": []}
@@ -195,7 +234,7 @@ class Lab:
             ep = self._policy().pick(req)
         except Deferred:
             self.held_since[req.request_id] = self.now
-            self.inflight += 1     # the client waits for it: it holds a concurrency slot
+            self._take_slot(req)   # the client waits for it: it holds a concurrency slot
             return
         except Rejected as err:
             self._rejected(req, err, self.now)
@@ -210,7 +249,7 @@ class Lab:
     def _wake(self) -> None:
         for req, outcome in self._policy().wake():
             sent = self.held_since.pop(req.request_id)
-            self.inflight -= 1
+            self._free_slot(req)
             if isinstance(outcome, Rejected):
                 self._rejected(req, outcome, sent)
             else:
@@ -237,7 +276,7 @@ class Lab:
                                               error=str(err), target=ep.address,
                                               prompt_tokens=len(req.token_ids), group=req.group))
             return
-        self.inflight += 1
+        self._take_slot(req)
         ep.inflight += 1
         self.counts[ep.address]["requests"] += 1
         self.clients[req.request_id] = client
@@ -247,15 +286,29 @@ class Lab:
             self._step(ep)
 
     def _send_pending(self) -> None:
+        if self.loops is not None:
+            while self._can_send() and (req := self.loops.next_to_send()) is not None:
+                self._send(req)
+            return
         while self.pending_head < len(self.pending) and self._can_send():
             req = self.pending[self.pending_head]
             self.pending_head += 1
             self._send(req)
 
+    def _take_slot(self, req: LabRequest) -> None:
+        self.inflight += 1
+        if self.loops is not None:
+            self.loops.inflight[req.group] += 1
+
+    def _free_slot(self, req: LabRequest) -> None:
+        self.inflight -= 1
+        if self.loops is not None:
+            self.loops.inflight[req.group] -= 1
+
     def _finish(self, client: _Client, ep: LabEndpoint) -> None:
         req = client.request
         del self.clients[req.request_id]
-        self.inflight -= 1
+        self._free_slot(req)
         ep.inflight -= 1
         self.samples.append(RequestSample(
             start=client.sent, success=True, ttft=client.first - client.sent,
@@ -305,7 +358,7 @@ class Lab:
         for client in [c for c in self.clients.values() if c.request.endpoint is ep]:
             req = client.request
             del self.clients[req.request_id]
-            self.inflight -= 1
+            self._free_slot(req)
             ep.inflight -= 1
             self.samples.append(RequestSample(
                 start=client.sent, success=False, end=self.now, error="group down",
@@ -356,7 +409,10 @@ class Lab:
             self.wake_at = None
             self._wake()
         elif kind == _ARRIVAL:
-            self.pending.append(obj)
+            if self.loops is not None:
+                self.loops.arrived(obj)
+            else:
+                self.pending.append(obj)
             self._send_pending()
         else:
             raise ValueError(f"unknown lab event kind {kind}")
@@ -368,6 +424,7 @@ class Lab:
             self.samples, label=f"lab:{self.policy.name}", backend="lab",
             model_id=cfg.model_name, num_prompts=len(self.requests),
             max_concurrency=cfg.concurrency,
+            **({"group_concurrency": dict(cfg.group_concurrency)} if cfg.group_concurrency else {}),
             request_rate="inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
             burstiness=cfg.burstiness, seed=cfg.seed, policy=self.policy.name,
             num_engines=cfg.num_engines, engine_model=cfg.engine_model.name)

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="results folder (default results/compare-<time>)")
     c.add_argument("--client", dest="clients", action="append", default=[], metavar="FIELDS",
                    help="a client of its own (repeat for several, all at once, open loop): "
-                        "name=N,rate=REQ_S,prompts=K[,key_env=VAR][,objective=O][,burstiness=B]; its "
+                        "name=N,rate=REQ_S,prompts=K[,key_env=VAR][,objective=O][,burstiness=B]"
+                        "[,output_len=LOW-HIGH]; its answers' lengths from that range (else the workload's), its "
                         "API key from $VAR (else the run's), its objective (else --objective); result "
                         "files then hold each client's statistics (by_client). Not with --request-rate "
                         "or --num-prompts")

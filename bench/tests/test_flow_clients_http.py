@@ -49,3 +49,19 @@ def test_the_lab_on_the_same_scale_runs_and_is_reported():
     light_ratio = float(flow_row.split("|")[4].strip().rstrip("x"))
     assert 0.5 < light_ratio < 3   # flow control keeps the light client near what it gets alone
     assert float(lab["capacity_rps"][0]) > 0
+
+
+def test_the_mix_sends_the_busier_client_with_the_short_answers_and_reports_refusals():
+    chat, reasoning = (parse_client(a) for a in fch.mix_clients(4.0)[1::2])
+    assert (chat.name, chat.prompts, chat.output_len, chat.key_env) == ("chat", 90, fch.MIX_CHAT, "BENCH_KEY_LOADTEST")
+    assert (reasoning.prompts, reasoning.output_len) == (60, fch.MIX_REASONING)
+    assert abs(chat.rate + reasoning.rate - fch.MIX_LOAD * 4.0) < 1e-3 and chat.rate == 1.5 * reasoning.rate
+    assert fch.MIX_REASONING[0] >= 9 * fch.MIX_CHAT[0]
+
+    def mode(chat_mean, failed=0):
+        return {"mix": {"chat": _row(chat_mean, 3 * chat_mean, 90 - failed, failed), "reasoning": _row(300, 900, 60)}}
+    d = {"mix_load": 0.8, "mix_prompts": 150, "mix_chat": [17, 67], "mix_reasoning": [167, 667]}
+    lines = fch._mix_lines(d, {"modes": {"off": mode(200), "on": mode(200), "on-workers2": mode(400, failed=3)}})
+    text = "\n".join(lines)
+    assert "| on | 200 / 600 | 300 / 900 | 240 | 0 | 0 | +0.0 % vs off; nothing refused |" in text
+    assert "| on-workers2 | 400 / 1,200 |" in text and "NOT met: 3 refused |" in text

@@ -25,6 +25,22 @@ def test_parse_client_reads_every_field_and_names_what_is_wrong():
         parse_client("name=a,rate=2,prompts=3,colour=red")
     with pytest.raises(ValueError, match="rate and burstiness must be > 0"):
         parse_client("name=a,rate=0,prompts=3")
+    assert parse_client("name=a,rate=2,prompts=3,output_len=300-600").output_len == (300, 600)
+    assert parse_client("name=a,rate=2,prompts=3,output_len=50").output_len == (50, 50)
+    with pytest.raises(ValueError, match="output_len must be LOW-HIGH"):
+        parse_client("name=a,rate=2,prompts=3,output_len=600-300")
+
+
+def test_a_client_with_its_own_answer_lengths_keeps_its_prompts_and_times():
+    long = ClientStream("light", rate=2.0, prompts=4, key_env="LIGHT_KEY", objective="interactive",
+                        output_len=(300, 600))
+    plain = RunOptions(workload="smoke", seed=3, clients=(HEAVY, LIGHT)).build()
+    mixed = RunOptions(workload="smoke", seed=3, clients=(HEAVY, long)).build()
+    assert [(s.prompt, s.arrival) for s in mixed] == [(s.prompt, s.arrival) for s in plain]
+    assert [s.output_tokens for s in mixed if s.client == "heavy"] == \
+        [s.output_tokens for s in plain if s.client == "heavy"]
+    lengths = [s.output_tokens for s in mixed if s.client == "light"]
+    assert all(300 <= n <= 600 for n in lengths) and max(s.output_tokens for s in plain) < 300
 
 
 def test_a_client_gets_the_same_requests_at_the_same_times_alone_or_with_others():

@@ -112,6 +112,12 @@ def info(prompt="hello", objective=None, client=None):
     return RequestInfo("/v1/completions", headers, body(prompt=prompt))
 
 
+def big(label: str) -> str:
+    """A ~7,000-token prompt (4 characters a token): flow_router's endpoints (64,000 KV tokens)
+    at kv 0.75 have room for two of them each, none beyond the 0.3 reserve."""
+    return f"{label} " + "w" * 28_000
+
+
 def scrape_all(router, clock, **load):
     for addr in router.endpoints:
         router.on_scrape_ok(addr, metrics_text(**load), clock())
@@ -394,6 +400,67 @@ def test_light_client_takes_the_room_a_heavy_one_must_leave():
     assert served[1:] == ["h0", "h1", "h2", "h3", "h4"]
 
 
+def test_a_busier_client_in_a_pool_with_room_is_not_held():
+    """A chat client sending 3x the requests of a reasoning client is over its share of the
+    arrivals; while the pool can start every request as it comes, nothing is held for a reserve."""
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75)   # room, not beyond the reserve
+    outcomes = []
+    for i in range(8):
+        client = "reasoning" if i % 4 == 1 else "chat"
+        clock.t += 0.01
+        outcomes.append(flow.submit(info(prompt=f"{client} {i}", client=client), lambda o: None))
+    assert flow.arrivals.must_hold_back(clock(), 0, "chat")   # over its share...
+    assert not any(isinstance(o, Held) for o in outcomes)       # ...and never held
+
+
+def saturated_then_room(max_wait=300.0):
+    """A chat client over its share (3 to 1); a chat request found no room anywhere (the pool is
+    saturated) and waits; then a scrape shows room, not beyond the reserve."""
+    router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=max_wait)
+    submit = lambda client, i: flow.submit(info(prompt=f"{client} {i}", client=client), lambda o: None)
+    submit("reasoning", 0)
+    assert not isinstance(submit("chat", 0), Held) and not isinstance(submit("chat", 1), Held)
+    scrape_all(router, clock, waiting=2)            # no room anywhere: the pool is saturated
+    blocked = submit("chat", 2)
+    assert isinstance(blocked, Held)
+    clock.t += 1.0
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    return router, flow, clock, submit, blocked
+
+
+def test_once_saturated_the_busier_client_keeps_the_reserve_while_requests_wait():
+    router, flow, clock, submit, blocked = saturated_then_room()
+    assert flow.pump() == 0 and blocked.queued      # the busier client leaves the reserve...
+    assert not submit("reasoning", 1).queued        # ...that the other one takes
+    clock.t += 1.0
+    scrape_all(router, clock, waiting=0, kv=0.1)    # room beyond the reserve: the backlog goes
+    assert flow.pump() == 1 and not len(flow.queue)
+    clock.t += 1.0
+    scrape_all(router, clock, waiting=0, kv=0.75)   # nothing waits, nothing was refused:
+    assert flow.arrivals.must_hold_back(clock(), 0, "chat")   # still the busier client, but
+    assert not isinstance(submit("chat", 3), Held)            # no reserve any more
+
+
+def test_a_refusal_keeps_the_pool_saturated_for_an_activity_window():
+    router, flow, clock, submit, blocked = saturated_then_room(max_wait=10.0)
+    clock.t += 10.0
+    scrape_all(router, clock, waiting=2)
+    flow.pump()                                     # the chat request waited out its bound: refused
+    assert not blocked.queued and not len(flow.queue)
+    for step in (60.0, 59.0):                       # within the window of that refusal
+        clock.t += step
+        scrape_all(router, clock, waiting=0, kv=0.75)
+        assert not isinstance(submit("reasoning", step), Held)
+        held = [submit("chat", step), submit("chat", step + 0.5)]
+        assert all(h.queued for h in held)          # the busier client keeps the reserve
+        assert flow.pump() == 0
+        for h in held:
+            flow.cancel(h)
+    clock.t += 2.0                                  # 121 s after the refusal, nothing waits
+    scrape_all(router, clock, waiting=0, kv=0.75)
+    assert not isinstance(submit("chat", 4), Held)
+
+
 def test_lower_band_leaves_the_reserve_while_a_higher_band_is_active():
     router, flow, clock, _ = flow_router(waiting=0, kv=0.75, max_wait=300.0)
     assert isinstance(flow.submit(info(), lambda o: None), Held) is False  # nothing above it yet
@@ -574,24 +641,23 @@ def waits(outcome) -> bool:
 
 
 @pytest.mark.parametrize("other", ["light client", "higher band"])
-def test_a_worker_that_saw_only_the_heavy_client_holds_back_once_it_shares_arrivals(other):
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_worker_that_saw_only_the_heavy_client_holds_back_once_it_shares_arrivals(other, shared):
     clock = FakeClock()
-    _, a, _, _ = flow_router(waiting=0, kv=0.75, clock=clock, max_wait=300.0)  # room, no reserve
+    _, a, _, _ = flow_router(waiting=3, clock=clock, max_wait=300.0)   # no room yet
     _, b, _, _ = flow_router(waiting=0, kv=0.75, clock=clock, max_wait=300.0)
     for f in (a, b):
         f.arrivals.share()
-    heavy = lambda i: info(prompt=f"heavy {i}", client="heavy")
-    theirs = (info(prompt="light", client="light") if other == "light client"
-              else info(prompt="interactive", objective="interactive", client="heavy"))
+    theirs = (info(prompt=big("light"), client="light") if other == "light client"
+              else info(prompt=big("interactive"), objective="interactive", client="heavy"))
     assert not waits(b.submit(theirs, lambda o: None))
-    for i in range(3):                              # alone as far as a knows: nothing held
-        assert not waits(a.submit(heavy(i), lambda o: None))
+    held = [a.submit(info(prompt=big(f"heavy {i}"), client="heavy"), lambda o: None) for i in range(6)]
     clock.t += 0.01
-    relay(a, b)
-    held = a.submit(heavy(3), lambda o: None)
-    assert waits(held)                              # now a leaves the reserve for b's client
-    assert waits(b.submit(heavy(4), lambda o: None))      # as b does
-    assert not waits(b.submit(theirs, lambda o: None))                # who takes the reserve
+    if shared:
+        relay(a, b)
+    scrape_all(a.router, clock, waiting=0, kv=0.75)   # room for 4 of the 6 held: saturated
+    # shared: a leaves the reserve for b's client; else alone as far as a knows: it fills the room
+    assert a.pump() == (0 if shared else 4)
     clock.t += 200.0                                # everyone went quiet: no reserve any more
     scrape_all(a.router, clock, waiting=0, kv=0.75)
-    assert a.pump() == 1 and not held.queued
+    assert a.pump() == (4 if shared else 2) and sum(h.queued for h in held) == (2 if shared else 0)

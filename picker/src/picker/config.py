@@ -107,9 +107,11 @@ def parser() -> argparse.ArgumentParser:
                         "this many more of the prompt's tokens than any endpoint with room")
     p.add_argument("--flow-holdback", type=float, default=defaults.FLOW_HOLDBACK,
                    help="fraction of an endpoint's KV a request that holds back (lower band while "
-                        "a higher one is active, client over its share) must leave free")
+                        "a higher one is active; client over its share while the pool is "
+                        "saturated) must leave free")
     p.add_argument("--flow-activity-window", type=float, default=defaults.FLOW_ACTIVITY_WINDOW,
-                   help="seconds of arrivals that make a band or client active for holdback")
+                   help="seconds of arrivals that make a band or client active for holdback, and "
+                        "how long a refused request keeps the pool saturated")
     p.add_argument("--flow-stale-hold", type=float, default=defaults.FLOW_STALE_HOLD,
                    help="seconds beyond --staleness that requests are held while every "
                         "candidate's metrics are stale; then nothing is held until they are fresh")

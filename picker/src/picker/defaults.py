@@ -72,7 +72,8 @@ FLOW_OUTPUT_RESERVE = 256      # KV tokens kept free per dispatched request beyo
 FLOW_AFFINITY_TOKENS = 1024
 # Holdback: a request that must leave room for others (a lower band while a higher one arrived in
 # the last FLOW_ACTIVITY_WINDOW seconds, or a client over its share of its band's arrivals in that
-# window) needs this fraction of an endpoint's KV capacity free beyond its own need.
+# window, while the pool is saturated: see flowcontrol/controller.py) needs this fraction of an
+# endpoint's KV capacity free beyond its own need.
 FLOW_HOLDBACK = 0.3
 FLOW_ACTIVITY_WINDOW = 120.0
 # Seconds beyond the staleness bound that requests are held while every candidate's metrics are

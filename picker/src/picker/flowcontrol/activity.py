@@ -4,6 +4,10 @@ The controller asks it whether a request must leave room for others (room.py, ho
 - a higher priority band had arrivals in the window (its next request should find a free slot);
 - or the request's client sent more than its share of its band's arrivals in the window
   (share = 1 / clients seen in the band), so a light client next to a heavy one finds a slot.
+The controller keeps a client's reserve only while the pool is saturated (controller.py): a
+client that merely sends more requests, in a pool with room, is not held; a lower band gives way
+to a higher one at any load. Arrivals are counted in requests: what a request will cost (its
+answer's length) is unknown when it arrives.
 A single client of a single band never holds back: without competition nothing changes. It is
 also the one case where sending a request to an engine's queue at its age bound costs nobody
 their order (`alone`): the engine's FIFO serves it as the picker's queue would.
@@ -78,16 +82,21 @@ class RecentArrivals:
                 del counts[key]
 
     def must_hold_back(self, now: float, priority: int, client: str) -> bool:
+        return self.holdback_reason(now, priority, client) is not None
+
+    def holdback_reason(self, now: float, priority: int, client: str) -> str | None:
+        """Why the request must leave room for others: "band" (a higher band is active),
+        "client" (its client is over its share of its band), or None."""
         self._forget(now)
         band: dict[str, int] = {}
         for (p, c), n in self._counts.items():
             if p > priority:
-                return True
+                return "band"
             if p == priority:
                 band[c] = n
-        if len(band) < 2:
-            return False
-        return band.get(client, 0) * len(band) > sum(band.values())
+        if len(band) >= 2 and band.get(client, 0) * len(band) > sum(band.values()):
+            return "client"
+        return None
 
     def alone(self, now: float, priority: int, client: str) -> bool:
         """No other band and no other client sent anything in the window."""

@@ -17,10 +17,12 @@ worker, whose fresh signals come back within it; dispatching the whole queue the
 order and its reserves), and not held after that (the signals are lost; the scorers already rank
 stale endpoints last).
 
-Holdback (activity.py, room.py): a request of a lower band while a higher band is active, or of
-a client over its share of its band, needs a reserve free beyond its own need. When the head of
-the queue waits for that reserve, the first other waiting request that may use it goes instead
-(a light client's or a higher band's), so the reserve is what they find.
+Holdback (activity.py, room.py): a request of a lower band while a higher band is active, or,
+while the pool is saturated (see `_saturated`), of a client over its share of its band, needs a
+reserve free beyond its own need. When the head of the queue waits for that reserve, the first
+other waiting request that may use it goes instead (a light client's or a higher band's), so the
+reserve is what they find. Below saturation a client keeps no reserve: every request starts as
+it comes, whoever sends more; a lower band gives way to a higher one at any load.
 """
 from __future__ import annotations
 
@@ -82,21 +84,43 @@ class FlowControl:
         self.metrics = router.metrics
         self.arrivals = RecentArrivals(self.settings.activity_window)
         router.gate = self._gate
-        self._holdback = False   # for the request being decided: see _decide
+        self._holdback: str | None = None   # for the request being decided: see _decide
         self._published: dict[int, int] = {}
         self._closing = False   # release_all ran: nothing is held any more
         self._stale_until: float | None = None   # holding on stale signals ends then
+        # Saturated: a request found no endpoint with room (even without a reserve), and since
+        # then requests have waited in the queue or been refused within an activity window.
+        # Only then does a client over its share keep the reserve: below saturation every
+        # request starts as it comes, and holding whoever sends more requests would delay it
+        # while nobody gains. The reserve's own holds cannot start it (they wait where there is
+        # room without the reserve); once started it lasts while a backlog does, so a lull does
+        # not lift the reserve into a heavy client's next burst.
+        self._saturated = False
+        self._refused_at: float | None = None   # the last request refused or sent at its bound
 
     def _gate(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> list[EndpointState]:
         if self._closing:
             return candidates
-        rule, holdback = self.settings.room, self._holdback
-        room = [e for e in candidates if has_room(e, ctx, rule, holdback)]
+        rule = self.settings.room
+        room = [e for e in candidates if has_room(e, ctx, rule)]
+        if not room and any(e.metrics is not None and not e.stale and not e.failing for e in candidates):
+            self._saturated = True     # no room even without a reserve
+        elif self._saturated and not len(self.queue) and not self._refused_lately():
+            self._saturated = False    # nothing waits, nothing was refused for an activity window
+        if room and (self._holdback == "band" or (self._holdback == "client" and self._saturated)):
+            room = [e for e in room if has_room(e, ctx, rule, holdback=True)]
+            if not room:
+                raise Hold()
+            return room
         if room:
-            return room if holdback else room + affine_without_room(ctx, candidates, room, rule)
+            return room + affine_without_room(ctx, candidates, room, rule)
         if all(e.stale or e.metrics is None for e in candidates) and not self._stale_briefly(candidates):
             return candidates  # signals lost: hold nothing
         raise Hold()
+
+    def _refused_lately(self) -> bool:
+        at = self._refused_at
+        return at is not None and self.router.clock() - at < self.settings.activity_window
 
     def _stale_briefly(self, candidates: list[EndpointState]) -> bool:
         """The newest candidate metrics are less than `stale_hold` past the staleness bound."""
@@ -230,11 +254,11 @@ class FlowControl:
         return None
 
     def _decide(self, info: RequestInfo, priority: int, client: str, now: float) -> Decision:
-        self._holdback = self.arrivals.must_hold_back(now, priority, client)
+        self._holdback = self.arrivals.holdback_reason(now, priority, client)
         try:
             return self.router.decide(info)
         finally:
-            self._holdback = False
+            self._holdback = None
 
     def _decide_held(self, h: Held, now: float) -> Decision:
         return self._decide(h.payload, h.priority, h.client, now)
@@ -299,5 +323,7 @@ class FlowControl:
             h.notify(err)
 
     def _count(self, reason: str, priority: int) -> None:
+        if reason in ("expired", "evicted", "queue_full", "bound_dispatch"):
+            self._refused_at = self.router.clock()
         if self.metrics is not None:
             self.metrics.flow_evictions.labels(reason, str(priority)).inc()

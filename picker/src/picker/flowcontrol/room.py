@@ -13,11 +13,12 @@ Requests sent since the last scrape are counted by their tokens, not their numbe
 requests that finish between two scrapes must not cap an endpoint at a few per interval.
 
 Holdback (`holdback=True`, decided by the controller): a request that must leave room for others
-(a lower priority band while a higher one is active, or a client over its share of its band) needs
-`holdback_fraction` of the endpoint's KV capacity free beyond its own need. In a saturated pool a
-slot frees only when a running request ends; without a reserve the backlog of the heavy client
-or the low band takes every slot the moment it frees, and a light or high-priority request waits
-for the next end however the queue is ordered.
+(a lower priority band while a higher one is active, or, while the pool is saturated, a client
+over its share of its band) needs `holdback_fraction` of the endpoint's KV capacity free beyond
+its own need. In a saturated pool a slot frees only when a running request ends; without a
+reserve the backlog of the heavy client or the low band takes every slot the moment it frees,
+and a light or high-priority request waits for the next end however the queue is ordered. The
+endpoints with room for a request that holds back are a subset of those with room without it.
 
 Prefix affinity (`affine_without_room`): while some endpoint has room, an endpoint without room
 whose cache holds `affinity_tokens` more of the prompt than any endpoint with room stays a
