@@ -30,6 +30,8 @@ And, with more than one replica, a failover Envoy sees at once (`picker_failover
 """
 from __future__ import annotations
 
+import re
+
 from validation.manifests import (argv, flag_values, matches, name_of, ns_of, of_kind,
                                   pod_templates, seconds)
 from validation.problems import describe
@@ -357,15 +359,20 @@ def _envoy_problems(objs, where, d, args, labels, replicas: int) -> list[str]:
 
 
 NO_TRAFFIC = ("/health_checks/0/no_traffic_interval", "/health_checks/0/no_traffic_healthy_interval")
+AUTHORITY = "/health_checks/0/grpc_health_check/authority"
+
+
+def _host_name(value) -> bool:
+    return isinstance(value, str) and bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", value))
 
 
 def _cadence_problems(objs, eep, i: int, active: dict) -> list[str]:
     """Envoy checks every 60 s (no_traffic_interval) until the cluster has made a connection:
     an EnvoyPatchPolicy must set both no-traffic intervals of this ext_proc cluster to at most
-    the policy's interval."""
+    the policy's interval, and the check's :authority to a host name."""
     cluster = f"envoyextensionpolicy/{ns_of(eep)}/{name_of(eep)}/extproc/{i}"
     interval = seconds(active.get("interval", "3s")) or 3.0
-    patched = {}
+    patched, authorities = {}, []
     for epp in of_kind(objs, "EnvoyPatchPolicy"):
         if ns_of(epp) != ns_of(eep):
             continue
@@ -373,10 +380,18 @@ def _cadence_problems(objs, eep, i: int, active: dict) -> list[str]:
             op = patch.get("operation") or {}
             if patch.get("name") == cluster and op.get("path") in NO_TRAFFIC:
                 patched[op["path"]] = seconds(op.get("value"))
+            if patch.get("name") == cluster and op.get("path") == AUTHORITY:
+                authorities.append(op.get("value"))
     short = all(patched.get(path) is not None and patched[path] <= interval for path in NO_TRAFFIC)
+    problems = [] if authorities and all(_host_name(a) for a in authorities) else [
+        f"{describe(eep)}: spec.extProc[{i}]: no EnvoyPatchPolicy sets the health check's "
+        f"grpc_health_check.authority of cluster {cluster} to a host name (got "
+        f"{authorities or 'none'}): Envoy then sends the cluster's name, slashes and all, and the "
+        f"picker's compiled ext_proc server resets such a request, so every check fails and Envoy "
+        f"spreads the streams over every replica (base/gateway/picker-health-check.yaml)"]
     if short:
-        return []
-    return [f"{describe(eep)}: spec.extProc[{i}]: no EnvoyPatchPolicy sets the health check's "
+        return problems
+    return problems + [f"{describe(eep)}: spec.extProc[{i}]: no EnvoyPatchPolicy sets the health check's "
             f"no_traffic_interval and no_traffic_healthy_interval of cluster {cluster} to at most "
             f"its interval ({interval:g} s): until that cluster has made a connection (for up to "
             f"a minute after each Envoy start) Envoy checks the replicas every 60 s and does not "

@@ -271,6 +271,19 @@ def test_a_health_check_without_the_no_traffic_cadence_fails():
     assert len(failover(objs)) == 1          # another namespace's cluster: not this one
 
 
+def test_a_health_check_without_a_host_name_authority_fails():
+    objs = rendered(OVERLAY)
+    patch = find(objs, "EnvoyPatchPolicy", "picker-health-check-cadence")
+    authority = next(p for p in patch["spec"]["jsonPatches"]
+                     if p["operation"]["path"].endswith("/grpc_health_check/authority"))
+    authority["operation"]["value"] = "envoyextensionpolicy/llm/reasoning-inference-picker/extproc/0"
+    found = failover(objs)
+    assert len(found) == 1 and "authority" in found[0], found
+    patch["spec"]["jsonPatches"].remove(authority)
+    found = failover(objs)
+    assert len(found) == 1 and "authority" in found[0] and "none" in found[0], found
+
+
 def test_envoy_gateway_accepts_the_patch_in_the_cluster_and_on_the_local_stack(tmp_path):
     """The cadence patch is an EnvoyPatchPolicy: Envoy Gateway ignores one unless enabled."""
     import yaml
