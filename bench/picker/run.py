@@ -16,8 +16,8 @@ import os
 import resource
 import tempfile
 
-from bench.picker.service import (LOAD_CLIENT, P99_TARGET_MS, _write_bodies, bench_grpc, bench_inprocess,
-                                  bench_scrape)
+from bench.picker.service import (LOAD_CLIENT, _write_bodies, bench_grpc, bench_inprocess, bench_scrape,
+                                  grpc_line)
 
 # The pod comparison: today's deployment (base/picker: 2 workers) on the Python server first.
 POD_CONFIGS = [("python", 2), ("native", 1), ("native", 2)]
@@ -85,7 +85,7 @@ def main() -> None:
                         r = bench_grpc(n, mode, a.streams, a.seconds, rates, a.hold, bodies,
                                        a.response_phase, a.repeat, server)
                         results["grpc"].append(r)
-                        print("  " + _grpc_line(r))
+                        print("  " + grpc_line(r))
     if "profile" in parts:
         from bench.picker import profile
         with tempfile.TemporaryDirectory() as tmp:
@@ -120,36 +120,3 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
-
-
-def _grpc_line(r: dict) -> str:
-    c = r["closed_loop"]
-    label = ("null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints") + \
-        f" {r.get('server', 'python'):>6}"
-    lines = [f"{label:>20}: closed {c['decisions_per_s']:5.0f}/s {_runs(c, 'decisions_per_s', 0)} "
-             f"p50 {c['p50_ms']:7.1f} p99 "
-             f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
-             f"({c['server_cpu_cores']:.2f} cores){_decide(c)}{_errors(c)}"]
-    for o in r["open_loops"]:
-        lines.append(f"{'':>20}  open {o['offered_per_s']:5.0f}/s offered: {o['decisions_per_s']:5.0f}/s "
-                     f"p50 {o['p50_ms']:7.1f} p99 {o['p99_ms']:7.1f} ms {_runs(o)}, server "
-                     f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_decide(o)}{_errors(o)}")
-    best = r["max_rate_p99_within_target"]
-    lines.append(f"{'':>20}  p99 <= {P99_TARGET_MS:g} ms at every rate up to: "
-                 + (f"{best:.0f}/s offered" if best else "none of the offered rates"))
-    return "\n  ".join(lines)
-
-
-def _runs(r: dict, key: str = "p99_ms", digits: int = 1) -> str:
-    return "[" + " ".join(f"{x[key]:.{digits}f}" for x in r.get("repeats", [])) + "]"
-
-
-def _decide(r: dict) -> str:
-    d = r.get("decide")
-    if not d or not d["count"]:
-        return ""
-    return f", decide p50 {d['p50_ms']:.2f} p99 {d['p99_ms']:.2f} ms"
-
-
-def _errors(r: dict) -> str:
-    return f", {r['errors']} errors ({r.get('first_error')})" if r["errors"] else ""

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                                      a.grpc_rate, a.repeat, bodies)
             _save(res, a.json)
             for r in res["grpc"]:
-                print("  " + service._grpc_line(r), flush=True)
+                print("  " + service.grpc_line(r), flush=True)
         if "scrape" in parts:
             print(f"\ndecisions at {a.scrape_rate:g}/s on {a.scrape_endpoints} scraped endpoints "
                   "(latency = due -> decided):")

@@ -474,3 +474,36 @@ def _write_bodies(path: str, count: int = 200) -> None:
     with open(path, "wb") as f:
         for _ in range(count):
             f.write(_request_body(rng) + b"\n")
+
+
+def grpc_line(r: dict) -> str:
+    c = r["closed_loop"]
+    label = ("null server" if r["endpoints"] is None else f"{r['endpoints']:3d} endpoints") + \
+        f" {r.get('server', 'python'):>6}"
+    lines = [f"{label:>20}: closed {c['decisions_per_s']:5.0f}/s {_runs(c, 'decisions_per_s', 0)} "
+             f"p50 {c['p50_ms']:7.1f} p99 "
+             f"{c['p99_ms']:7.1f} ms, server {c['server_cpu_ms_per_request']:.2f} ms CPU/decision "
+             f"({c['server_cpu_cores']:.2f} cores){_decide(c)}{_errors(c)}"]
+    for o in r["open_loops"]:
+        lines.append(f"{'':>20}  open {o['offered_per_s']:5.0f}/s offered: {o['decisions_per_s']:5.0f}/s "
+                     f"p50 {o['p50_ms']:7.1f} p99 {o['p99_ms']:7.1f} ms {_runs(o)}, server "
+                     f"{o['server_cpu_ms_per_request']:.2f} ms CPU/decision{_decide(o)}{_errors(o)}")
+    best = r["max_rate_p99_within_target"]
+    lines.append(f"{'':>20}  p99 <= {P99_TARGET_MS:g} ms at every rate up to: "
+                 + (f"{best:.0f}/s offered" if best else "none of the offered rates"))
+    return "\n  ".join(lines)
+
+
+def _runs(r: dict, key: str = "p99_ms", digits: int = 1) -> str:
+    return "[" + " ".join(f"{x[key]:.{digits}f}" for x in r.get("repeats", [])) + "]"
+
+
+def _decide(r: dict) -> str:
+    d = r.get("decide")
+    if not d or not d["count"]:
+        return ""
+    return f", decide p50 {d['p50_ms']:.2f} p99 {d['p99_ms']:.2f} ms"
+
+
+def _errors(r: dict) -> str:
+    return f", {r['errors']} errors ({r.get('first_error')})" if r["errors"] else ""
