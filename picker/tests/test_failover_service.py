@@ -116,6 +116,8 @@ async def test_a_leader_whose_signals_process_dies_stops_and_the_standby_takes_o
     try:
         await until(lambda: acting([a, b]), timeout=20)
         leader, standby = (a, b) if await envoy_sees(a) else (b, a)
+        await until(lambda: any(p.identity == leader.identity and p.status == "live"
+                                for p in standby.peer_states), timeout=10)   # the link up first
         os.kill(leader.signals_proc.pid, signal.SIGKILL)
         await until(lambda: envoy_sees(standby), timeout=5, every=0.005)
         # it saw the link close (leader_gone), or, on a busy machine, the Lease the stopping
