@@ -21,6 +21,9 @@ RUN_DIR     ?= runs/local
 ENGINE      ?= sim
 GROUPS      ?= $(if $(filter vllm,$(ENGINE)),2,3)
 SPEEDUP     ?= 20
+# PICKERS=2: the picker as base/picker runs it, active-passive on a Lease of a real API server
+# (built by `make tools`), both replicas behind Envoy's health checks (docs/failover.md)
+PICKERS     ?= 1
 # The stack's simulated KV capacity follows the load-test workload `make compare` will send:
 # `demo` is the article's workload / DEMO_SCALE (loadtest/workloads.py), so its simulators get
 # KV / DEMO_SCALE (as `make demo` does).
@@ -111,8 +114,10 @@ $(KEDA_OPERATOR) $(KEDA_ADAPTER) &: tools/keda/go.mod tools/keda/go.sum
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_OPERATOR) github.com/kedacore/keda/v2/cmd/operator && \
 		go build -ldflags "-X github.com/kedacore/keda/v2/version.Version=$(KEDA_VERSION)" -o $(CURDIR)/$(KEDA_ADAPTER) github.com/kedacore/keda/v2/cmd/adapter
 
-.PHONY: apiserver-tools test-apiserver autoscaling-tools test-autoscaling
-apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) $(APT_FIRST)
+.PHONY: apiserver-tools etcd test-apiserver autoscaling-tools test-autoscaling
+apiserver-tools: $(KUBE_APISERVER) $(KUBE_CONTROLLER_MANAGER) etcd
+
+etcd: $(APT_FIRST)
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=600 etcd-server; }
 
 # KEDA's two binaries and Prometheus for tests/autoscaling (`make test-autoscaling`: Prometheus ->
@@ -259,11 +264,13 @@ test-apiserver: setup ## server-side dry-run of every target + the picker's disc
 	CRDS_DIR=$(CRDS_DIR) $(PY) -m pytest -q tests/apiserver
 
 # What the local stack runs (a newcomer's first `make demo` builds only these): the virtualenv, the
-# picker's compiled transport and Envoy Gateway; `--token-budget` needs `make tools` too.
+# picker's compiled transport and Envoy Gateway; `--token-budget` needs `make tools` too, PICKERS=2
+# the API server and etcd for the picker replicas' Lease.
 STACK_NEEDS := $(VENV)/.stamp $(EXTPROC) $(ENVOY_GATEWAY)
 
-up: $(STACK_NEEDS) $(if $(filter vllm,$(ENGINE)),vllm) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
+up: $(STACK_NEEDS) $(if $(filter vllm,$(ENGINE)),vllm) $(if $(filter-out 1,$(PICKERS)),$(KUBE_APISERVER) etcd) ## start the local stack in the background (simulators, or real vLLM with ENGINE=vllm; picker, PICKERS=2 for active-passive replicas; Envoy Gateway + Envoy on 18080/18081); `make down` stops it
 	$(PY) -m local.stack up --name $(notdir $(RUN_DIR)) --engine $(ENGINE) --groups $(GROUPS) --speedup $(SPEEDUP) \
+		--pickers $(PICKERS) \
 		--kv-scale $(KV_SCALE) $(if $(filter off,$(EDGE_SECURITY)),--no-edge-security) \
 		$(if $(filter off,$(PRECISE)),--no-precise-prefix)
 

@@ -66,7 +66,7 @@ def run_replicas_precise(seeds: list[int] | None = None) -> dict:
     for workload in ("shared-prefix", "article"):
         paths[workload] = RESULTS / f"replicas-precise-{workload}.json"
         cmd = [PY, "-m", "lab.replicas", "--engines", "16", "--replicas", "1", "2", "4",
-               "--precise", "--workload", workload, "--seeds", *map(str, seeds),
+               "--precise", "--failover", "0.5", "--workload", workload, "--seeds", *map(str, seeds),
                "--json", str(paths[workload])]
         commands[workload] = shown(cmd)
         log = (RESULTS / f"replicas-precise-{workload}.log").open("w")
@@ -213,7 +213,9 @@ def replicas_precise_report(d: dict) -> list[str]:
            "request goes to one picker replica drawn at random; replicas share nothing (no Redis). "
            "`+precise`: every replica follows every engine's KV-cache events. `active-passive`: "
            "one leader decides every request, the standbys only follow the events (base/picker's "
-           "`--leader-election`; no failover modelled). Mean TTFT, mean ± std "
+           "`--leader-election`); `failover=K`: the leader is gone after K decisions (half the "
+           "requests) and the standby decides the rest, with the leader's in-flight counts and "
+           "prefix additions from the peer link (`--peers`), or without them (`:cold`). Mean TTFT, mean ± std "
            "over the seeds, change against one picker with the same signals (for `picker+precise`: "
            "against `picker`).", ""]
     rows = []

@@ -8,10 +8,9 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import (autoscale, coldstart, crosscheck, demo, flow, flow_clients_http, keda_chain, kv_http,
-                   kv_suites, lab_suites, lengths_http, outcomes_http, phases, robustness, test_time,
-                   validation_time,
-                   vllm_engine)
+from bench import (autoscale, coldstart, crosscheck, demo, failover, flow, flow_clients_http, keda_chain,
+                   kv_http, kv_suites, lab_suites, lengths_http, outcomes_http, phases, robustness, test_time,
+                   validation_time, vllm_engine)
 from bench.markdown import section
 from bench.picker import kvevents as picker_kvevents
 from bench.picker import suites as picker_suites
@@ -146,6 +145,10 @@ BENCHMARKS = [
     Benchmark("dead-backend", "tests/e2e/test_e2e_dead_backend.py: a group killed or stalled under load",
               lambda a: robustness.dead_backend(),
               titled("A dead or stalled backend on both listeners", robustness.dead_backend_report)),
+    Benchmark("failover", "tests/e2e/test_e2e_failover.py with FAILOVER_BENCH=1: the picker's acting leader "
+              "terminated, killed, stopped 10 s, and the API server stopped 30 s, under steady load on 8081 "
+              "(run under flock /work/heavy.lock)", lambda a: failover.run(),
+              titled("The picker fails over: what a client sees", failover.report)),
     Benchmark("edge-abuse", "tests/e2e/test_e2e_edge_abuse.py: bad input at the edge through Envoy "
               "(run under flock /tmp/local-stack.lock)",
               lambda a: robustness.edge_abuse(),

@@ -11,6 +11,10 @@ only that replica sees it. The replicas run independent or shared (the policy
 (`+precise` policies): one picker, then 2 and 4 independent replicas, with and without events,
 and 2 and 4 replicas active-passive with events (`replicas:N:active-passive+precise`: one
 leader decides, the standbys follow the events; base/picker's --leader-election).
+`--failover F` adds 2 replicas active-passive whose leader is gone after the fraction F of the
+requests: the standby then decides with the view the peer link gave it
+(`replicas:2:active-passive:failover=K+precise`), and, for comparison, one without the link
+(`...:failover=K:cold+precise`).
 """
 
 from __future__ import annotations
@@ -31,14 +35,18 @@ from loadtest.workloads import workload_settings
 from local.sim.engines import DEFAULT_ENGINE_MODEL, get_engine_model
 
 
-def precise_policies_for(replicas: list[int]) -> list[str]:
+def precise_policies_for(replicas: list[int], failover_after: int | None = None) -> list[str]:
     """One picker and N independent replicas, approximate and precise (`+precise`), and N
-    replicas active-passive, precise (what base/picker deploys)."""
+    replicas active-passive, precise (what base/picker deploys); with `failover_after`, 2
+    active-passive replicas failing over after that many decisions, linked and cold."""
     out = []
     for n in replicas:
         name = "picker" if n == 1 else f"replicas:{n}:independent"
         out += [name, f"{name}+precise"]
     out += [f"replicas:{n}:active-passive+precise" for n in replicas if n > 1]
+    if failover_after is not None:
+        out += [f"replicas:2:active-passive:failover={failover_after}{cold}+precise"
+                for cold in ("", ":cold")]
     return out
 
 
@@ -57,7 +65,7 @@ def policies_for(replicas: list[int]) -> list[str]:
 
 def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
         num_prompts: int | None = None, request_rate: float = math.inf,
-        precise: bool = False) -> dict:
+        precise: bool = False, failover: float | None = None) -> dict:
     """Mean TTFT (and the rest of the lab's table) per policy over seeds, like `lab run`."""
     engine_model = get_engine_model(DEFAULT_ENGINE_MODEL)
     settings = workload_settings(workload, num_prompts=num_prompts)
@@ -72,12 +80,16 @@ def run(workload: str, engines: int, seeds: list[int], replicas: list[int],
     started = time.perf_counter()
     config = LabConfig(num_engines=engines, engine_model=engine_model, concurrency=concurrency,
                        request_rate=request_rate)
-    policies = precise_policies_for(replicas) if precise else policies_for(replicas)
+    failover_after = None
+    if failover is not None:
+        failover_after = int(len(named_workload(workload, num_prompts)(seeds[0])) * failover)
+    policies = precise_policies_for(replicas, failover_after) if precise else policies_for(replicas)
     runs = run_policies(named_workload(workload, num_prompts), policies, seeds,
                         config, on_run=progress)
     return {"workload": workload, "engines": engines, "seeds": seeds, "concurrency": concurrency,
             "request_rate": "inf" if math.isinf(request_rate) else request_rate,
             "num_prompts": num_prompts, "replicas": replicas, "precise": precise,
+            "failover_after": failover_after,
             "sync_interval_s": defaults.PEER_SYNC_INTERVAL, "wall_s": time.perf_counter() - started,
             "policies": aggregate(summaries(runs), SUMMARY_KEYS)}
 
@@ -94,9 +106,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests/s (default: all at once, then as the concurrency allows)")
     p.add_argument("--precise", action="store_true",
                    help="independent replicas with and without KV-cache events (+precise)")
+    p.add_argument("--failover", type=float, metavar="F",
+                   help="with --precise: also 2 active-passive replicas whose leader is gone after "
+                        "this fraction of the requests, the standby linked and cold")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
-    out = run(a.workload, a.engines, a.seeds, a.replicas, a.num_prompts, a.request_rate, a.precise)
+    if a.failover is not None and not (a.precise and 0 < a.failover < 1):
+        p.error("--failover needs --precise and a fraction between 0 and 1")
+    out = run(a.workload, a.engines, a.seeds, a.replicas, a.num_prompts, a.request_rate, a.precise,
+              a.failover)
     base = out["policies"]["picker"]["mean_ttft_ms"]["mean"]
     print(f"{a.workload}, {a.engines} engines, seeds {' '.join(map(str, a.seeds))}: mean TTFT "
           "(ms, mean ± std over seeds), change against one replica")

@@ -5,10 +5,12 @@ by one replica drawn at random (Envoy spreads ext_proc streams over the picker's
   traffic and counts only its own in-flight requests (`replicas:N:independent`);
 - active-passive (`replicas:N:active-passive`, what base/picker runs with --leader-election):
   one leader decides every request, the N-1 standbys follow the engines' KV-cache events too but
-  decide nothing (they are not Ready, so Envoy sends them no stream). The decisions are the
-  leader's alone, so by construction this is one picker; no failover is modelled (in the
-  deployment a failover is a gap of 5xx under FailClose, not a routing change:
-  picker/README.md "High availability");
+  decide nothing (Envoy's health check sends them no stream). The decisions are the leader's
+  alone, so by construction this is one picker. `replicas:N:active-passive:failover=K`: after
+  the K-th decision the leader is gone and the next replica decides from then on, with the view
+  the peer link gave it (the leader's in-flight counts and prefix additions after each of its
+  decisions; the dead leader's counts dropped at the failover, as the link drops a peer that is
+  gone); `...:failover=K:cold`: a standby without the link (only its own scrapes and KV events);
 - shared (`replicas:N`): every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S`
   sets it; the picker itself sends changes as they happen and the whole table every
   PEER_SYNC_INTERVAL, so `sync=0` and the default bound it from both sides) the replicas exchange
@@ -37,7 +39,8 @@ class ReplicatedPicker(Policy):
 
     def __init__(self, replicas: int, shared: bool = True, profile: str = "default",
                  sync_interval: float = defaults.PEER_SYNC_INTERVAL, precise: bool = False,
-                 kv_delay: float | None = None, active_passive: bool = False):
+                 kv_delay: float | None = None, active_passive: bool = False,
+                 failover_after: int | None = None, linked: bool = True):
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         # Precise: every replica subscribes to every engine on its own (same batches, same delay).
@@ -50,6 +53,11 @@ class ReplicatedPicker(Policy):
         self.sync_interval = sync_interval
         self.name = f"replicas:{replicas}" + (":active-passive" if active_passive else
                                               "" if shared else ":independent")
+        if failover_after is not None and (not active_passive or replicas < 2):
+            raise ValueError("a failover needs 2 or more active-passive replicas")
+        self.failover_after, self.linked = failover_after, linked
+        if failover_after is not None:
+            self.name += f":failover={failover_after}" + ("" if linked else ":cold")
         if precise:
             self.name += self.parts[0].name[len("picker"):]
 
@@ -59,8 +67,14 @@ class ReplicatedPicker(Policy):
         (every S seconds; 0 = before every decision), `replicas:N:independent` or
         `replicas:N:active-passive`."""
         parts = name.split(":")
+        if len(parts) >= 4 and parts[2] == "active-passive" and parts[3].startswith("failover="):
+            cold = parts[4:] == ["cold"]
+            if parts[1].isdigit() and parts[3][9:].isdigit() and (cold or len(parts) == 4):
+                return cls(int(parts[1]), shared=False, active_passive=True,
+                           failover_after=int(parts[3][9:]), linked=not cold, **options)
         if len(parts) not in (2, 3) or not parts[1].isdigit():
-            raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:active-passive|:sync=SECONDS]")
+            raise ValueError(f"bad policy {name!r}: replicas:N[:independent|:active-passive"
+                             f"[:failover=K[:cold]]|:sync=SECONDS]")
         option = parts[2] if len(parts) == 3 else ""
         if option == "independent":
             return cls(int(parts[1]), shared=False, **options)
@@ -86,11 +100,13 @@ class ReplicatedPicker(Policy):
         # first replica draws from `rng` exactly as a lone PickerPolicy would.
         for p in self.parts:
             p.start(endpoints, clock, rng)
-            if self.shared:
+            if self.shared or (self.failover_after is not None and self.linked):
                 p.router.share_with_peers()
         self.rng = random.Random(rng.random())
         self.replica_of: dict[int, int] = {}
         self.next_sync = -math.inf
+        self.decisions = 0
+        self.active = 0
 
     @property
     def scrapes(self) -> int:
@@ -108,11 +124,31 @@ class ReplicatedPicker(Policy):
             r.set_peer_loads(merge_loads(lj for j, lj in enumerate(loads) if j != i))
             r.add_peer_prefixes(a for j, lst in enumerate(adds) if j != i for a in lst)
 
+    def _fail_over(self) -> None:
+        """The active replica is gone: the next one decides, and forgets the dead one's counts."""
+        if self.active + 1 < len(self.parts) and self.decisions == self.failover_after:
+            self.active += 1
+            if self.linked:
+                self.parts[self.active].router.set_peer_loads({})
+
+    def _follow(self) -> None:
+        """The peer link: the active replica's decisions reach the standbys as they happen."""
+        leader = self.parts[self.active].router
+        loads, adds = leader.own_loads(), leader.take_prefix_additions()
+        for p in self.parts[self.active + 1:]:
+            p.router.set_peer_loads(loads)
+            p.router.add_peer_prefixes(adds)
+
     def pick(self, request):
         if self.shared:
             self._sync()
-        i = 0 if self.active_passive else self.rng.randrange(len(self.parts))
+        if self.failover_after is not None:
+            self._fail_over()
+        i = self.active if self.active_passive else self.rng.randrange(len(self.parts))
         endpoint = self.parts[i].pick(request)
+        self.decisions += 1
+        if self.failover_after is not None and self.linked:
+            self._follow()
         self.replica_of[id(request)] = i
         return endpoint
 
@@ -122,3 +158,5 @@ class ReplicatedPicker(Policy):
         i = self.replica_of.pop(id(request), None)
         if i is not None:
             self.parts[i].on_done(request, endpoint)
+            if self.failover_after is not None and self.linked and i == self.active:
+                self._follow()

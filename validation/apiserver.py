@@ -72,6 +72,40 @@ def _service_account_key(path: Path) -> None:
                                        serialization.NoEncryption()))
 
 
+def etcd_argv(etcd: str, data: Path, client_port: int, peer_port: int) -> list[str]:
+    """A single-member etcd on 127.0.0.1 with a fresh data directory."""
+    shutil.rmtree(data, ignore_errors=True)
+    url = f"http://127.0.0.1:{client_port}"
+    return [etcd, "--name", "test", "--data-dir", str(data),
+            "--listen-client-urls", url, "--advertise-client-urls", url,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"test=http://127.0.0.1:{peer_port}", "--log-level", "warn"]
+
+
+def apiserver_argv(binary: Path, workdir: Path, etcd_url: str, port: int, admin_token: str,
+                   authorization_mode: str = "RBAC", service_cidr: str = "10.96.0.0/16",
+                   extra_args: tuple = ()) -> list[str]:
+    """kube-apiserver on 127.0.0.1:port over etcd_url; writes its token file (admin_token in
+    system:masters) and service-account key into workdir; its certificate lands in
+    workdir/certs (ControlPlane.ca_file)."""
+    (workdir / "tokens.csv").write_text(f'{admin_token},admin,admin,"system:masters"\n')
+    sa_key = workdir / "sa.key"
+    if not sa_key.exists():
+        _service_account_key(sa_key)
+    return [str(binary), f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
+            f"--cert-dir={workdir / 'certs'}", f"--token-auth-file={workdir / 'tokens.csv'}",
+            f"--authorization-mode={authorization_mode}",
+            f"--service-account-issuer={SA_ISSUER}", f"--service-account-key-file={sa_key}",
+            f"--service-account-signing-key-file={sa_key}", f"--service-cluster-ip-range={service_cidr}",
+            # Watches are served straight from etcd, so compacting etcd makes an old
+            # resourceVersion answer 410 Gone (a production server's watch cache does the same
+            # after a restart or a long disconnect).
+            "--watch-cache=false", "--enable-priority-and-fairness=false", "--profiling=false",
+            *extra_args]
+
+
 @dataclass
 class ControlPlane:
     """etcd + kube-apiserver in `workdir`; `admin_token` is in group system:masters."""
@@ -116,38 +150,18 @@ class ControlPlane:
         return proc, log
 
     def _start_etcd(self, timeout: float) -> None:
-        data = self.workdir / "etcd"
-        shutil.rmtree(data, ignore_errors=True)
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        proc, log = self._spawn("etcd", [
-            self.etcd, "--name", "test", "--data-dir", str(data),
-            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"test=http://127.0.0.1:{peer}", "--log-level", "warn"])
+        proc, log = self._spawn("etcd", etcd_argv(self.etcd, self.workdir / "etcd", client, peer))
         _wait(lambda: _http_ok(f"{self.etcd_url}/health"), timeout, "etcd", proc, log)
 
     def _start_apiserver(self, timeout: float) -> None:
         import ssl
         port = free_port()
         self.url = f"https://127.0.0.1:{port}"
-        (self.workdir / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
-        sa_key = self.workdir / "sa.key"
-        if not sa_key.exists():
-            _service_account_key(sa_key)
-        proc, log = self._spawn("kube-apiserver", [
-            str(self.kube_apiserver), f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
-            f"--cert-dir={self.workdir / 'certs'}", f"--token-auth-file={self.workdir / 'tokens.csv'}",
-            f"--authorization-mode={self.authorization_mode}",
-            f"--service-account-issuer={SA_ISSUER}", f"--service-account-key-file={sa_key}",
-            f"--service-account-signing-key-file={sa_key}", f"--service-cluster-ip-range={self.service_cidr}",
-            # Watches are served straight from etcd, so compacting etcd makes an old
-            # resourceVersion answer 410 Gone (a production server's watch cache does the same
-            # after a restart or a long disconnect).
-            "--watch-cache=false", "--enable-priority-and-fairness=false", "--profiling=false",
-            *self.extra_args])
+        proc, log = self._spawn("kube-apiserver", apiserver_argv(
+            self.kube_apiserver, self.workdir, self.etcd_url, port, self.admin_token,
+            self.authorization_mode, self.service_cidr, self.extra_args))
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
         _wait(lambda: _http_ok(f"{self.url}/readyz", self.admin_token, insecure), timeout,

@@ -16,6 +16,7 @@ from kubernetes.utils import parse_quantity
 from validation.autoscaling import max_groups, scaled_lws
 from validation.manifests import (PodTemplate, argv, flag_values, name_of, ns_of, of_kind,
                                   picker_container, pod_templates)
+from validation.picker_ha import last_flag
 from validation.problems import describe
 
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
@@ -267,8 +268,15 @@ def ray_ports_isolated(objs):
     return problems
 
 
+def _peer_port(container) -> int | None:
+    """The replicas' link port (--peer-port, 9005 by default) when the picker runs --peers."""
+    args = argv(container)
+    return int(last_flag(args, "--peer-port")) if last_flag(args, "--peers") else None
+
+
 def picker_isolated(objs):
-    """The picker's ext_proc and health ports only from Envoy, /metrics only from `monitoring`."""
+    """The picker's ext_proc and health ports only from Envoy, /metrics only from `monitoring`,
+    the replicas' link (--peer-port) only from the picker's own pods."""
     deployment, container = picker_container(objs)
     if deployment is None:
         return []
@@ -278,9 +286,13 @@ def picker_isolated(objs):
         return [f"{describe(deployment)}: no NetworkPolicy selects the picker pods, so any pod can "
                 f"send it requests"]
     problems = []
+    peer = _peer_port(container)
     for r in rules:
         ports = r.ports if r.ports is not None else [ANY_PORT]
-        if any(p != PICKER_METRICS_PORT for p in ports):
+        if peer is not None and r.ports == [peer]:
+            problems += _peer_problems(r, f"the replicas' link port {peer}",
+                                       [lambda p: is_pod_of(p, t.labels)], "the picker's own pods")
+        elif any(p != PICKER_METRICS_PORT for p in ports):
             problems += _peer_problems(r, f"the picker's ports {r.ports or 'all'}", [is_envoy],
                                        f"the {GATEWAY} Envoy pods")
         elif r.ports == [PICKER_METRICS_PORT]:

@@ -13,10 +13,27 @@ With `--leader-election` (`picker_leader_election_works`):
   leader (new pods cannot become Ready while it holds the Lease: the rollout is stuck), and a
   PodDisruptionBudget that protects any pod (minAvailable > 0, maxUnavailable below the replica
   count) leaves the leader 0 disruptions (a node drain waits forever).
+
+And, with more than one replica, a failover Envoy sees at once (`picker_failover_visible`):
+- the replicas are linked (`--peers` naming a headless Service over the picker pods, with
+  publishNotReadyAddresses, on `--peer-port`; the NetworkPolicies let the pods reach each other
+  there): otherwise a standby learns that the leader is gone only when the Lease expires;
+- the gateway's ext_proc Backend names such a Service on the ext_proc port (every replica, ready
+  or not), and its backendSettings health-check them over gRPC on that port for a service only
+  the acting leader answers SERVING ("", readiness or the ext_proc name; not `liveness` or `warm`,
+  which every replica answers), often enough that the stopping leader's --drain-seconds outlast
+  one check (interval + timeout);
+- panicThreshold above 0 (with no replica SERVING, at a takeover, Envoy tries them all instead of
+  failing) and below 100 / replicas (one SERVING replica keeps Envoy out of panic, which would
+  send streams to the standbys);
+- a retry on connect-failure (a stream to a leader that just died goes to another replica).
 """
 from __future__ import annotations
 
-from validation.manifests import argv, flag_values, name_of, ns_of, of_kind, pod_templates
+import re
+
+from validation.manifests import (argv, flag_values, matches, name_of, ns_of, of_kind,
+                                  pod_templates, seconds)
 from validation.problems import describe
 
 HA_MODE_ANNOTATION = "picker.llm-gitops.io/ha-mode"
@@ -202,4 +219,201 @@ def _budget_problems(objs, d, where: str, replicas: int) -> list[str]:
     return problems
 
 
-PICKER_HA_CHECKS = [picker_replicas_route_as_one, picker_leader_election_works]
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+ACTING_SERVICES = ("", "readiness", EXT_PROC_SERVICE)   # SERVING only on the acting leader
+DEFAULTS = {"--grpc-port": "9002", "--peer-port": "9005", "--drain-seconds": "1"}
+
+
+def last_flag(args: list[str], flag: str) -> str | None:
+    """The value of the last `--flag v` / `--flag=v` (argparse: the last one wins)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value if value is not None else DEFAULTS.get(flag)
+
+
+def _service_of_host(objs, host: str, namespace: str):
+    """The Service a cluster DNS name (name, name.ns, name.ns.svc[.cluster.local]) resolves to."""
+    parts = host.rstrip(".").split(".")
+    name, ns = parts[0], parts[1] if len(parts) > 1 else namespace
+    ns = namespace if ns == "$(POD_NAMESPACE)" else ns
+    return next((s for s in of_kind(objs, "Service") if name_of(s) == name and ns_of(s) == ns),
+                None)
+
+
+def _every_replica(svc, labels: dict, target: int) -> str | None:
+    """Why `svc` does not resolve to every picker replica on `target`, or None."""
+    spec = (svc.get("spec") or {}) if svc else {}
+    if svc is None:
+        return "no such Service"
+    if not matches(spec.get("selector") or {}, labels):
+        return "it does not select the picker pods"
+    if spec.get("clusterIP") != "None":
+        return "it is not headless (clusterIP: None): its name resolves to one virtual IP"
+    if not spec.get("publishNotReadyAddresses"):
+        return ("it lacks publishNotReadyAddresses: true: a standby (not Ready) is left out of "
+                "DNS until it leads")
+    if not any(p.get("targetPort", p.get("port")) == target for p in spec.get("ports") or []):
+        return f"no port forwards to {target}"
+    return None
+
+
+def _admits(policy: dict, labels: dict, port: int, direction: str) -> bool:
+    key, peer = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    for rule in (policy.get("spec") or {}).get(key) or []:
+        ports = [p.get("port") for p in rule.get("ports") or []]
+        if ports and port not in ports:
+            continue
+        if any(matches((f.get("podSelector") or {}).get("matchLabels") or {}, labels)
+               and not f.get("namespaceSelector") for f in rule.get(peer) or []):
+            return True
+    return False
+
+
+def _link_problems(objs, where, d, args, labels) -> list[str]:
+    peers = last_flag(args, "--peers")
+    peer_port = int(last_flag(args, "--peer-port"))
+    if not peers:
+        return [f"{where}: {d['spec'].get('replicas')} replicas with --leader-election but no "
+                f"--peers: a standby learns that the leader is gone only when the Lease expires "
+                f"(a second of 5xx per second of lease duration), and routes without the leader's "
+                f"in-flight counts. Add --peers <headless Service>:{peer_port}"]
+    problems = []
+    for item in peers.split(","):
+        host, _, port = item.strip().rpartition(":")
+        svc = _service_of_host(objs, host, ns_of(d))
+        why = _every_replica(svc, labels, peer_port)
+        if why or not port.isdigit() or not any(p.get("port") == int(port)
+                                                for p in (svc.get("spec") or {}).get("ports") or []):
+            problems.append(f"{where}: --peers {item}: the replicas find each other through a "
+                            f"headless Service over the picker pods on --peer-port {peer_port}; "
+                            f"{why or f'port {port} is not one of its ports'}")
+    for policy in of_kind(objs, "NetworkPolicy"):
+        spec = policy.get("spec") or {}
+        if ns_of(policy) != ns_of(d) or not matches(
+                (spec.get("podSelector") or {}).get("matchLabels") or {}, labels):
+            continue
+        for direction in spec.get("policyTypes") or ["Ingress"]:
+            if not _admits(policy, labels, peer_port, direction):
+                problems.append(f"{where}: {describe(policy)} ({direction}) does not let the "
+                                f"picker pods reach each other on --peer-port {peer_port}: the "
+                                f"replicas' link is cut")
+    return problems
+
+
+def _envoy_problems(objs, where, d, args, labels, replicas: int) -> list[str]:
+    grpc_port, drain = int(last_flag(args, "--grpc-port")), float(last_flag(args, "--drain-seconds"))
+    problems = []
+    backends = {name_of(b): b for b in of_kind(objs, "Backend")}
+    for eep in of_kind(objs, "EnvoyExtensionPolicy"):
+        for i, ext in enumerate((eep.get("spec") or {}).get("extProc") or []):
+            at = f"{describe(eep)}: spec.extProc[{i}]"
+            for ref in ext.get("backendRefs") or []:
+                backend = backends.get(ref.get("name")) if ref.get("kind") == "Backend" else None
+                for ep in ((backend or {}).get("spec") or {}).get("endpoints") or []:
+                    host = (ep.get("fqdn") or {}).get("hostname")
+                    if host is None:
+                        continue
+                    why = _every_replica(_service_of_host(objs, host, ns_of(d)), labels, grpc_port)
+                    if why:
+                        problems.append(f"{describe(backend)}: fqdn {host}: Envoy must reach every "
+                                        f"picker replica to fail over without waiting for "
+                                        f"Kubernetes to move a Service; {why}")
+            settings = ext.get("backendSettings") or {}
+            hc = settings.get("healthCheck") or {}
+            active = hc.get("active") or {}
+            service = (active.get("grpc") or {}).get("service", "")
+            override = (active.get("overrides") or {}).get("port")
+            if active.get("type") != "GRPC" or service not in ACTING_SERVICES or \
+                    override not in (None, grpc_port):
+                problems.append(f"{at}.backendSettings.healthCheck.active: Envoy must ask each "
+                                f"replica's ext_proc port (no overrides.port) over gRPC for a service "
+                                f"only the acting leader answers SERVING ({', '.join(repr(s) for s in ACTING_SERVICES)}); "
+                                f"without it every stream may reach a standby or a dead leader")
+            else:
+                check = (seconds(active.get("interval", "3s")) or 3.0) + \
+                    (seconds(active.get("timeout", "1s")) or 1.0)
+                if drain < check:
+                    problems.append(f"{at}.backendSettings.healthCheck.active: interval + timeout "
+                                    f"{check:g} s exceed the picker's --drain-seconds {drain:g}: a "
+                                    f"stopping leader stops answering before Envoy has seen it "
+                                    f"stop serving")
+            problems += _cadence_problems(objs, eep, i, active)
+            panic = hc.get("panicThreshold")
+            if panic is None or not 0 < panic < 100 / replicas:
+                problems.append(f"{at}.backendSettings.healthCheck.panicThreshold: "
+                                f"{'unset (50 %)' if panic is None else panic} must be above 0 "
+                                f"(with no replica SERVING, at a takeover, Envoy then tries every "
+                                f"replica instead of failing) and below 100 / {replicas} replicas "
+                                f"(one SERVING replica keeps Envoy out of panic, which would send "
+                                f"streams to the standbys)")
+            triggers = ((settings.get("retry") or {}).get("retryOn") or {}).get("triggers") or []
+            if "connect-failure" not in triggers:
+                problems.append(f"{at}.backendSettings.retry.retryOn.triggers: must include "
+                                f"connect-failure: a stream to a leader that just died goes to "
+                                f"another replica instead of failing")
+    return problems
+
+
+NO_TRAFFIC = ("/health_checks/0/no_traffic_interval", "/health_checks/0/no_traffic_healthy_interval")
+AUTHORITY = "/health_checks/0/grpc_health_check/authority"
+
+
+def _host_name(value) -> bool:
+    return isinstance(value, str) and bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", value))
+
+
+def _cadence_problems(objs, eep, i: int, active: dict) -> list[str]:
+    """Envoy checks every 60 s (no_traffic_interval) until the cluster has made a connection:
+    an EnvoyPatchPolicy must set both no-traffic intervals of this ext_proc cluster to at most
+    the policy's interval, and the check's :authority to a host name."""
+    cluster = f"envoyextensionpolicy/{ns_of(eep)}/{name_of(eep)}/extproc/{i}"
+    interval = seconds(active.get("interval", "3s")) or 3.0
+    patched, authorities = {}, []
+    for epp in of_kind(objs, "EnvoyPatchPolicy"):
+        if ns_of(epp) != ns_of(eep):
+            continue
+        for patch in (epp.get("spec") or {}).get("jsonPatches") or []:
+            op = patch.get("operation") or {}
+            if patch.get("name") == cluster and op.get("path") in NO_TRAFFIC:
+                patched[op["path"]] = seconds(op.get("value"))
+            if patch.get("name") == cluster and op.get("path") == AUTHORITY:
+                authorities.append(op.get("value"))
+    short = all(patched.get(path) is not None and patched[path] <= interval for path in NO_TRAFFIC)
+    problems = [] if authorities and all(_host_name(a) for a in authorities) else [
+        f"{describe(eep)}: spec.extProc[{i}]: no EnvoyPatchPolicy sets the health check's "
+        f"grpc_health_check.authority of cluster {cluster} to a host name (got "
+        f"{authorities or 'none'}): Envoy then sends the cluster's name, slashes and all, and the "
+        f"picker's compiled ext_proc server resets such a request, so every check fails and Envoy "
+        f"spreads the streams over every replica (base/gateway/picker-health-check.yaml)"]
+    if short:
+        return problems
+    return problems + [f"{describe(eep)}: spec.extProc[{i}]: no EnvoyPatchPolicy sets the health check's "
+            f"no_traffic_interval and no_traffic_healthy_interval of cluster {cluster} to at most "
+            f"its interval ({interval:g} s): until that cluster has made a connection (for up to "
+            f"a minute after each Envoy start) Envoy checks the replicas every 60 s and does not "
+            f"see a failover (base/gateway/picker-health-check.yaml)"]
+
+
+def picker_failover_visible(objs) -> list[str]:
+    """More than one replica with --leader-election: linked replicas, and a gateway that reaches
+    and health-checks every one of them (see the module docstring)."""
+    problems = []
+    for d, c in _pickers(objs):
+        args = argv(c)
+        replicas = (d.get("spec") or {}).get("replicas", 1)
+        if not leader_election_on(args) or not isinstance(replicas, int) or replicas < 2:
+            continue
+        labels = (((d.get("spec") or {}).get("template") or {}).get("metadata") or {}).get(
+            "labels") or {}
+        where = describe(d)
+        problems += _link_problems(objs, where, d, args, labels)
+        problems += _envoy_problems(objs, where, d, args, labels, replicas)
+    return problems
+
+
+PICKER_HA_CHECKS = [picker_replicas_route_as_one, picker_leader_election_works,
+                    picker_failover_visible]

@@ -230,6 +230,22 @@ def _picker_service_and_port(objs, picker):
     return None, None
 
 
+def _services_forwarding(objs, svc, svc_port) -> list[tuple[dict, int]]:
+    """`svc` on `svc_port`, then every other Service of its namespace with the same selector and
+    a port to the same target."""
+    spec = svc.get("spec") or {}
+    target = next((p.get("targetPort", p.get("port")) for p in spec.get("ports") or []
+                   if p.get("port") == svc_port), svc_port)
+    out = [(svc, svc_port)]
+    for other in of_kind(objs, "Service"):
+        o = other.get("spec") or {}
+        if other is svc or ns_of(other) != ns_of(svc) or o.get("selector") != spec.get("selector"):
+            continue
+        out += [(other, p.get("port")) for p in o.get("ports") or []
+                if p.get("targetPort", p.get("port")) == target]
+    return out
+
+
 def extension_policy_wiring(objs):
     """EnvoyExtensionPolicy on the 8081 route -> the picker's ext_proc port, TLS and body mode agree
     with the picker's flags, failOpen agrees with the pool, envoy.lb metadata writable."""
@@ -304,15 +320,18 @@ def picker_ref_problems(objs, ref, where, svc, svc_port, secure, target="picker 
     if backend is None:
         return [f"{where}: Backend {ref.get('name')} does not exist"]
     out = []
-    fqdn = f"{name_of(svc)}.{ns_of(svc)}.svc.cluster.local"
+    # the picker Service, or another Service over the same pods and port (the replicas' headless
+    # one, which resolves to every replica: base/picker/service.yaml)
+    names = [f"{name_of(s)}.{ns_of(s)}.svc.cluster.local:{port}"
+             for s, port in _services_forwarding(objs, svc, svc_port)]
     endpoints = (backend.get("spec") or {}).get("endpoints") or []
     if not endpoints:
-        out.append(f"{describe(backend)}: spec.endpoints: empty; {target} is {fqdn}:{svc_port}{flag}")
+        out.append(f"{describe(backend)}: spec.endpoints: empty; {target} is {names[0]}{flag}")
     for k, ep in enumerate(endpoints):
         host, port = (ep.get("fqdn") or {}).get("hostname"), (ep.get("fqdn") or {}).get("port")
-        if host is None or host.rstrip(".") != fqdn or port != svc_port:
+        if host is None or f"{host.rstrip('.')}:{port}" not in names:
             out.append(f"{describe(backend)}: spec.endpoints[{k}].fqdn {host}:{port} != {target} "
-                       f"{fqdn}:{svc_port}{flag}")
+                       f"{' or '.join(names)}{flag}")
     has_tls = bool((backend.get("spec") or {}).get("tls"))
     if has_tls != secure:
         out.append(f"{describe(backend)}: spec.tls {'set' if has_tls else 'missing'} but the picker runs "

@@ -283,3 +283,16 @@ def test_a_section_run_again_leaves_the_earlier_machine_block_that_named_it(tmp_
     assert "Other CPU" not in text and text.count("Since then") == 2
     assert text.index("Old CPU") < text.index("Mid CPU") < text.index('Since then, "C", "B: x, y"')
     assert report.machine_section(m, [], lines, ['"C"', '"B: x, y"']) == lines
+
+
+def test_failover_section_shows_each_fault_as_the_test_recorded_it():
+    from bench import failover
+    case = {"case": "SIGKILL (crash)", "body_mode": "full-duplex", "requests": 3000, "failed": 2,
+            "failed_arriving_after": 0, "open_at_fault": 9, "open_at_fault_failed": 2,
+            "open_at_fault_failed_within_s": 0.01, "unrouted": 0, "degraded_from_s": -0.2,
+            "degraded_window_s": 0.31, "affected": 5, "longest_request_s": 0.9,
+            "mean_ttft_ms": 12.5, "p99_ttft_ms": 40.1, "errors": [], "failed_statuses": [503]}
+    text = "\n".join(failover.report({"command": "FAILOVER_BENCH=1 pytest", "wall_s": 600,
+                                      "cases": [case]}))
+    assert "| SIGKILL (crash) | full-duplex | 3000 | 2 | 0 | 2 of 9 | 0 | 0.31 | 0.90 | 12.5 | 40.1 |" in text
+    assert "FAILOVER_BENCH=1 pytest" in text

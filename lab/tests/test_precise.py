@@ -108,3 +108,33 @@ def test_active_passive_replicas_decide_as_one_picker_with_warm_standbys(request
     assert dict(standby.router.precise.index.counts) == dict(leader.router.precise.index.counts)
     assert sum(leader.router.precise.index.counts.values()) > 0
     assert run.summary["mean_ttft_ms"] == one.summary["mean_ttft_ms"]
+
+
+def test_a_linked_standby_takes_over_with_the_leaders_view(requests):
+    """`failover=K`: the K+1-th request onwards is the standby's, which had the leader's prefix
+    additions and in-flight counts (the peer link); a cold standby has only its own signals."""
+    linked = make_policy("replicas:2:active-passive:failover=20+precise")
+    cold = make_policy("replicas:2:active-passive:failover=20:cold+precise")
+    assert linked.name == "replicas:2:active-passive:failover=20+precise"
+    assert cold.name == "replicas:2:active-passive:failover=20:cold+precise"
+    config = LabConfig(concurrency=8, seed=1)
+    picked = {}
+    for policy in (linked, cold):
+        picked[policy] = counts = [0, 0]
+        for i, part in enumerate(policy.parts):
+            def counting(request, pick=part.pick, i=i, counts=counts):
+                counts[i] += 1
+                return pick(request)
+            part.pick = counting
+        assert run_lab(requests, policy, config).summary["completed"] == len(requests)
+    assert picked[linked] == picked[cold] == [20, len(requests) - 20]
+    # the linked standby learnt the leader's prefixes before it decided; the cold one did not
+    assert linked.parts[1].router.prefix.size() >= linked.parts[0].router.prefix.size() > 0
+    assert cold.parts[1].router.prefix.size() < linked.parts[1].router.prefix.size()
+
+
+def test_a_failover_needs_active_passive_replicas():
+    with pytest.raises(ValueError):
+        make_policy("replicas:2:failover=5")
+    with pytest.raises(ValueError):
+        make_policy("replicas:1:active-passive:failover=5")

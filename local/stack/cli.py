@@ -85,6 +85,11 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--picker-grpc-port", type=int, default=d.picker_grpc_port)
             s.add_argument("--picker-health-port", type=int, default=d.picker_health_port)
             s.add_argument("--picker-metrics-port", type=int, default=d.picker_metrics_port)
+            s.add_argument("--pickers", type=int, default=d.pickers,
+                           help="picker replicas (default 1). 2 or more run as base/picker runs "
+                                "them: active-passive on a Lease of a real API server (etcd and "
+                                "the project's kube-apiserver start too), linked, all in the "
+                                "gateway's picker Backend; replica i listens on the first's ports + 10 x i")
             s.add_argument("--picker-outcomes-port", type=int, default=d.picker_outcomes_port,
                            help="the picker's outcome port (Envoy's access log service)")
             s.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
@@ -130,7 +135,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         sim_ports=args.sim_ports, http_port=args.http_port, llm_port=args.llm_port,
         picker_grpc_port=args.picker_grpc_port, picker_health_port=args.picker_health_port,
         picker_metrics_port=args.picker_metrics_port, picker_outcomes_port=args.picker_outcomes_port,
-        sim_args=[a for x in args.sim_arg for a in x.split()],
+        pickers=args.pickers, sim_args=[a for x in args.sim_arg for a in x.split()],
         picker_args=[a for x in args.picker_arg for a in x.split()],
         startup_timeout=max(args.startup_timeout, VLLM_STARTUP_TIMEOUT) if real else args.startup_timeout,
         picker_scrape_interval=args.picker_scrape_interval, picker_staleness=args.picker_staleness,

@@ -63,6 +63,14 @@ class StackConfig:
     picker_health_port: int = 9003
     picker_metrics_port: int = 9090
     picker_outcomes_port: int = 9004  # Envoy's access log service (the picker's --outcomes-port)
+    picker_peer_port: int = 9005     # the replicas' direct link (only with pickers > 1)
+    # Picker replicas, as base/picker runs them: with 2 or more, active-passive on a real Lease
+    # (etcd and the project's kube-apiserver start with the stack, control_plane.py), the
+    # replicas linked (--peers) and every one of them in the gateway's picker Backend, health-
+    # checked by Envoy. Replica i > 0 listens on replica_ports[i - 1] (gRPC, health, metrics,
+    # peer, outcomes), else on the first replica's ports + 10 x i.
+    pickers: int = 1
+    replica_ports: list[list[int]] | None = None
     profile: str = "default"
     # The picker's scrape interval and staleness in MODEL seconds (None: the picker's own defaults,
     # which are meant for real time). The launcher divides them by the speedup, so the picker sees
@@ -86,7 +94,28 @@ class StackConfig:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise StackError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.pickers < 1 or (self.replica_ports is not None
+                                and len(self.replica_ports) < self.pickers - 1):
+            raise StackError(f"{self.pickers} pickers: at least one, and ports for each")
 
+    def picker_ports(self, i: int) -> tuple[int, int, int, int, int]:
+        """(gRPC, health, metrics, peer, outcomes) of picker replica i."""
+        if i > 0 and self.replica_ports:
+            grpc, health, metrics, peer, outcomes = self.replica_ports[i - 1]
+            return grpc, health, metrics, peer, outcomes
+        step = 10 * i
+        return (self.picker_grpc_port + step, self.picker_health_port + step,
+                self.picker_metrics_port + step, self.picker_peer_port + step,
+                self.picker_outcomes_port + step)
+
+    def picker_name(self, i: int) -> str:
+        """The process name (and Lease identity) of picker replica i: `picker` for the first."""
+        return "picker" if i == 0 else f"picker-{i}"
+
+    @property
+    def leader_election(self) -> bool:
+        """Several pickers run as base/picker runs them: active-passive on a Lease."""
+        return self.pickers > 1
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name

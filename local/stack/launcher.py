@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from local import certs, dataplane, ratelimit
+from local.stack import control_plane
 from local.stack.api_keys import api_keys_secret, bearer, new_api_keys, read_api_keys
 from local.stack.config import API_KEYS_FILE, RUN_ROOT, StackConfig, StackError
 from local.stack.plan import kv_event_ports, objects_file, picker_timing, plan, tokenizer_dir
@@ -98,9 +99,10 @@ class Stack:
                              f"stop it with `python -m local.stack down --name {c.name}`")
         self.check_no_other_data_plane()
         self.topology = topology(c)
-        ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(),
-                                                       c.picker_grpc_port, c.picker_health_port,
-                                                       c.picker_metrics_port, c.picker_outcomes_port,
+        # every replica's ports; the peer port (the 4th) only with several
+        pickers = [port for i in range(c.pickers) for j, port in enumerate(c.picker_ports(i))
+                   if j != 3 or c.leader_election]
+        ports = [s.port for s in self.topology.sims] + [*self.listener_ports().values(), *pickers,
                                                        *kv_event_ports(c, self.topology)]
         if c.token_budget:
             ports += [*dataclasses.astuple(c.ratelimit_ports), ratelimit.XDS_PORT]
@@ -111,8 +113,19 @@ class Stack:
                              + (f"; held by:\n{holders}" if holders else ""))
         try:
             ensure_tokenizer(tokenizer_dir(c))          # the tiny model's: built once, offline
-            procs = plan(c, self.topology)
+            election = self._start_control_plane() if c.leader_election else None
+            procs = plan(c, self.topology, election)
             self._write_inputs()
+            if c.leader_election:
+                # The picker replicas first: Envoy health-checks each one as soon as it learns of
+                # it, and after a check that fails before any traffic has flowed it waits its
+                # no-traffic interval (60 s) for the next, meanwhile spreading streams over
+                # every replica (panic). base/picker's replicas outlive the Envoy pods; here
+                # they would start together.
+                first = [p for p in procs if p.name != "envoy-gateway"]
+                wait_healthy([self._start(p) for p in first], c.startup_timeout, self.auth_headers(),
+                             c.run_dir)
+                procs = [p for p in procs if p not in first]
             for p in procs:
                 self._start(p)
             wait_healthy(self.procs, c.startup_timeout, self.auth_headers(), c.run_dir)
@@ -120,6 +133,16 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _start_control_plane(self) -> tuple[Path, str]:
+        """etcd and kube-apiserver for the picker replicas' Lease, healthy, with the picker's RBAC
+        objects of the render; the replicas' kubeconfig and the Lease's namespace."""
+        c = self.config
+        c.run_dir.mkdir(parents=True, exist_ok=True)
+        cp = control_plane.layout(c)
+        started = [self._start(p) for p in control_plane.procs(c, cp)]
+        wait_healthy(started, c.startup_timeout, None, c.run_dir)
+        return control_plane.bootstrap(c, cp, self.topology.docs)
 
     def check_no_other_data_plane(self) -> None:
         """Standalone Envoy Gateway binds fixed ports and Envoy its hot-restart socket: one data plane
@@ -146,7 +169,8 @@ class Stack:
             topo.gateway,
             {name: [(a.split(":")[0], int(a.split(":")[1])) for a in addresses]
              for name, addresses in topo.services.items()},
-            (c.host, c.picker_grpc_port), self.listener_ports(), outcomes=(c.host, c.picker_outcomes_port))
+            [(c.host, c.picker_ports(i)[0]) for i in range(c.pickers)], self.listener_ports(),
+            outcomes=[(c.host, c.picker_ports(i)[4]) for i in range(c.pickers)])
         if c.edge_security:
             self.api_keys = new_api_keys(c.api_keys_file)
             resources += [api_keys_secret(topo.gateway, self.api_keys)]
@@ -165,9 +189,10 @@ class Stack:
         return {"extensionApis": {"enableLua": True, "enableEnvoyPatchPolicy": True},
                 **ratelimit.envoy_gateway_settings(self.config.ratelimit_ports)}
 
-    def _start(self, p: Proc) -> None:
+    def _start(self, p: Proc) -> Proc:
         self.procs.append(spawn(p))
         RunState(self.config.name, self.config, self.procs).write(self.config.run_dir)
+        return p
 
     # -- stop ------------------------------------------------------------------------------
 
@@ -194,6 +219,13 @@ class Stack:
         os.killpg(p.pid, sig)
         if p.popen is not None:
             p.popen.wait(timeout=10)
+
+    def signal_process(self, name: str, sig: int, group: bool = True) -> None:
+        """Send sig to the process (group: and its children, as a container's whole cgroup gets
+        SIGKILL or is frozen; else the main process only, as Kubernetes sends SIGTERM to PID 1)
+        without waiting."""
+        p = self.proc(name)
+        (os.killpg if group else os.kill)(p.pid, sig)
 
     def stop(self) -> None:
         live = [p.pid for p in self.procs if p.pid is not None]
@@ -226,9 +258,14 @@ def describe(stack: Stack) -> str:
     kind = "vLLM 0.32 CPU" if c.engine == "vllm" else "simulator"
     for s in stack.topology.sims:
         lines.append(f"  {kind:<14} {s.address}  serves {' '.join(s.served_model_names)}  ({s.lws})")
-    lines.append(f"  picker         ext_proc {c.host}:{c.picker_grpc_port} ({'TLS' if stack.picker_tls else 'plaintext'}, "
-                 f"{stack.topology.body_mode}), health {c.picker_health_port}, "
-                 f"metrics http://{c.host}:{c.picker_metrics_port}/metrics, outcomes {c.picker_outcomes_port}")
+    for i in range(c.pickers):
+        grpc, health, metrics, peer, outcomes = c.picker_ports(i)
+        lines.append(f"  {c.picker_name(i):<14} ext_proc {c.host}:{grpc} ({'TLS' if stack.picker_tls else 'plaintext'}, "
+                     f"{stack.topology.body_mode}), health {health}, metrics http://{c.host}:{metrics}/metrics, "
+                     f"outcomes {outcomes}" + (f", peer link {peer}" if c.leader_election else ""))
+    if c.leader_election:
+        lines.append(f"                 active-passive on the Lease reasoning-pool-picker of kube-apiserver "
+                     f"(log {c.run_dir / 'kube-apiserver.log'}); the acting one answers `readiness` SERVING")
     timing = picker_timing(c)
     if timing is not None:
         lines.append(f"                 scrapes every {timing.scrape_interval * 1000:.0f} ms wall = "

@@ -159,20 +159,39 @@ def objects_file(config: StackConfig) -> Path:
     return config.run_dir / OBJECTS_FILE
 
 
-def picker_proc(config: StackConfig, topo: Topology) -> Proc:
-    """The picker over every simulated group, with the rendered objects and body mode."""
+def picker_proc(config: StackConfig, topo: Topology, i: int = 0,
+                election: tuple[Path, str] | None = None) -> Proc:
+    """Picker replica i over every simulated group, with the rendered objects and body mode. With
+    `election` (the kubeconfig and the Lease's namespace, control_plane.bootstrap): active-passive
+    as base/picker runs it, linked to the other replicas; its health check is then `warm` (a
+    standby never answers SERVING to the ext_proc service, only the acting leader does)."""
     c = config
-    cmd = [sys.executable, "-m", "picker", "--grpc-port", str(c.picker_grpc_port),
-           "--health-port", str(c.picker_health_port), "--metrics-port", str(c.picker_metrics_port),
-           "--outcomes-port", str(c.picker_outcomes_port),
+    grpc, health, metrics, peer, outcomes = c.picker_ports(i)
+    cmd = [sys.executable, "-m", "picker", "--grpc-port", str(grpc),
+           "--health-port", str(health), "--metrics-port", str(metrics),
+           "--outcomes-port", str(outcomes),
            "--secure-serving" if picker_tls(topo) else "--no-secure-serving",
            "--discovery", "static", "--endpoints", ",".join(s.address for s in topo.sims),
            "--objects", str(objects_file(c)), "--profile", c.profile,
            "--request-body-mode", topo.body_mode, "--bind", c.host, "--tokenizer", str(tokenizer_dir(c)),
            "--precise-prefix" if c.precise_prefix else "--no-precise-prefix", *picker_timing_args(c),
            # the certificate the gateway verifies (components/picker-tls), else a self-signed one
-           *(["--cert-path", str(c.certs_dir / "picker")] if c.tls else []), *c.picker_args]
-    return Proc("picker", cmd, str(c.run_dir / "picker.log"), f"grpc:{c.host}:{c.picker_health_port}")
+           *(["--cert-path", str(c.certs_dir / "picker")] if c.tls else [])]
+    env, check = {}, f"grpc:{c.host}:{health}"
+    if election is not None:
+        kubeconfig, namespace = election
+        peers = ",".join(f"{c.host}:{c.picker_ports(j)[3]}" for j in range(c.pickers))
+        cmd += ["--leader-election", "--leader-election-namespace", namespace,
+                "--peers", peers, "--peer-port", str(peer)]
+        env = {"KUBECONFIG": str(kubeconfig), "POD_NAME": c.picker_name(i)}
+        check += "#warm"
+    cmd += c.picker_args
+    return Proc(c.picker_name(i), cmd, str(c.run_dir / f"{c.picker_name(i)}.log"), check, env=env)
+
+
+def picker_procs(config: StackConfig, topo: Topology,
+                 election: tuple[Path, str] | None = None) -> list[Proc]:
+    return [picker_proc(config, topo, i, election) for i in range(config.pickers)]
 
 
 def envoy_gateway_proc(config: StackConfig, topo: Topology) -> Proc:
@@ -199,9 +218,10 @@ def ratelimit_procs(config: StackConfig) -> list[Proc]:
                  f"http:http://127.0.0.1:{ports.http}/healthcheck", env=ratelimit.service_env(certs, ports))]
 
 
-def plan(config: StackConfig, topo: Topology) -> list[Proc]:
+def plan(config: StackConfig, topo: Topology, election: tuple[Path, str] | None = None) -> list[Proc]:
     """Every process of the stack, in start order (all start at once: the picker retries scrapes
     until the simulators answer; the rate limit service retries Envoy Gateway's xDS, and Envoy
-    refuses requests until it answers, so the listeners' health check waits for it)."""
-    return [*engine_procs(config, topo), picker_proc(config, topo),
+    refuses requests until it answers, so the listeners' health check waits for it). The picker
+    replicas' API server, when there is one, runs before (control_plane.py)."""
+    return [*engine_procs(config, topo), *picker_procs(config, topo, election),
             *(ratelimit_procs(config) if config.token_budget else []), envoy_gateway_proc(config, topo)]

@@ -95,7 +95,11 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None, cafile: str | None = None) -> bool:
     """GET url answers 200; an https url is verified against `cafile` (the run's CA)."""
-    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
+    try:
+        # the CA file may not exist yet (kube-apiserver writes its certificate as it starts)
+        context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
+    except OSError:
+        return False
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout,
                                     context=context) as r:
@@ -104,14 +108,14 @@ def http_ok(url: str, timeout: float = 1.0, headers: dict[str, str] | None = Non
         return False
 
 
-def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+def grpc_serving(address: str, timeout: float = 1.0, service: str = HEALTH_SERVICE) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -204,7 +208,10 @@ class Proc:
     name: str
     cmd: list[str]
     log: str
-    # "http:<url>", "https:<url>#<CA file>" or "grpc:<address>"; several separated by spaces must all pass
+    # "http:<url>", "https:<url>#<CA file>", "https-anonymous:<url>#<CA file>" (without the
+    # listeners' API key: kube-apiserver refuses a token it does not know), "grpc:<address>" (the
+    # ext_proc service SERVING) or "grpc:<address>#<service>"; several separated by spaces must
+    # all pass
     health: str
     pid: int | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
@@ -246,11 +253,14 @@ class Proc:
         """headers: sent with the http checks (the API key when the listeners need one)."""
         for check in self.health.split():
             kind, _, target = check.partition(":")
-            if kind == "https":
+            if kind in ("https", "https-anonymous"):
                 url, _, cafile = target.partition("#")
-                ok = http_ok(url, headers=headers, cafile=cafile)
+                ok = http_ok(url, headers=headers if kind == "https" else None, cafile=cafile)
+            elif kind == "http":
+                ok = http_ok(target, headers=headers)
             else:
-                ok = http_ok(target, headers=headers) if kind == "http" else grpc_serving(target)
+                address, _, service = target.partition("#")
+                ok = grpc_serving(address, service=service or HEALTH_SERVICE)
             if not ok:
                 return False
         return True

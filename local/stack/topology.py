@@ -50,6 +50,7 @@ class Topology:
     objects: list[dict]                        # InferenceObjectives and InferenceModelRewrites
     gateway: list[dict]                        # the Gateway API and Envoy Gateway objects, as rendered
     body_mode: str                             # the picker's --request-body-mode, from the policy
+    docs: list[dict]                           # the whole render (the picker's RBAC, control_plane.py)
 
 
 def kustomize(path: str | Path) -> list[dict]:
@@ -153,7 +154,7 @@ def topology(config: StackConfig) -> Topology:
         raise StackError(f"body mode {config.body_mode!r} asked, but the rendered EnvoyExtensionPolicy says "
                          f"{body_mode!r}")
     return Topology(sims, {k: v for k, v in services.items() if v}, route("http"), route("llm-gw"),
-                    _objects(docs), dataplane.envoy_gateway_inputs(docs), body_mode)
+                    _objects(docs), dataplane.envoy_gateway_inputs(docs), body_mode, docs)
 
 
 def _objects(docs: list[dict]) -> list[dict]:

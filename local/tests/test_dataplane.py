@@ -31,7 +31,7 @@ def _without(obj: dict, *paths) -> dict:
 def test_only_the_off_cluster_parts_change(rendered):
     services = {"qwq-dist-v1": [("127.0.0.1", 8101), ("127.0.0.1", 8102)],
                 "qwq-leaders": [("127.0.0.1", 8101), ("127.0.0.1", 8102)]}
-    out = dataplane.localize(rendered, services, ("127.0.0.1", 9002), outcomes=("127.0.0.1", 9004))
+    out = dataplane.localize(rendered, services, [("127.0.0.1", 9002)], outcomes=[("127.0.0.1", 9004)])
     original = {(o["kind"], o["metadata"]["name"]): o for o in manifests.gateway_objects(rendered)}
     local = {(o["kind"], o["metadata"]["name"]): o for o in out}
     # every cluster object is there, plus one Backend per Service a route names and the ConfigMap
@@ -54,6 +54,13 @@ def test_only_the_off_cluster_parts_change(rendered):
         elif key == ("Backend", "inference-gateway-ext-proc"):
             assert new["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9002}}]
             assert new["spec"]["tls"] == obj["spec"]["tls"]  # TLS to the picker is kept
+        elif key[0] == "EnvoyPatchPolicy":   # standalone Envoy Gateway's cluster names
+            names = [p["name"] for p in new["spec"]["jsonPatches"]]
+            assert names == [p["name"].replace("envoyextensionpolicy/", "/", 1)
+                             for p in obj["spec"]["jsonPatches"]]
+            assert all(n.startswith("/llm/reasoning-inference-picker/extproc/") for n in names)
+            assert [_without(p, ("name",)) for p in new["spec"]["jsonPatches"]] == \
+                   [_without(p, ("name",)) for p in obj["spec"]["jsonPatches"]]
         elif key == ("Backend", "inference-gateway-ext-proc-outcomes"):  # the access log's
             assert new["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9004}}]
             assert new["spec"]["tls"] == obj["spec"]["tls"]
@@ -66,23 +73,23 @@ def test_only_the_off_cluster_parts_change(rendered):
 
 def test_explicit_listener_ports_win(rendered):
     services = {"qwq-dist-v1": [("127.0.0.1", 1)], "qwq-leaders": [("127.0.0.1", 1)]}
-    out = dataplane.localize(rendered, services, ("127.0.0.1", 9), {"http": 40001, "llm-gw": 40002},
-                             outcomes=("127.0.0.1", 10))
+    out = dataplane.localize(rendered, services, [("127.0.0.1", 9)], {"http": 40001, "llm-gw": 40002},
+                             outcomes=[("127.0.0.1", 10)])
     gateway = next(o for o in out if o["kind"] == "Gateway")
     assert [listener["port"] for listener in gateway["spec"]["listeners"]] == [40001, 40002]
 
 
 def test_a_route_to_a_service_without_leaders_is_refused(rendered):
     with pytest.raises(dataplane.DataPlaneError, match="qwq-leaders"):
-        dataplane.localize(rendered, {"qwq-dist-v1": [("127.0.0.1", 1)]}, ("127.0.0.1", 9),
-                           outcomes=("127.0.0.1", 10))
+        dataplane.localize(rendered, {"qwq-dist-v1": [("127.0.0.1", 1)]}, [("127.0.0.1", 9)],
+                           outcomes=[("127.0.0.1", 10)])
 
 
 def test_the_outcome_port_must_be_given_when_the_access_log_sends_there(rendered):
     services = {"qwq-dist-v1": [("127.0.0.1", 1)], "qwq-leaders": [("127.0.0.1", 1)]}
     assert dataplane.access_log_backends(rendered) == {"inference-gateway-ext-proc-outcomes"}
     with pytest.raises(dataplane.DataPlaneError, match="inference-gateway-ext-proc-outcomes"):
-        dataplane.localize(rendered, services, ("127.0.0.1", 9))
+        dataplane.localize(rendered, services, [("127.0.0.1", 9)])
 
 
 def test_files_appear_whole(tmp_path):

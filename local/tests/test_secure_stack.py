@@ -41,8 +41,8 @@ def test_secrets_fill_what_the_closed_overlay_names(tmp_path):
 
 def test_token_budget_renders_the_lua_config_map_for_envoy_gateway(tmp_path):
     topo = topology(StackConfig(name="t", run_root=tmp_path, token_budget=True))
-    local = dataplane.localize(topo.gateway, {n: [("127.0.0.1", 8101)] for n in topo.services}, ("127.0.0.1", 9002),
-                               outcomes=("127.0.0.1", 9004))
+    local = dataplane.localize(topo.gateway, {n: [("127.0.0.1", 8101)] for n in topo.services}, [("127.0.0.1", 9002)],
+                               outcomes=[("127.0.0.1", 9004)])
     cm = {c["metadata"]["name"]: c for c in local if c["kind"] == "ConfigMap"}
     assert set(cm) == {"token-accounting", "budget-admission"}
     assert "envoy_on_response" in cm["token-accounting"]["data"]["lua"]
@@ -58,7 +58,7 @@ def test_envoy_gateway_config_turns_on_the_global_rate_limit(tmp_path):
     ports = ratelimit.Ports()
     settings = {"extensionApis": {"enableLua": True}, **ratelimit.envoy_gateway_settings(ports)}
     config = dataplane.envoy_gateway_config(dataplane.Layout(tmp_path), settings)
-    assert config["extensionApis"] == {"enableBackend": True, "enableLua": True}
+    assert config["extensionApis"] == {"enableBackend": True, "enableLua": True, "enableEnvoyPatchPolicy": True}
     assert config["rateLimit"]["failClosed"] is True
     assert config["rateLimit"]["timeout"] == ratelimit.cluster_settings()["timeout"]  # as in the cluster
     assert dataplane.envoy_gateway_config(dataplane.Layout(tmp_path)).get("rateLimit") is None

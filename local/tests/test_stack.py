@@ -407,3 +407,43 @@ def test_reset_restarts_the_cold_start_processes_and_keeps_their_cpu(tmp_path):
         assert set(after.retired_cpu_s) == {"sim-1"}
     finally:
         stop_groups([p.pid for p in RunState.read(run).procs] + [server.pid, other.pid])
+
+
+def test_two_pickers_run_active_passive_linked_and_all_behind_the_gateway(tmp_path):
+    """--pickers 2: base/picker's shape. Each replica competes for the Lease on the stack's API
+    server (its kubeconfig and identity in its environment), links to the other, and is checked
+    for warmth (only the acting leader answers SERVING to the ext_proc service); the gateway's
+    picker Backend lists both."""
+    from local import dataplane
+    from local.stack.control_plane import picker_rbac
+    from local.stack.plan import plan
+
+    config = config_from(parser().parse_args(["up", "--pickers", "2", "--name", "ha", "--run-root",
+                                              str(tmp_path), "--groups", "1"]))
+    assert config.pickers == 2 and config.leader_election
+    assert config.picker_ports(0) == (9002, 9003, 9090, 9005, 9004)
+    assert config.picker_ports(1) == (9012, 9013, 9100, 9015, 9014)
+    topo = topology(config)
+    procs = {p.name: p for p in plan(config, topo, (tmp_path / "kubeconfig", "llm"))}
+    assert [n for n in procs if n.startswith("picker")] == ["picker", "picker-1"]
+    for name, peer in (("picker", "9005"), ("picker-1", "9015")):
+        p = procs[name]
+        assert "--leader-election" in p.cmd and p.cmd[p.cmd.index("--peer-port") + 1] == peer
+        assert p.cmd[p.cmd.index("--peers") + 1] == "127.0.0.1:9005,127.0.0.1:9015"
+        assert p.cmd[p.cmd.index("--leader-election-namespace") + 1] == "llm"
+        assert p.env == {"KUBECONFIG": str(tmp_path / "kubeconfig"), "POD_NAME": name}
+        assert p.health.endswith("#warm")
+    assert procs["picker-1"].cmd[procs["picker-1"].cmd.index("--grpc-port") + 1] == "9012"
+    backend = next(d for d in dataplane.localize(topo.gateway, {n: [("127.0.0.1", 1)] for n in topo.services},
+                                                 [("127.0.0.1", 9002), ("127.0.0.1", 9012)],
+                                                 outcomes=[("127.0.0.1", 9004), ("127.0.0.1", 9014)])
+                   if d["kind"] == "Backend" and d["metadata"]["name"] == "inference-gateway-ext-proc")
+    assert backend["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9002}},
+                                            {"ip": {"address": "127.0.0.1", "port": 9012}}]
+    # the RBAC the replicas get on the stack's API server is the render's, namespaced as deployed
+    rbac = picker_rbac(topo.docs)
+    assert [o["kind"] for o in rbac] == ["ServiceAccount", "Role", "RoleBinding"]
+    assert {o["metadata"]["namespace"] for o in rbac} == {"llm"}
+    one = config_from(parser().parse_args(["up"]))
+    assert one.pickers == 1 and not one.leader_election
+    assert "--leader-election" not in {p.name: p for p in plan(one, topology(one))}["picker"].cmd

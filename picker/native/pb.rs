@@ -262,4 +262,21 @@ pub const FIELDS: &[(&str, &str, u32)] = &[
     ("envoy.service.ext_proc.v3.ImmediateResponse", "body", 3),
     ("envoy.service.ext_proc.v3.ImmediateResponse", "details", 5),
     ("envoy.type.v3.HttpStatus", "code", 1),
+    ("grpc.health.v1.HealthCheckRequest", "service", 1),
+    ("grpc.health.v1.HealthCheckResponse", "status", 1),
 ];
+
+// grpc.health.v1 (grpc/grpc src/proto/grpc/health/v1/health.proto): Envoy's active health check
+// of the ext_proc cluster asks the ext_proc port itself.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct HealthCheckRequest {
+    #[prost(string, tag = "1")]
+    pub service: String,
+}
+
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct HealthCheckResponse {
+    /// UNKNOWN = 0, SERVING = 1, NOT_SERVING = 2
+    #[prost(int32, tag = "1")]
+    pub status: i32,
+}

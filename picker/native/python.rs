@@ -144,13 +144,14 @@ impl Server {
     #[new]
     #[pyo3(signature = (host, port, *, refusals, default_body_mode, max_body_bytes, max_message_bytes,
                         max_streams, max_buffered_bytes, small_body_bytes, max_concurrent_streams,
-                        max_concurrent_rpcs, cert_pem=None, key_pem=None, threads=1))]
+                        max_concurrent_rpcs, cert_pem=None, key_pem=None, threads=1,
+                        end_answered=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(host: &str, port: u16, refusals: &Bound<'_, PyDict>, default_body_mode: i32,
            max_body_bytes: usize, max_message_bytes: usize, max_streams: usize,
            max_buffered_bytes: usize, small_body_bytes: usize, max_concurrent_streams: u32,
            max_concurrent_rpcs: usize, cert_pem: Option<Vec<u8>>, key_pem: Option<Vec<u8>>,
-           threads: usize) -> PyResult<Self> {
+           threads: usize, end_answered: bool) -> PyResult<Self> {
         let mut answers = Vec::new();
         for r in Refusal::ALL {
             let item = refusals.get_item(r.code())?
@@ -166,7 +167,8 @@ impl Server {
             .ok_or_else(|| PyValueError::new_err(format!("bad listen address {host}:{port}")))?;
         let listener = bind(addr).map_err(|e| PyOSError::new_err(format!("cannot listen on {addr}: {e}")))?;
         let port = listener.local_addr().map_err(|e| PyOSError::new_err(e.to_string()))?.port();
-        let config = Config { default_body_mode, max_body_bytes, max_concurrent_rpcs, refusals: answers };
+        let config = Config { default_body_mode, max_body_bytes, max_concurrent_rpcs, refusals: answers,
+                              end_answered };
         let shared = Shared::new(Budget::new(max_streams, max_buffered_bytes, small_body_bytes), config)
             .map_err(|e| PyOSError::new_err(e.to_string()))?;
         let tls = match (cert_pem, key_pem) {
@@ -281,6 +283,11 @@ impl Server {
             }
         }
         Ok(out)
+    }
+
+    /// The grpc.health.v1 status (1 SERVING, 2 NOT_SERVING) of `service` on the ext_proc port.
+    fn set_health(&self, service: &str, status: i32) {
+        self.shared.health.lock().unwrap().insert(service.to_string(), status);
     }
 
     /// Shutting down: answered streams end now, cleanly; the others once answered.

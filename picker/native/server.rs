@@ -5,10 +5,12 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Status, Streaming};
 
@@ -16,6 +18,7 @@ use crate::pb;
 use crate::stream::{Answer, Budget, Out, Refusal, RouteRequest, StreamState, FULL_DUPLEX};
 
 pub const PROCESS_PATH: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
+pub const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
 
 /// Something for Python to handle, in arrival order.
 pub enum Event {
@@ -70,6 +73,9 @@ pub struct Config {
     pub max_body_bytes: usize,
     pub max_concurrent_rpcs: usize,
     pub refusals: Vec<(Refusal, pb::ImmediateResponse)>,
+    /// End each stream (OK) once its request is answered: Envoy finishes the request alone, so
+    /// it no longer depends on this process staying up.
+    pub end_answered: bool,
 }
 
 pub struct Shared {
@@ -80,13 +86,15 @@ pub struct Shared {
     next_id: AtomicU64,
     closing: watch::Sender<bool>,
     closing_flag: AtomicBool,
+    /// grpc.health.v1 statuses by service name, set from Python (Servers.set_ready)
+    pub health: Mutex<HashMap<String, i32>>,
 }
 
 impl Shared {
     pub fn new(budget: Budget, config: Config) -> std::io::Result<Arc<Self>> {
         Ok(Arc::new(Shared { bridge: Bridge::new()?, budget, config, rpcs: AtomicUsize::new(0),
                              next_id: AtomicU64::new(1), closing: watch::channel(false).0,
-                             closing_flag: AtomicBool::new(false) }))
+                             closing_flag: AtomicBool::new(false), health: Mutex::new(HashMap::new()) }))
     }
 
     /// Shutting down: every answered stream ends now, cleanly, and every one answered later as
@@ -114,7 +122,7 @@ async fn run_stream(shared: Arc<Shared>, mut inbound: Streaming<pb::ProcessingRe
     let mut handed = false; // Python has the request: it gets Done exactly once
     'stream: loop {
         let next = if st.routed {
-            if shared.closing_flag.load(Ordering::Acquire) {
+            if shared.config.end_answered || shared.closing_flag.load(Ordering::Acquire) {
                 break;
             }
             tokio::select! {
@@ -210,9 +218,11 @@ pub struct ExtProcService {
 
 struct Process(Arc<Shared>);
 
+type Answers = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::ProcessingResponse, Status>> + Send>>;
+
 impl tonic::server::StreamingService<pb::ProcessingRequest> for Process {
     type Response = pb::ProcessingResponse;
-    type ResponseStream = ReceiverStream<Result<pb::ProcessingResponse, Status>>;
+    type ResponseStream = Answers;
     type Future = BoxFuture<tonic::Response<Self::ResponseStream>, Status>;
 
     fn call(&mut self, request: tonic::Request<Streaming<pb::ProcessingRequest>>) -> Self::Future {
@@ -224,7 +234,7 @@ impl tonic::server::StreamingService<pb::ProcessingRequest> for Process {
             }
             let counted = shared.budget.open_stream();
             let guard = StreamGuard { shared: shared.clone(), counted };
-            let (tx, rx) = mpsc::channel(16);
+            let (tx, mut rx) = mpsc::channel(16);
             let inbound = request.into_inner();
             tokio::spawn(async move {
                 let _guard = guard;
@@ -234,7 +244,12 @@ impl tonic::server::StreamingService<pb::ProcessingRequest> for Process {
                     refuse_stream(shared, inbound, tx).await;
                 }
             });
-            Ok(tonic::Response::new(ReceiverStream::new(rx)))
+            // The response headers go with the first answer, as grpcio sends them: a stream this
+            // replica dies on before answering (being decided, or held in flow control) has then
+            // had no response from it, and Envoy retries it on another replica (`reset`).
+            let first = rx.recv().await;
+            let answers: Answers = Box::pin(tokio_stream::iter(first).chain(ReceiverStream::new(rx)));
+            Ok(tonic::Response::new(answers))
         })
     }
 }
@@ -253,6 +268,13 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() == HEALTH_CHECK_PATH {
+            let shared = self.shared.clone();
+            return Box::pin(async move {
+                let codec = tonic_prost::ProstCodec::<pb::HealthCheckResponse, pb::HealthCheckRequest>::default();
+                Ok(tonic::server::Grpc::new(codec).unary(HealthCheck(shared), req).await)
+            });
+        }
         if req.uri().path() != PROCESS_PATH {
             return Box::pin(async move { Ok(Status::unimplemented("").into_http()) });
         }
@@ -262,6 +284,25 @@ where
             let codec = tonic_prost::ProstCodec::<pb::ProcessingResponse, pb::ProcessingRequest>::default();
             let mut grpc = tonic::server::Grpc::new(codec).apply_max_message_size_config(Some(max), Some(max));
             Ok(grpc.streaming(Process(shared), req).await)
+        })
+    }
+}
+
+/// grpc.health.v1.Health/Check on the ext_proc port: what Python set, NOT_FOUND for a service it
+/// never named (as grpcio's HealthServicer answers).
+struct HealthCheck(Arc<Shared>);
+
+impl tonic::server::UnaryService<pb::HealthCheckRequest> for HealthCheck {
+    type Response = pb::HealthCheckResponse;
+    type Future = BoxFuture<tonic::Response<Self::Response>, Status>;
+
+    fn call(&mut self, request: tonic::Request<pb::HealthCheckRequest>) -> Self::Future {
+        let status = self.0.health.lock().unwrap().get(&request.get_ref().service).copied();
+        Box::pin(async move {
+            match status {
+                Some(status) => Ok(tonic::Response::new(pb::HealthCheckResponse { status })),
+                None => Err(Status::not_found("unknown service")),
+            }
         })
     }
 }

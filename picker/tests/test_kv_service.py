@@ -202,6 +202,13 @@ async def test_a_standby_follows_the_events_and_routes_on_them_the_moment_it_lea
         def is_leader(self):
             return self.leader
 
+        def view(self):
+            from picker.failover import LeaseView
+            return LeaseView(self.leader, None, True, 0.0, 0.5)
+
+        def poke(self):
+            pass
+
     elector = Standby()
 
     def start_elector(settings, on_change, stop, candidate=True):

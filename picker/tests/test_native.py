@@ -9,6 +9,7 @@ import sys
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401 (registers the types)
+from grpc_health.v1 import health_pb2  # noqa: F401 (registers the health messages)
 from google.protobuf import descriptor_pool
 
 from picker.protocol import answers, extproc, messages

@@ -210,3 +210,47 @@ async def test_internal_error_is_a_500_answer_not_a_broken_stream(picker, monkey
     call, answers = await c.send_full_duplex(stub, c.post_headers(), body())
     imm = answers[-1].immediate_response
     assert imm.status.code == 500 and json.loads(imm.body)["error"]["code"] == "internal_error"
+
+
+async def test_health_on_the_ext_proc_port_follows_readiness(picker):
+    """Envoy's active health check asks the ext_proc port itself (over its TLS, when on)."""
+    _, _, servers, _ = picker
+    ch = c.channel(servers.grpc_port, servers.certificate)
+    try:
+        stub = health_pb2_grpc.HealthStub(ch)
+
+        async def status(name):
+            return (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+        SERVING, NOT = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("envoy.service.ext_proc.v3.ExternalProcessor", "", "readiness", "liveness"):
+            assert await status(name) == SERVING
+        assert await status("warm") == NOT          # not set by this fixture
+        await servers.set_ready(False)
+        await servers.set_warm(True)
+        assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == NOT
+        assert await status("warm") == SERVING and await status("liveness") == SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await ch.close()
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+async def test_end_answered_streams_ends_each_stream_once_answered(ext_proc_server, mode):
+    """--end-answered-streams: the stream ends (OK) right after the answer, without waiting for
+    Envoy to close it at the response's end; the in-flight count ends there."""
+    router = make_router(profile="default", n=2, waiting=0, kv=0.1)
+    servers = await start_servers(router, 0, 0, secure=False, host="127.0.0.1",
+                                  server=ext_proc_server, end_answered=True)
+    await servers.set_ready(True)
+    ch = c.channel(servers.grpc_port, None)
+    try:
+        send = c.send_buffered if mode == "buffered" else c.send_full_duplex
+        call, answers = await send(c.ep_stub(ch), c.post_headers(), body(prompt="hi"))
+        assert {c.lb_destination(a) for a in answers} & set(router.endpoints)
+        assert await asyncio.wait_for(call.code(), 2.0) == grpc.StatusCode.OK
+        await wait_for(lambda: not router.inflight)
+    finally:
+        await ch.close()
+        await servers.stop(0)

@@ -1,8 +1,10 @@
 """Active-passive pickers (`python -m picker --leader-election`) on a real API server, each with a
 ServiceAccount token bound to exactly the Role in base/picker: exactly one is ready; the others
 are warm (they scrape the endpoint) but not ready; SIGTERM of the leader hands over within the
-retry period (the Lease is released), SIGKILL within the lease duration (it expires); without the
-Role's Lease rule nobody leads."""
+retry period (the Lease is released), SIGKILL within the lease duration (it expires), or at once
+when the replicas are linked (--peers, as base/picker runs them: the standby sees the dead leader's
+link close); linked standbys never take a live leader's Lease; without the Role's Lease rule
+nobody leads."""
 from __future__ import annotations
 
 import copy
@@ -142,10 +144,14 @@ def pool(control_plane, deployed, picker_token, tmp_path):  # noqa: F811
     kubeconfig = control_plane.kubeconfig(tmp_path / "kubeconfig", picker_token, NAMESPACE)
     started: list[Candidate] = []
 
-    def start(n: int, extra=()) -> list[Candidate]:
+    def start(n: int, extra=(), linked: bool = False) -> list[Candidate]:
+        """linked: with the peer link (--peers naming every candidate, as base/picker)."""
+        ports = [free_port() for _ in range(n)]
+        peers = ["--peers", ",".join(f"127.0.0.1:{p}" for p in ports)] if linked else []
         for i in range(n):
+            link = [*peers, "--peer-port", str(ports[i])] if linked else []
             started.append(Candidate(f"picker-{len(started)}", kubeconfig, engine.address,
-                                     tmp_path / f"picker-{len(started)}.log", extra))
+                                     tmp_path / f"picker-{len(started)}.log", [*extra, *link]))
         return started[-n:]
 
     start.engine, start.coordination = engine, coordination
@@ -191,9 +197,9 @@ def test_exactly_one_is_ready_and_the_standbys_are_warm(pool, n, workers):
         assert c.gauge('picker_leader_transitions_total{change="acquired"}') == (1.0 if is_leader else 0.0)
 
 
-def failover(pool, n: int, sig: int) -> tuple[float, Candidate, Candidate]:
+def failover(pool, n: int, sig: int, linked: bool = False) -> tuple[float, Candidate, Candidate]:
     """Seconds from `sig` to the leader until another candidate is ready (polled every 20 ms)."""
-    candidates = pool(n)
+    candidates = pool(n, linked=linked)
     old = settle(candidates, pool.engine)
     os.kill(old.proc.pid, sig)
     sent = time.monotonic()
@@ -202,7 +208,9 @@ def failover(pool, n: int, sig: int) -> tuple[float, Candidate, Candidate]:
     took = time.monotonic() - sent
     new = exactly_one_ready([c for c in candidates if c is not old])
     assert new is not None
-    assert holder(pool.coordination) == new.name
+    # with the link it acts before the dead leader's Lease expires, then takes it
+    wait_until(lambda: holder(pool.coordination) == new.name, LEASE_DURATION + SLACK + 1,
+               "the Lease taken over")
     return took, old, new
 
 
@@ -221,6 +229,30 @@ def test_sigkill_hands_over_within_the_lease_duration(pool):
     # Not before the Lease expired (the standby saw its last renew at most one retry period
     # before the kill), and not much later.
     assert LEASE_DURATION - RETRY_PERIOD - 0.1 < took < LEASE_DURATION + RETRY_PERIOD + SLACK
+
+
+def test_with_the_link_sigkill_hands_over_at_once(pool):
+    """base/picker's shape (--peers): the standby sees the dead leader's link close and acts at
+    once, without waiting for the Lease to expire (it takes the Lease after)."""
+    took, old, new = failover(pool, 2, signal.SIGKILL, linked=True)
+    print(f"\nSIGKILL of the linked leader -> standby ready in {took:.3f}s")
+    assert took < RETRY_PERIOD + SLACK
+    assert new.gauge('picker_failovers_total{reason="leader_gone"}') == 1.0
+    assert new.gauge("picker_acting_leader") == 1.0
+
+
+def test_with_the_link_a_standby_never_takes_the_lease_of_a_live_leader(pool):
+    """Three linked replicas for three lease durations: one acts, the Lease never moves."""
+    candidates = pool(3, linked=True)
+    leader = settle(candidates, pool.engine)
+    transitions = pool.coordination.read_namespaced_lease(LEASE, NAMESPACE).spec.lease_transitions
+    end = time.monotonic() + 3 * LEASE_DURATION
+    while time.monotonic() < end:
+        assert [c.name for c in candidates if c.ready()] == [leader.name]
+        time.sleep(0.1)
+    lease = pool.coordination.read_namespaced_lease(LEASE, NAMESPACE).spec
+    assert (lease.holder_identity, lease.lease_transitions) == (leader.name, transitions)
+    assert all(c.gauge('picker_peers{state="live"}') == 2.0 for c in candidates)
 
 
 def test_without_the_lease_rule_nobody_leads(pool, control_plane, deployed):  # noqa: F811

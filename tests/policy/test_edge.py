@@ -165,4 +165,8 @@ def test_picker_serves_the_verified_certificate():
     assert volume["secret"]["secretName"] == "inference-gateway-ext-proc-tls"
     backend = find(objs, "Backend", "inference-gateway-ext-proc")["spec"]
     assert backend["tls"]["caCertificateRefs"][0]["name"] == "inference-gateway-ext-proc-tls"
-    assert backend["tls"]["sni"] == backend["endpoints"][0]["fqdn"]["hostname"]
+    # the name on the certificate is the picker Service's; the Backend resolves the replicas'
+    # headless Service (every replica), and Envoy asks each for that name
+    assert backend["tls"]["sni"] == "inference-gateway-ext-proc.llm.svc.cluster.local"
+    assert backend["endpoints"][0]["fqdn"]["hostname"] == \
+        "inference-gateway-ext-proc-replicas.llm.svc.cluster.local"

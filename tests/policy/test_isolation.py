@@ -127,6 +127,16 @@ def test_picker_grpc_open_to_all_is_caught():
     assert len(problems) == 1 and "from[1]" in problems[0] and "[9002, 9003, 9004]" in problems[0]
 
 
+def test_picker_peer_link_open_to_other_pods_is_caught():
+    """The replicas' link (--peer-port 9005) only from the picker's own pods."""
+    objs = rendered(OVERLAY)
+    rule = next(r for r in policy(objs, "inference-gateway-ext-proc")["spec"]["ingress"]
+                if [p["port"] for p in r["ports"]] == [9005])
+    rule["from"].append({"podSelector": {"matchLabels": {"app": "distributed-serving"}}})
+    problems = isolation.picker_isolated(objs)
+    assert len(problems) == 1 and "link port 9005" in problems[0] and "own pods" in problems[0]
+
+
 def test_picker_metrics_open_to_all_is_caught():
     objs = rendered(OVERLAY)
     del policy(objs, "inference-gateway-ext-proc")["spec"]["ingress"][1]["from"]

@@ -65,10 +65,10 @@ def test_backend_on_another_port_fails():
 
 def test_picker_flag_that_disagrees_with_the_service_fails():
     objs = rendered(OVERLAY)
-    set_flag(objs, "--outcomes-port", "9005")
+    set_flag(objs, "--outcomes-port", "9007")
     found = outcomes.outcome_sink_reaches_picker(objs)
-    assert any("container picker: ports: no containerPort 9005" in p for p in found), found
-    assert any("no Service forwards to the picker's --outcomes-port 9005" in p for p in found), found
+    assert any("container picker: ports: no containerPort 9007" in p for p in found), found
+    assert any("no Service forwards to the picker's --outcomes-port 9007" in p for p in found), found
 
 
 def test_sink_pointing_elsewhere_fails():

@@ -171,3 +171,127 @@ def test_the_deployed_flags_parse_and_name_the_lease_the_rule_checks(overlay, mo
     settings = lease_settings(parse_args(argv))
     assert settings is not None
     assert (settings.namespace, settings.name) == picker_ha.lease_of(d, container)
+
+
+# --- failover Envoy sees at once (picker_failover_visible)
+
+def ext_proc(objs):
+    return find(objs, "EnvoyExtensionPolicy", "reasoning-inference-picker")["spec"]["extProc"][0]
+
+
+def failover(objs):
+    return picker_ha.picker_failover_visible(objs)
+
+
+def test_base_links_its_replicas_and_lets_envoy_see_them_all():
+    objs = rendered(OVERLAY)
+    assert failover(objs) == []
+    assert "--peers" in args(objs) and ext_proc(objs)["backendSettings"]["healthCheck"]["active"][
+        "grpc"]["service"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def test_replicas_without_the_link_fail():
+    objs = rendered(OVERLAY)
+    args(objs).extend(["--peers", ""])          # the last --peers wins, as in argparse
+    found = failover(objs)
+    assert len(found) == 1 and "no --peers" in found[0], found
+
+
+def test_a_link_through_a_service_that_hides_the_standby_fails():
+    objs = rendered(OVERLAY)
+    del find(objs, "Service", "inference-gateway-ext-proc-replicas")["spec"][
+        "publishNotReadyAddresses"]
+    found = failover(objs)
+    # both the link and the gateway's Backend go through that Service
+    assert len(found) == 2 and all("publishNotReadyAddresses" in p for p in found), found
+
+
+def test_a_backend_on_the_clusterip_service_fails():
+    objs = rendered(OVERLAY)
+    find(objs, "Backend", PICKER)["spec"]["endpoints"][0]["fqdn"]["hostname"] = \
+        "inference-gateway-ext-proc.llm.svc.cluster.local"
+    found = failover(objs)
+    assert len(found) == 1 and "not headless" in found[0], found
+
+
+def test_a_network_policy_that_cuts_the_link_fails():
+    objs = rendered(OVERLAY)
+    policy = find(objs, "NetworkPolicy", PICKER)
+    policy["spec"]["ingress"] = [r for r in policy["spec"]["ingress"]
+                                 if 9005 not in [p.get("port") for p in r.get("ports") or []]]
+    found = failover(objs)
+    assert len(found) == 1 and "(Ingress)" in found[0] and "9005" in found[0], found
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda hc: hc["active"].update(type="TCP"), "only the acting leader answers SERVING"),
+    (lambda hc: hc["active"]["grpc"].update(service="liveness"), "only the acting leader"),
+    (lambda hc: hc["active"].update(overrides={"port": 9003}), "no overrides.port"),
+    (lambda hc: hc["active"].update(interval="3s"), "exceed the picker's --drain-seconds"),
+    (lambda hc: hc.pop("panicThreshold"), "unset (50 %)"),
+    (lambda hc: hc.update(panicThreshold=0), "must be above 0"),
+    (lambda hc: hc.update(panicThreshold=50), "below 100 / 2 replicas"),
+])
+def test_a_health_check_envoy_cannot_fail_over_on_fails(change, expected):
+    objs = rendered(OVERLAY)
+    change(ext_proc(objs)["backendSettings"]["healthCheck"])
+    found = failover(objs)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_three_replicas_need_a_lower_panic_threshold_than_half():
+    objs = rendered(OVERLAY)
+    deployment(objs)["spec"]["replicas"] = 3
+    ext_proc(objs)["backendSettings"]["healthCheck"]["panicThreshold"] = 34
+    assert any("below 100 / 3 replicas" in p for p in failover(objs))
+
+
+def test_no_retry_on_connect_failure_fails():
+    objs = rendered(OVERLAY)
+    ext_proc(objs)["backendSettings"]["retry"]["retryOn"]["triggers"] = ["reset"]
+    found = failover(objs)
+    assert len(found) == 1 and "connect-failure" in found[0], found
+
+
+def test_a_drain_shorter_than_a_health_check_fails():
+    objs = rendered(OVERLAY)
+    args(objs).extend(["--drain-seconds", "0.2"])
+    found = failover(objs)
+    assert len(found) == 1 and "--drain-seconds 0.2" in found[0], found
+
+
+def test_a_health_check_without_the_no_traffic_cadence_fails():
+    objs = rendered(OVERLAY)
+    patch = find(objs, "EnvoyPatchPolicy", "picker-health-check-cadence")
+    patch["spec"]["jsonPatches"][0]["operation"]["value"] = "60s"
+    found = failover(objs)
+    assert len(found) == 1 and "no_traffic_interval" in found[0], found
+    patch["spec"]["jsonPatches"][0]["name"] = "envoyextensionpolicy/default/reasoning-inference-picker/extproc/0"
+    patch["spec"]["jsonPatches"][0]["operation"]["value"] = "0.1s"
+    assert len(failover(objs)) == 1          # another namespace's cluster: not this one
+
+
+def test_a_health_check_without_a_host_name_authority_fails():
+    objs = rendered(OVERLAY)
+    patch = find(objs, "EnvoyPatchPolicy", "picker-health-check-cadence")
+    authority = next(p for p in patch["spec"]["jsonPatches"]
+                     if p["operation"]["path"].endswith("/grpc_health_check/authority"))
+    authority["operation"]["value"] = "envoyextensionpolicy/llm/reasoning-inference-picker/extproc/0"
+    found = failover(objs)
+    assert len(found) == 1 and "authority" in found[0], found
+    patch["spec"]["jsonPatches"].remove(authority)
+    found = failover(objs)
+    assert len(found) == 1 and "authority" in found[0] and "none" in found[0], found
+
+
+def test_envoy_gateway_accepts_the_patch_in_the_cluster_and_on_the_local_stack(tmp_path):
+    """The cadence patch is an EnvoyPatchPolicy: Envoy Gateway ignores one unless enabled."""
+    import yaml
+
+    from local import dataplane
+    assert find(rendered(OVERLAY), "EnvoyPatchPolicy", "picker-health-check-cadence")
+    app = yaml.safe_load((ROOT / "argocd" / "apps" / "envoy-gateway.yaml").read_text())
+    apis = app["spec"]["source"]["helm"]["valuesObject"]["config"]["envoyGateway"]["extensionApis"]
+    assert apis["enableEnvoyPatchPolicy"] is True
+    local = dataplane.envoy_gateway_config(dataplane.Layout(tmp_path))
+    assert local["extensionApis"]["enableEnvoyPatchPolicy"] is True

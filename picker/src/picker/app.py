@@ -1,7 +1,14 @@
 """Wire discovery -> signals -> scheduling -> core -> protocol and run until SIGTERM/SIGINT.
 
 Worker 0 of the replica's process model (workers.py): discovery, health, /metrics and ext_proc
-here; scraping in the signals process; more ext_proc workers with --workers.
+here; scraping in the signals process; more ext_proc workers with --workers. With
+--leader-election and --peers, also the replica's role (failover.py): whether its health checks
+say SERVING to Envoy, from the Lease (leader.py) and the other replicas' states on the peer link
+(peer_link.py, in the signals process).
+
+On SIGTERM: hand over (NOT_SERVING, "leaving" on the peer link, the Lease released), then still
+answer what Envoy sends for --drain-seconds (until its health check has seen NOT_SERVING), then
+stop the servers: held requests are sent, answered streams end cleanly (protocol/server.py).
 """
 from __future__ import annotations
 
@@ -19,9 +26,11 @@ from picker import defaults
 from picker.config import lease_settings
 from picker.core import Router
 from picker.discovery.objects import Objective, Rewrite, load_objects
+from picker.failover import TAKEOVER_REASONS, Failover, LeaseView, PeerState, Role
 from picker.protocol.server import Servers
 from picker.protocol.tls import self_signed
-from picker.runtime import apply_objects, build_flow, build_router, start_ext_proc, stop_on_signals
+from picker.runtime import (apply_objects, build_flow, build_router, drain, start_ext_proc,
+                            stop_on_signals)
 from picker.workers import SignalsLink, start_signals_process, start_workers
 
 log = logging.getLogger("picker")
@@ -63,6 +72,17 @@ class App:
         self._stop_election = threading.Event()
         self._stopped = asyncio.Event()
         self._wake = asyncio.Event()  # readiness to be checked now (a leadership change, stop)
+        self.peers: list[tuple[str, int]] = getattr(args, "peers", None) or []
+        from picker.leader import default_identity
+        self.identity = self.lease.identity if self.lease is not None else default_identity()
+        self.failover = (Failover(self.identity, linked=bool(self.peers))
+                         if self.lease is not None or self.peers else None)
+        self.peer_states: list[PeerState] = []
+        self.stopping = False
+        self.failed: str | None = None   # why it stopped by itself (the exit status is then 1)
+        self.ready: bool | None = None   # what the health services say now
+        self._warm: bool | None = None
+        self._heartbeat: asyncio.Task | None = None
 
     def apply(self, endpoints: list[str], objectives: list[Objective], rewrites: list[Rewrite]) -> None:
         changed = apply_objects(self.router, endpoints, objectives, rewrites)
@@ -93,11 +113,13 @@ class App:
         if self.workers > 1 and a.secure_serving and not a.cert_path:
             self._share_self_signed_certificate()
         self.signals_proc, conns = start_signals_process(a, self.workers,
-                                                         kv_settings(a, self.router))
+                                                         kv_settings(a, self.router),
+                                                         self._link_settings())
         shared = self.workers > 1
         self.link = SignalsLink(self.router, conns[0],
-                                peers=shared or bool(getattr(a, "peer_store", None)),
-                                arrivals=self.flow.arrivals if shared and self.flow else None)
+                                peers=shared or bool(getattr(a, "peer_store", None) or self.peers),
+                                arrivals=self.flow.arrivals if shared and self.flow else None,
+                                on_replicas=self._on_replicas, on_closed=self._signals_gone)
         self.link.start()
         self.servers = await start_ext_proc(self.router, a, a.grpc_port, a.health_port, self.flow)
         if self.workers > 1:
@@ -108,6 +130,8 @@ class App:
                                                        self._metrics_registry()))
         self._start_discovery()
         self._start_election()
+        if self.peers:
+            self._heartbeat = asyncio.create_task(self._beat())
         log.info("started", extra={"grpc_port": self.servers.grpc_port,
                                    "health_port": self.servers.health_port,
                                    "metrics_port": a.metrics_port, "tls": a.secure_serving,
@@ -125,10 +149,77 @@ class App:
             self.lease, lambda leading: loop.call_soon_threadsafe(self._wake.set),
             self._stop_election, candidate=self.warm())
 
-    def leading(self) -> bool:
-        """This replica may serve Envoy: it holds the Lease, or runs without leader election."""
-        return self.elector is None and self.lease is None or (
-            self.elector is not None and self.elector.is_leader())
+    def _link_settings(self) -> dict | None:
+        """What the signals process needs for the peer link (--peers), else None."""
+        if not self.peers:
+            return None
+        return {"identity": self.identity, "listen": (self.args.bind, self.args.peer_port),
+                "peers": self.peers}
+
+    def _signals_gone(self) -> None:
+        """The signals process died: no more scrapes, KV events or peer link (the other replicas
+        saw the link close and one of them acts now). Stop; the exit status says why, and the
+        kubelet restarts the container."""
+        if self.link is not None and self.link.closing:
+            return
+        log.error("signals process gone: stopping")
+        self.failed = "signals process gone"
+        self.request_stop()
+
+    def _on_replicas(self, states: list[PeerState]) -> None:
+        self.peer_states = states
+        self._wake.set()
+
+    def role(self) -> Role:
+        """This replica's role now (failover.py); without --leader-election and --peers it
+        serves whenever it is warm."""
+        warm = self.warm()
+        if self.failover is None:
+            return Role(warm and not self.stopping, False, "no leader election")
+        view = None
+        if self.lease is not None:
+            view = self.elector.view() if self.elector is not None else LeaseView(
+                False, None, False, 0.0, self.lease.retry_period)
+        return self.failover.update(warm, self.stopping, view, self.peer_states)
+
+    async def _apply_role(self) -> Role:
+        """Health follows the role; the peer link hears of a change at once."""
+        before = self.failover.role if self.failover is not None else None
+        role = self.role()
+        warm = self.warm()
+        if warm != self._warm:
+            await self.servers.set_warm(warm)
+            self._warm = warm
+        if self.elector is not None:
+            self.elector.candidate = role.candidate
+            if role.acting and role.without_lease and not (before and before.acting):
+                self.elector.poke()   # took over: try for the Lease now (released at once on
+                #                       a handover, else after its duration)
+        if role.acting != self.ready:
+            await self.servers.set_ready(role.acting)
+            self.ready = role.acting
+            self._send_role()
+            log.info("readiness", extra={"ready": role.acting, "reason": role.reason,
+                                         "warm": self.warm(), "identity": self.identity})
+        if role.reason in TAKEOVER_REASONS and (before is None or before.reason != role.reason):
+            log.warning("took over", extra={"reason": role.reason, "identity": self.identity,
+                                            "from": self.failover.took_over_from})
+        return role
+
+    def _send_role(self) -> None:
+        """To the signals process: the other workers' health follows it, and with --peers it is
+        the heartbeat to the other replicas."""
+        if self.link is not None:
+            leased = self.elector is not None and self.elector.is_leader()
+            self.link.send_role(bool(self.ready), leased, self.stopping)
+
+    async def _beat(self) -> None:
+        """The heartbeat on the peer link: this process's role, every peer_link.HEARTBEAT (a
+        worker 0 that hangs stops it, and the other replicas see it fall silent)."""
+        from picker.peer_link import HEARTBEAT
+        while True:
+            self._send_role()
+            await asyncio.sleep(HEARTBEAT)
 
     def warm(self) -> bool:
         """Discovery synced, an endpoint known, and scraped (see _scraped): what a standby keeps
@@ -137,19 +228,11 @@ class App:
 
     async def maintain(self) -> None:
         """Readiness follows discovery sync, the endpoint set, the first scrapes and, with
-        --leader-election, the Lease; lost requests are reaped."""
+        --leader-election and --peers, the role (failover.py); lost requests are reaped."""
         loop = asyncio.get_running_loop()
-        ready = None
         next_reap = loop.time() + REAP_EVERY
         while not self._stopped.is_set():
-            warm, leading = self.warm(), self.leading()
-            if self.elector is not None:
-                self.elector.candidate = warm  # competes for the Lease only once warm
-            now_ready = warm and leading
-            if now_ready != ready:
-                await self.servers.set_ready(now_ready)
-                ready = now_ready
-                log.info("readiness", extra={"ready": ready, "warm": warm, "leader": leading})
+            await self._apply_role()
             if loop.time() >= next_reap:
                 lost = self.router.reap()
                 if lost:
@@ -198,25 +281,45 @@ class App:
         if self.lease is not None:
             from picker.observability.metrics import LeaderCollector
             registry.register(LeaderCollector(lambda: self.elector))
+        from picker.observability.metrics import FailoverCollector
+        registry.register(FailoverCollector(lambda: self.failover, lambda: self.peer_states,
+                                            lambda: bool(self.ready)))
         return registry
 
     async def release_lease(self) -> None:
         """Not ready, and the Lease given up at once, so a standby takes over within one retry
-        period while this replica finishes the streams it has."""
+        period (at once with --peers: it hears this replica leave) while this replica finishes
+        the streams it has."""
         if self._election is None:
             return
         if self.servers is not None:
             await self.servers.set_ready(False)
         self._stop_election.set()
+        self.elector.poke()
         await asyncio.to_thread(self._election.join, 2 * self.lease.request_timeout + 1)
 
-    async def stop(self) -> None:
+    async def hand_over(self) -> bool:
+        """Stop acting: NOT_SERVING on every health service, "leaving" on the peer link (a warm
+        standby acts at once), the Lease released. True if this replica was serving Envoy."""
+        was_serving = bool(self.ready)
+        self.stopping = True
+        if self.servers is not None:
+            await self._apply_role()
+        self._send_role()
         await self.release_lease()
+        return was_serving
+
+    async def stop(self) -> None:
+        was_serving = await self.hand_over()
+        for p in self.worker_procs:
+            p.terminate()  # they drain too, meanwhile (workers.py)
+        if was_serving and self.servers is not None:
+            await drain(self.servers, self.args)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         self.stop_watches.set()
         if self.link is not None:
             self.link.closing = True
-        for p in self.worker_procs:
-            p.terminate()
         for p in self.worker_procs:
             await asyncio.to_thread(p.join, 5)
         if self.servers is not None:
@@ -241,3 +344,5 @@ async def run(args: Namespace) -> None:
         await app.maintain()
     finally:
         await app.stop()
+    if app.failed:
+        raise SystemExit(1)

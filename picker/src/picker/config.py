@@ -19,6 +19,14 @@ def _endpoints(text: str) -> list[str]:
     return out
 
 
+def _peers(text: str) -> list[tuple[str, int]]:
+    from picker.peer_link import parse_peers
+    try:
+        return parse_peers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m picker",
                                 description="Envoy ext_proc endpoint picker for vLLM leaders")
@@ -142,6 +150,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--leader-election-retry-period", type=float, default=leader.RETRY_PERIOD,
                    help="seconds between a leader's renews and a standby's tries (a released "
                         "Lease is taken within this)")
+    p.add_argument("--end-answered-streams", action=argparse.BooleanOptionalAction,
+                   default=defaults.END_ANSWERED_STREAMS,
+                   help="end each ext_proc stream as soon as its request is answered, so a "
+                        "request Envoy is already serving does not fail if this replica dies "
+                        "(default); off: keep it open until Envoy closes it, for a policy that "
+                        "also sends the response phase (usage counting)")
+    p.add_argument("--peers", type=_peers, default=[], metavar="HOST:PORT[,...]",
+                   help="the other replicas' peer ports (names are resolved every second, to "
+                        "every address; a headless Service lists every replica): a direct link "
+                        "that shares in-flight counts and prefix additions, and tells a standby "
+                        "at once that the leader left, died or hangs (see README)")
+    p.add_argument("--peer-port", type=int, default=defaults.PEER_PORT,
+                   help="where this replica accepts the other replicas' links (with --peers)")
+    p.add_argument("--drain-seconds", type=float, default=defaults.DRAIN_SECONDS,
+                   help="on SIGTERM, after handing over and reporting NOT_SERVING: how long the "
+                        "replica still answers the streams Envoy sends before its health check "
+                        "sees that (at least its interval + timeout)")
     p.add_argument("--bind", default="[::]", help="address the servers listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -164,6 +189,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--workers must be at least 1")
     if args.peer_store and not args.peer_store.startswith(("redis://", "rediss://", "unix://")):
         p.error("--peer-store must be a redis://, rediss:// or unix:// URL")
+    if args.peer_store and args.peers:
+        p.error("--peer-store (Redis, active-active) and --peers (the direct link) exclude each "
+                "other")
+    if args.drain_seconds < 0 or not 0 <= args.peer_port < 65536:
+        p.error("--drain-seconds must be >= 0 and --peer-port a port")
     try:
         server_limits(args)
         flow_settings(args)

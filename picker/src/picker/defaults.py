@@ -127,6 +127,13 @@ PRECISE_PREFIX = True          # --precise-prefix: on unless turned off (needs -
 # Process model.
 WORKERS = 1                    # ext_proc worker processes behind the one gRPC port
 PEER_SYNC_INTERVAL = 0.02      # seconds: Redis exchange between replicas; full-table resend to workers
+# End each ext_proc stream once answered (the deployed policy sends the request phase only):
+# a replica that dies then fails only the requests it was deciding or holding
+END_ANSWERED_STREAMS = True
+PEER_PORT = 9005               # the replicas' direct link (peer_link.py)
+# seconds a stopping replica still answers what Envoy sends after it reports NOT_SERVING (Envoy
+# sees that at its next health check: base/gateway checks every 100 ms with a 250 ms timeout)
+DRAIN_SECONDS = 1.0
 REAP_EVERY = 10.0              # seconds between sweeps for lost in-flight requests
 READINESS_EVERY = 0.2          # seconds between readiness checks
 

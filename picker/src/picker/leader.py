@@ -18,10 +18,13 @@ leaseTransitions. The rules below are client-go's (k8s.io/client-go/tools/leader
   renew deadline after its last successful renew (is_leader(), checked by the readiness loop,
   so a renew that hangs in the API call still ends the leadership on time);
 - release: holderIdentity "" and leaseDurationSeconds 1;
-- a replica competes only while it is warm (`candidate`, set by the readiness loop: discovery
-  synced, endpoints scraped): a pod that has just started never wins a released Lease against a
-  warm standby, which would leave the route without a ready picker until it warmed up. A leader
-  keeps renewing whatever its warmth (every replica sees the same pool).
+- a replica competes only while it is a candidate (`candidate`, set by the readiness loop from
+  failover.py: warm, that is discovery synced and endpoints scraped, and no live peer acting): a
+  pod that has just started never wins a released Lease against a warm standby, which would leave
+  the route without a ready picker until it warmed up, and an expired Lease is never taken from a
+  leader that rode an API outage through. A leader keeps renewing whatever its warmth (every
+  replica sees the same pool). A replica that does not compete still reads the Lease every retry
+  period: failover.py needs to know whether the holder still renews.
 
 Blocking API calls run in the elector's own thread (run()); the event loop only reads the
 state and is told of changes through `on_change`.
@@ -33,9 +36,12 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
+
+from picker.failover import LeaseView
 
 log = logging.getLogger("picker.leader")
 
@@ -44,6 +50,7 @@ log = logging.getLogger("picker.leader")
 LEASE_DURATION = 4      # seconds (Lease.spec.leaseDurationSeconds is whole seconds)
 RENEW_DEADLINE = 3.0    # seconds
 RETRY_PERIOD = 0.5      # seconds
+NEVER_READ = "never read"
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,9 @@ class LeaseElector:
         self._observed_at = float("-inf")
         self._lock = threading.Lock()
         self.transitions = {"acquired": 0, "lost": 0, "released": 0}
-        self._last_error: str | None = None
+        self._last_error: str | None = NEVER_READ  # None: the last Lease request was answered
+        self._poke = threading.Event()
+        self._call_since: float | None = None  # clock() when the API call in progress started
 
     # --- state, read by the event loop
 
@@ -114,6 +123,33 @@ class LeaseElector:
         """Leading, and renewed within the renew deadline (a hanging renew ends it on time)."""
         with self._lock:
             return self.leading and self.clock() - self.renewed_at <= self.s.renew_deadline
+
+    def view(self) -> LeaseView:
+        """What failover.py needs: leading, the holder, whether Lease requests get answers, and
+        how long the Lease has looked unchanged from here."""
+        return LeaseView(leader=self.is_leader(), holder=self.holder,
+                         reads_ok=self._answered(),
+                         unchanged_for=self.clock() - self._observed_at,
+                         retry_period=self.s.retry_period)
+
+    def _answered(self) -> bool:
+        """The last Lease request got an answer, and none has been waiting for one longer than a
+        retry period (an API server that hangs blocks a call up to its timeout)."""
+        since = self._call_since
+        return self._last_error is None and (
+            since is None or self.clock() - since < self.s.retry_period)
+
+    @contextmanager
+    def _calling(self):
+        self._call_since = self.clock()
+        try:
+            yield
+        finally:
+            self._call_since = None
+
+    def poke(self) -> None:
+        """Try now rather than at the end of the retry period (a peer handed over)."""
+        self._poke.set()
 
     # --- the elector's thread
 
@@ -123,7 +159,8 @@ class LeaseElector:
                                            "identity": self.s.identity})
         while not stop.is_set():
             self.step()
-            stop.wait(self.s.retry_period)
+            self._poke.wait(self.s.retry_period)
+            self._poke.clear()
         self.release()
 
     def step(self) -> None:
@@ -133,9 +170,10 @@ class LeaseElector:
             if self.leading and self._lease is not None and self._try_renew():
                 self._failing(None)
                 return
-            if not self.leading and not self.candidate:
-                return
             lease = self._read()
+            if not self.leading and not self.candidate:
+                self._failing(None)
+                return
             if lease is None:
                 self._create()
             elif self._may_take(lease):
@@ -160,7 +198,8 @@ class LeaseElector:
         if error == self._last_error:
             return
         if error is None:
-            log.info("lease requests work again")
+            if self._last_error != NEVER_READ:
+                log.info("lease requests work again")
         else:
             log.warning("lease request failed", extra={"status": status,
                                                        "error": detail or error})
@@ -184,9 +223,10 @@ class LeaseElector:
         spec.lease_duration_seconds = 1
         spec.renew_time = spec.acquire_time = self.wall()
         try:
-            self._lease = self.api.replace_namespaced_lease(
-                self.s.name, self.s.namespace, self._lease,
-                _request_timeout=self.s.request_timeout)
+            with self._calling():
+                self._lease = self.api.replace_namespaced_lease(
+                    self.s.name, self.s.namespace, self._lease,
+                    _request_timeout=self.s.request_timeout)
         except Exception as exc:  # noqa: BLE001 - it then expires after its duration
             log.warning("lease release failed", extra={"error": repr(exc)})
             return False
@@ -197,8 +237,9 @@ class LeaseElector:
     def _read(self) -> Any | None:
         from kubernetes.client.exceptions import ApiException
         try:
-            lease = self.api.read_namespaced_lease(self.s.name, self.s.namespace,
-                                                   _request_timeout=self.s.request_timeout)
+            with self._calling():
+                lease = self.api.read_namespaced_lease(self.s.name, self.s.namespace,
+                                                       _request_timeout=self.s.request_timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -251,8 +292,9 @@ class LeaseElector:
         spec.holder_identity = self.s.identity
         spec.lease_duration_seconds = self.s.lease_duration
         spec.renew_time = now
-        written = self.api.replace_namespaced_lease(self.s.name, self.s.namespace, lease,
-                                                    _request_timeout=self.s.request_timeout)
+        with self._calling():
+            written = self.api.replace_namespaced_lease(self.s.name, self.s.namespace, lease,
+                                                        _request_timeout=self.s.request_timeout)
         self._succeeded(written, started)
 
     def _create(self) -> None:
@@ -264,8 +306,9 @@ class LeaseElector:
             spec=client.V1LeaseSpec(holder_identity=self.s.identity,
                                     lease_duration_seconds=self.s.lease_duration,
                                     acquire_time=now, renew_time=now, lease_transitions=0))
-        written = self.api.create_namespaced_lease(self.s.namespace, body,
-                                                   _request_timeout=self.s.request_timeout)
+        with self._calling():
+            written = self.api.create_namespaced_lease(self.s.namespace, body,
+                                                       _request_timeout=self.s.request_timeout)
         self._succeeded(written, started)
 
     def _succeeded(self, lease: Any, started: float) -> None:

@@ -72,7 +72,16 @@ async def start_ext_proc(router: Router, args: Namespace, grpc_port: int, health
     return await start_servers(router, grpc_port, health_port, args.secure_serving,
                                args.cert_path, args.request_body_mode, args.bind,
                                limits=server_limits(args), flow=flow,
-                               server=getattr(args, "ext_proc_server", defaults.EXT_PROC_SERVER))
+                               server=getattr(args, "ext_proc_server", defaults.EXT_PROC_SERVER),
+                               end_answered=getattr(args, "end_answered_streams", False))
+
+
+async def drain(servers: Servers, args: Namespace) -> None:
+    """Stopping: NOT_SERVING on this worker's health services, then --drain-seconds in which
+    the streams Envoy still sends (until its health check sees NOT_SERVING) are answered as
+    always."""
+    await servers.set_ready(False)
+    await asyncio.sleep(getattr(args, "drain_seconds", 0.0))
 
 
 def stop_on_signals(stop: Callable[[], None]) -> None:

@@ -21,7 +21,18 @@ processes need to share. The workers only apply the results to their Routers.
               whole table (no arrivals: each worker keeps its own window of them)
 
 With --peer-store, the workers' changes also go to the other replicas through Redis, and theirs
-come back the same way (peer_store.py): added to what each worker gets in "peers", at once.
+come back the same way (peer_store.py): added to what each worker gets in "peers", at once. With
+--peers, the same goes over the replicas' direct link instead (peer_link.py), which also carries
+the heartbeats and claims failover.py decides on:
+
+    worker 0 --("role", acting, leased, leaving)--> signals   (every peer_link.HEARTBEAT, and on a
+              change: sent on to the other replicas at once as the heartbeat)
+    signals --("serving", acting)--> workers 1..n-1   (on a change: their ext_proc port's health)
+    signals --("replicas", [failover.PeerState])--> worker 0   (on a change of any peer's state)
+
+and the outcomes Envoy's access log sends this replica go to the other replicas too, theirs come
+back into "outcomes" here: every replica learns from every outcome, whichever one Envoy sent it
+to (the gateway sends the access log to the picker Service's Ready pod, the acting leader).
 
 Messages are pickled over one Pipe per worker. The signals process sends from one thread per
 worker, so a worker busy deciding never blocks it (and so never blocks the other workers).
@@ -44,6 +55,7 @@ from picker.signals.state import ZERO_LOAD, Load, merge_loads, subtract_load
 
 log = logging.getLogger("picker.signals")
 FLUSH_EVERY = 0.01   # seconds: scrape results reach the workers within this
+FINISHED_AT = 10     # index of Outcome.finished_at in an outcome's fields (signals/outcomes.py)
 
 
 class _Sender:
@@ -99,15 +111,23 @@ class Collector:
 class SignalsHub:
     def __init__(self, conns: list[Connection], interval: float, staleness: float,
                  peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
-                 outcomes: dict | None = None):
+                 outcomes: dict | None = None, link: dict | None = None):
         self.conns = conns
         self.outcome_settings = outcomes  # accesslog.start_server's port, host, secure, cert_path
         self.outcome_server = None
         self.outcomes: list[tuple] = []  # received, not yet sent to the workers
         self.peers = None
+        self.link = None
+        self._serving: bool | None = None
         if peer_store:
             from picker.peer_store import RedisPeers
             self.peers = RedisPeers(peer_store, pool, on_remote=self._on_remote)
+        elif link:
+            from picker.peer_link import PeerLink
+            self.peers = self.link = PeerLink(link["identity"], pool, tuple(link["listen"]),
+                                              link["peers"], on_remote=self._on_remote,
+                                              on_peers=self._on_peer_states,
+                                              on_outcomes=self._on_peer_outcomes)
         self.senders = [_Sender(c) for c in conns]
         self.base_interval = interval
         self.staleness = staleness
@@ -179,6 +199,14 @@ class SignalsHub:
 
     def _on_outcomes(self, batch: list[tuple]) -> None:
         self.outcomes.extend(batch)  # sent with the next flush (FLUSH_EVERY)
+        if self.link is not None:    # the other replicas learn from them too
+            self.link.publish_outcomes(batch)
+
+    def _on_peer_outcomes(self, batch: list[tuple]) -> None:
+        """Another replica's outcomes, as if Envoy had sent them here: received now, by this
+        process's clock (the sender's monotonic clock means nothing here)."""
+        now = time.monotonic()
+        self.outcomes.extend(o[:FINISHED_AT] + (now,) + o[FINISHED_AT + 1:] for o in batch)
 
     def _on_readable(self, i: int) -> None:
         conn = self.conns[i]
@@ -208,8 +236,23 @@ class SignalsHub:
                     s.send(msg)
         elif kind == "load":
             self._on_load(i, msg[1], msg[2], msg[3])
+        elif kind == "role":
+            self._on_role(*msg[1:])
         elif kind == "stop":
             self.stopped.set()
+
+    def _on_role(self, acting: bool, leased: bool, leaving: bool) -> None:
+        """Worker 0's role: the heartbeat to the other replicas, and to the other workers
+        whether their ext_proc port's health says SERVING."""
+        if self.link is not None:
+            self.link.send_role(acting, leased, leaving)
+        if acting != self._serving:
+            self._serving = acting
+            for s in self.senders[1:]:
+                s.send(("serving", acting))
+
+    def _on_peer_states(self, states: list) -> None:
+        self.senders[0].send(("replicas", states))
 
     def _flush_scrapes(self) -> None:
         if self.kv is not None:
@@ -280,12 +323,18 @@ class SignalsHub:
 
 def main(conns: list[Connection], interval: float, staleness: float, log_level: str,
          peer_store: str | None = None, pool: str = "pool", kv: dict | None = None,
-         outcomes: dict | None = None) -> None:
+         outcomes: dict | None = None, link: dict | None = None) -> None:
     """Entry point of the signals process (multiprocessing spawn target)."""
+    import signal
     from picker.observability.logs import setup_logging
     setup_logging(log_level)
+    # Worker 0 decides when this process ends ("stop", or its pipe closing): a SIGTERM sent to the
+    # whole process group (Ctrl-C, `kill -- -PGID`) must not cut the peer link before worker 0
+    # has told the other replicas that it leaves.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import uvloop
-    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, outcomes)
+    hub = SignalsHub(conns, interval, staleness, peer_store, pool, kv, outcomes, link)
     try:
         uvloop.run(hub.run())
     except KeyboardInterrupt:

@@ -31,8 +31,8 @@ from typing import Any
 from picker.core import Router
 from picker.flowcontrol.activity import RecentArrivals
 from picker.signals.outcomes import Outcome
-from picker.runtime import (apply_objects, build_flow, build_router, run_loop, start_ext_proc,
-                            stop_on_signals)
+from picker.runtime import (apply_objects, build_flow, build_router, drain, run_loop,
+                            start_ext_proc, stop_on_signals)
 
 log = logging.getLogger("picker.workers")
 MAX_MESSAGES_PER_READ = 64
@@ -45,14 +45,18 @@ class SignalsLink:
     adds the other workers' to it."""
 
     def __init__(self, router: Router, conn: Connection, peers: bool, on_objects=None,
-                 on_closed=None, arrivals: RecentArrivals | None = None):
+                 on_closed=None, arrivals: RecentArrivals | None = None, on_replicas=None,
+                 on_serving=None):
         self.router = router
         self.on_closed = on_closed
+        self.on_replicas = on_replicas    # worker 0: the other replicas' states (failover.py)
+        self.on_serving = on_serving      # workers 1..n-1: worker 0's role (their health)
         self.conn = conn
         self.peers = peers
         self.on_objects = on_objects
         self.scrape_batches = 0
         self.closing = False  # set on shutdown: the signals process going away is expected
+        self._gone = False
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.arrivals = arrivals
@@ -86,12 +90,17 @@ class SignalsLink:
     def send_objects(self, endpoints: list[str], objectives: list, rewrites: list) -> None:
         self._send(("objects", endpoints, objectives, rewrites))
 
+    def send_role(self, acting: bool, leased: bool, leaving: bool) -> None:
+        """Worker 0's heartbeat: its role, to the other replicas and workers."""
+        self._send(("role", acting, leased, leaving))
+
     def _send(self, msg: Any) -> None:
         try:
             self.conn.send(msg)
         except (OSError, BrokenPipeError):
-            if not self.closing:
+            if not self.closing and not self._gone:
                 log.error("signals process gone")
+                self._gone = True     # said once (a heartbeat every 50 ms would repeat it)
 
     def _on_readable(self) -> None:
         try:
@@ -135,6 +144,10 @@ class SignalsLink:
                 self.arrivals.add_peers(*msg[4])
         elif kind == "objects" and self.on_objects is not None:
             self.on_objects(msg[1], msg[2], msg[3])
+        elif kind == "replicas" and self.on_replicas is not None:
+            self.on_replicas(msg[1])
+        elif kind == "serving" and self.on_serving is not None:
+            self.on_serving(msg[1])
 
     async def close(self) -> None:
         self.closing = True
@@ -158,11 +171,13 @@ def outcome_settings(args: Namespace) -> dict | None:
             "cert_path": args.cert_path}
 
 
-def start_signals_process(args: Namespace, workers: int, kv: dict | None = None
+def start_signals_process(args: Namespace, workers: int, kv: dict | None = None,
+                          link: dict | None = None
                           ) -> tuple[mp.process.BaseProcess, list[Connection]]:
     """The signals process and one connection per worker (index = worker number); with `kv`
     (app.kv_settings) it subscribes to the engines' KV-cache events; with --outcomes-port it
-    serves Envoy's access log service there."""
+    serves Envoy's access log service there; with `link` (app._link_settings) it runs the peer
+    link to the other replicas."""
     from picker import signals_process
     ctx = mp.get_context("spawn")
     ours, theirs = zip(*(ctx.Pipe(duplex=True) for _ in range(workers)))
@@ -171,7 +186,7 @@ def start_signals_process(args: Namespace, workers: int, kv: dict | None = None
                              getattr(args, "peer_store", None),
                              f"{getattr(args, 'pool_namespace', 'default')}/"
                              f"{getattr(args, 'pool_name', 'pool')}", kv,
-                             outcome_settings(args)),
+                             outcome_settings(args), link),
                        daemon=True)
     proc.start()
     for c in theirs:
@@ -200,15 +215,29 @@ def worker_main(args: Namespace, index: int, grpc_port: int, conn: Connection) -
     async def main():
         router = build_router(args, index)
         flow = build_flow(args, router)
-        stop = asyncio.Event()
+        stop, closed = asyncio.Event(), asyncio.Event()
+        servers = None
+
+        def serving(acting: bool) -> None:
+            if servers is not None:
+                asyncio.ensure_future(servers.set_ready(acting))
+
+        def closing() -> None:
+            closed.set()
+            stop.set()
         link = SignalsLink(router, conn, peers=True,
                            on_objects=lambda *objects: apply_objects(router, *objects),
-                           on_closed=stop.set, arrivals=flow.arrivals if flow else None)
+                           on_closed=closing, arrivals=flow.arrivals if flow else None,
+                           on_serving=serving)
         link.start()
         servers = await start_ext_proc(router, args, grpc_port, 0, flow)
         stop_on_signals(stop.set)
         log.info("worker started", extra={"worker": index, "pid": os.getpid()})
         await stop.wait()
+        if not closed.is_set():
+            # Stopped by a signal (worker 0 sends SIGTERM after its own drain; a signal to the
+            # whole group reaches every worker at once): answer what Envoy still sends first.
+            await drain(servers, args)
         await servers.stop()
         await link.close()
     run_loop(main())

@@ -177,3 +177,42 @@ class LeaderCollector:
         for change, count in (elector.transitions.items() if elector is not None else ()):
             changes.add_metric([change], count)
         return [leader, changes]
+
+
+class FailoverCollector:
+    """Whether this replica answers Envoy (the acting leader), whether it does so without holding
+    the Lease (after a takeover, or riding an API outage through), its takeovers by reason and the
+    other replicas by state (failover.py, peer_link.py). Read when Prometheus scrapes; a replica
+    without --leader-election and --peers acts whenever it serves, and has no peers."""
+
+    def __init__(self, failover: Callable[[], Any], peers: Callable[[], list],
+                 serving: Callable[[], bool]):
+        self.failover = failover
+        self.peers = peers
+        self.serving = serving
+
+    def collect(self):
+        from picker.failover import GONE, LEFT, LIVE, SILENT, TAKEOVER_REASONS
+        f = self.failover()
+        acting = GaugeMetricFamily("picker_acting_leader",
+                                   "1 if this replica answers SERVING to Envoy's health check "
+                                   "(the one Envoy sends its streams to)")
+        acting.add_metric([], 1.0 if self.serving() else 0.0)
+        unleased = GaugeMetricFamily("picker_acting_without_lease",
+                                     "1 if this replica acts without holding the Lease (it took "
+                                     "over and waits for the Lease, or the API server is "
+                                     "unreachable)")
+        without = f is not None and f.role.acting and f.role.without_lease
+        unleased.add_metric([], 1.0 if without else 0.0)
+        takeovers = CounterMetricFamily("picker_failovers",
+                                        "Times this replica took over from a leader, by why: "
+                                        "handover (it left), leader_gone (its process died), "
+                                        "leader_silent (it hung)", labels=["reason"])
+        for reason in TAKEOVER_REASONS:
+            takeovers.add_metric([reason], f.takeovers[reason] if f is not None else 0)
+        peers = GaugeMetricFamily("picker_peers", "Other replicas on the peer link, by state",
+                                  labels=["state"])
+        states = [p.status for p in self.peers()]
+        for state in (LIVE, SILENT, LEFT, GONE):
+            peers.add_metric([state], states.count(state))
+        return [acting, unleased, takeovers, peers]

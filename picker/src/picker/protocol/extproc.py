@@ -296,8 +296,13 @@ class RequestStream(Request):
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router, default_body_mode: str = "full-duplex",
                  max_body_bytes: int | None = None, limits: ServerLimits | None = None,
-                 flow: FlowControl | None = None):
+                 flow: FlowControl | None = None, end_answered: bool = False):
         self.router = router
+        # End each stream (OK) as soon as its request is answered, instead of when Envoy closes
+        # it at the response's end: Envoy then finishes the request alone, and the request no
+        # longer depends on this replica staying up (a crash fails the streams it has open).
+        # Costs the response phase (usage), which the deployed policy does not send anyway.
+        self.end_answered = end_answered
         self.flow = FlowDriver(flow) if flow is not None else None
         self.default_body_mode = BODY_MODES[default_body_mode]
         self.max_body_bytes = max_body_bytes or router.settings.max_body_bytes
@@ -323,6 +328,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         messages = request_iterator.__aiter__()
         try:
             while True:
+                if stream.routed and self.end_answered:
+                    return
                 if stream.routed:
                     req = await self._next_unless_closing(messages)
                 else:

@@ -65,7 +65,8 @@ class NativeExtProc:
 
     def __init__(self, router: Router, limits: ServerLimits, default_body_mode: str = "full-duplex",
                  flow: FlowControl | None = None, host: str = "[::]", port: int = 0,
-                 tls: tuple[bytes, bytes] | None = None, threads: int = 1):
+                 tls: tuple[bytes, bytes] | None = None, threads: int = 1,
+                 end_answered: bool = False):
         ext = load_extension()
         self.router = router
         self.flow = FlowDriver(flow) if flow is not None else None
@@ -80,7 +81,7 @@ class NativeExtProc:
             small_body_bytes=limits.small_body_bytes,
             max_concurrent_streams=dict(limits.grpc_options())["grpc.max_concurrent_streams"],
             max_concurrent_rpcs=limits.max_concurrent_rpcs, cert_pem=cert, key_pem=key,
-            threads=threads)
+            threads=threads, end_answered=end_answered)
         self.port = self.server.port
         self.budget = NativeBudget(self.server, limits)
         self.requests: dict[int, tuple[Request, object]] = {}  # handed, not yet ended
@@ -144,6 +145,10 @@ class NativeExtProc:
         if code != "too_many_streams":  # as the Python server: a refused stream is not logged
             log.info("request refused", extra={"status": err.status, "code": err.code,
                                                "reason": clip(err.message, 512), "path": clip(path)})
+
+    def set_health(self, service: str, status: int) -> None:
+        """The grpc.health.v1 status of `service` on the ext_proc port (Envoy's health check)."""
+        self.server.set_health(service, status)
 
     def close_answered_streams(self) -> None:
         """Shutting down: every held request is sent now, and every stream whose request is
