@@ -255,9 +255,8 @@ def run() -> dict:
         started = time.perf_counter()
         with Stack(config) as stack:
             data = asyncio.run(run_all(stack))
-        data.update(wall_s=time.perf_counter() - started, load_average_start=load_start,
-                    load_average_end=load_average(), speedup=SPEEDUP, clients=CLIENTS,
-                    round_seconds=ROUND_SECONDS, rounds=ROUNDS, **stamp())
+        data.update(wall_s=time.perf_counter() - started, load_average_start=load_start, speedup=SPEEDUP,
+                    clients=CLIENTS, round_seconds=ROUND_SECONDS, rounds=ROUNDS, **stamp())
     save("outcomes-http", data)
     return data
 
