@@ -45,34 +45,52 @@ def _gateway_docs(stack) -> tuple[Path, list[dict]]:
     return path, [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+NO_LUA = "-no-lua"  # the picker's EnvoyExtensionPolicy's name suffix in the configuration 'off'
+
+
 def configure(stack, original: list[dict], config: str) -> None:
     """Write `config` into the files Envoy Gateway reads; return once Envoy runs it."""
     from local import dataplane
     import copy
     docs = copy.deepcopy(original)
+    policy = next(d for d in docs if d["kind"] == "EnvoyExtensionPolicy" and d["spec"].get("extProc"))
+    name = policy["metadata"]["name"]
     for d in docs:
-        if d["kind"] == "EnvoyProxy" and config == "off":
+        if d["kind"] == "EnvoyProxy" and config != "on":
             settings = d["spec"]["telemetry"]["accessLog"]["settings"]
             settings[:] = [s for s in settings if not any(k["type"] == "ALS" for k in s["sinks"])]
-        if d["kind"] == "EnvoyExtensionPolicy" and d["spec"].get("extProc") and config == "off":
-            d["spec"].pop("lua", None)
-        if d["kind"] == "EnvoyProxy" and config == "lua":
-            settings = d["spec"]["telemetry"]["accessLog"]["settings"]
-            settings[:] = [s for s in settings if not any(k["type"] == "ALS" for k in s["sinks"])]
+    if config == "off":
+        # Envoy Gateway's file provider stores an object it already has with a JSON merge patch
+        # of the new one, in which a key left out keeps its old value: a policy without `lua`
+        # would keep its Lua. A policy of another name replaces it whole (the old one is deleted);
+        # the picker's cluster is named after the policy, so its patches follow the new name.
+        policy["spec"].pop("lua", None)
+        policy["metadata"]["name"] = name + NO_LUA
+        for d in docs:
+            for patch in d["spec"].get("jsonPatches", []) if d["kind"] == "EnvoyPatchPolicy" else []:
+                patch["name"] = patch["name"].replace(f"/{name}/", f"/{name}{NO_LUA}/")
     path, _ = _gateway_docs(stack)
     dataplane.write_atomically(path, dataplane.dump(docs))
     want_als, want_lua = config == "on", config != "off"
+    extproc = f"{name}{NO_LUA if config == 'off' else ''}/extproc/"
     deadline = time.monotonic() + 60
     while True:
-        # the access logger is the listeners' (a replaced listener drains beside the new one for a
-        # while: only the active ones count); Envoy Gateway leaves the Lua filter in the listener,
-        # disabled, and turns it on per route: the routes say whether it runs
-        has_als = "picker-outcomes" in active_listeners(stack)
-        has_lua = "reasoning-inference-picker/lua/" in route_configs(stack)
-        if has_als == want_als and has_lua == want_lua:
+        # the access logger and the ext_proc filter are the listeners' (a replaced listener drains
+        # beside the new one for a while: only the active ones count); Envoy Gateway leaves the
+        # Lua filter in the listener, disabled, and turns it on per route: the routes say whether
+        # it runs
+        listeners = active_listeners(stack)
+        has_als = "picker-outcomes" in listeners
+        has_extproc = extproc in listeners
+        has_lua = f"{name}/lua/" in route_configs(stack)
+        if has_als == want_als and has_lua == want_lua and has_extproc:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"Envoy never ran configuration {config!r} (als {has_als}, lua {has_lua})")
+            errors = [line for line in Path(stack.proc("envoy-gateway").log).read_text().splitlines()
+                      if '"error"' in line or "ERROR" in line]
+            raise RuntimeError(f"Envoy never ran configuration {config!r} (als {has_als}, lua {has_lua}, "
+                               f"ext_proc {extproc!r} {has_extproc}); Envoy Gateway's last errors: "
+                               + "\n".join(errors[-5:]))
         time.sleep(0.3)
 
 
@@ -237,9 +255,8 @@ def run() -> dict:
         started = time.perf_counter()
         with Stack(config) as stack:
             data = asyncio.run(run_all(stack))
-        data.update(wall_s=time.perf_counter() - started, load_average_start=load_start,
-                    load_average_end=load_average(), speedup=SPEEDUP, clients=CLIENTS,
-                    round_seconds=ROUND_SECONDS, rounds=ROUNDS, **stamp())
+        data.update(wall_s=time.perf_counter() - started, load_average_start=load_start, speedup=SPEEDUP,
+                    clients=CLIENTS, round_seconds=ROUND_SECONDS, rounds=ROUNDS, **stamp())
     save("outcomes-http", data)
     return data
 

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from tests.e2e.conftest import LOAD_RATE, scrape, start_stack, stream_load, wait_for
+from tests.e2e.conftest import LOAD_RATE, envoy_stats, scrape, start_stack, stream_load, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +49,7 @@ async def run_fault(stack, session, listener: str, fault) -> dict:
     tasks = stream_load(session, url(stack, listener), stop, results, request_id="dead", timeout=5,
                         statuses=statuses)
     await wait_for(lambda: sum(ok for _, ok, _ in results) >= 12, timeout=30)
+    await health_checks_on_their_interval(stack, session, victim.address)
     at = time.time()
     fault(victim)
     await wait_for(lambda: sum(1 for sent, _, _ in results if sent > at + TAKEN_OUT) >= 40, timeout=60)
@@ -63,6 +64,31 @@ async def run_fault(stack, session, listener: str, fault) -> dict:
     print("dead-backend", fault.__name__, figures)
     assert 429 not in statuses, f"the edge's rate limit answered, not the backends: {figures}"
     return figures
+
+
+async def health_checks_on_their_interval(stack, session, address: str) -> None:
+    """Wait until every Envoy cluster that has the victim ran a health check since traffic began.
+    Envoy checks a cluster that has never had traffic every 60 s (no_traffic_interval, which Envoy
+    Gateway does not expose), and the check armed before the first request keeps that interval:
+    in the first minute after Envoy starts a stalled host would be taken out only by that check,
+    not within TAKEN_OUT. Once a check ran with traffic flowing, the next follow every 3 s."""
+    async with session.get(f"{stack.envoy_admin()}/clusters?format=json") as r:
+        data = await r.json()
+    names = [c["name"] for c in data.get("cluster_statuses", [])
+             if any(f"{h['address']['socket_address']['address']}:{h['address']['socket_address']['port_value']}"
+                    == address for h in c.get("host_statuses", []))]
+    assert names, f"no Envoy cluster has {address}"
+
+    async def attempts() -> dict[str, int]:
+        stats = await envoy_stats(session, stack, "cluster.")
+        return {n: stats.get(f"cluster.{n}.health_check.attempt", 0) for n in names}
+
+    start = await attempts()
+
+    async def every_cluster_checked() -> bool:
+        now = await attempts()
+        return all(now[n] > start[n] for n in names)
+    await wait_for(every_cluster_checked, timeout=70, interval=0.5)
 
 
 def kill(stack):
