@@ -11,6 +11,7 @@ import locust  # noqa: F401  (first: gevent monkey-patching before sockets are c
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import gevent
+import greenlet
 from gevent.event import Event
 from locust import events
 from locust.env import Environment
@@ -32,8 +34,19 @@ from loadtest.scrape import LoadRecorder
 from loadtest.targets import LOOPBACK, host_parts, local_stack, routing_names
 
 # Ctrl-C: the main greenlet gets KeyboardInterrupt (the CLI prints one line); the hub need not
-# print it as well.
+# print it as well. Python raises it in whichever greenlet runs when the signal arrives: in a
+# locust user's greenlet it would end that user only and the run would go on, so the handler
+# throws it into the main greenlet (the one importing this module, the CLI's).
 gevent.get_hub().NOT_ERROR = (*gevent.get_hub().NOT_ERROR, KeyboardInterrupt)
+_MAIN_GREENLET = greenlet.getcurrent()
+
+
+def _interrupt_main() -> None:
+    if not _MAIN_GREENLET.dead:
+        _MAIN_GREENLET.throw(KeyboardInterrupt)
+
+
+gevent.signal_handler(signal.SIGINT, _interrupt_main)
 
 DEFAULT_METRICS_ENDPOINTS = [f"http://127.0.0.1:{p}" for p in (8101, 8102, 8103)]
 

@@ -115,7 +115,8 @@ def test_a_process_that_dies_while_starting_stops_the_others(tmp_path, monkeypat
                              llm_port=ports[3], picker_grpc_port=ports[5],
                              picker_health_port=ports[6], picker_metrics_port=ports[7],
                              picker_outcomes_port=ports[8], kv_events_base_port=ports[4],
-                             sim_args=["--no-such-option"], startup_timeout=30)
+                             sim_args=["--no-such-option"], startup_timeout=30,
+                             precise_prefix=False)  # no KV-event ports derived from the picked ones
         stack = Stack(config)
         with pytest.raises(StackError) as failure:
             stack.start()
