@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.apiserver.test_picker_rbac import apply_role, deployed, picker_token  # noqa: F401 (fixtures)
-from tests.helpers.kube import NAMESPACE, PICKER, ROOT, STARTUP, wait_until
+from tests.helpers.kube import NAMESPACE, PICKER, ROOT, STARTUP, end_process, wait_until
 from validation.apiserver import free_port
 
 LEASE = "reasoning-pool-picker"     # the default: <pool-name>-picker
@@ -119,13 +119,7 @@ class Candidate:
 
     def stop(self):
         self.channel.close()
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc)
         self.log_file.close()
 
 
