@@ -19,19 +19,21 @@ meaning, and `localize` swaps exactly those:
 - every listener moves by LISTENER_PORT_OFFSET: standalone Envoy Gateway binds 8081 itself (its
   health probe), so the `llm-gw` listener cannot keep its cluster port here. Both listeners move
   by the same offset so the local ports read like the cluster's: 18080 = `http`, 18081 = `llm-gw`;
-- an EnvoyPatchPolicy's Cluster names lose their policy-kind prefix (`envoyextensionpolicy/NS/
-  NAME/extproc/I` becomes `/NS/NAME/extproc/I`): Envoy Gateway names a policy's cluster after the
+- an EnvoyPatchPolicy's names of what an EnvoyExtensionPolicy makes lose the policy's kind (the
+  cluster `envoyextensionpolicy/NS/NAME/extproc/I` becomes `/NS/NAME/extproc/I`, its ext_proc
+  filter `envoy.filters.http.ext_proc//NS/NAME/extproc/I`), in patch names and JSONPaths: Envoy Gateway names a policy's cluster after the
   policy's kind as its reader returns it; in the cluster the informer cache sets the kind, but
   standalone mode reads the files through controller-runtime's fake client, which returns typed
   objects without it (Envoy Gateway v1.9.0 internal/provider/kubernetes/controller_offline.go).
-  Unchanged, the patch finds no cluster here (status Programmed False, ResourceNotFound) and the
-  picker's health checks keep Envoy's 60 s no-traffic interval.
+  Unchanged, the patches find nothing here (status Programmed False) and the picker's health
+  checks keep Envoy's 60 s no-traffic interval, its retries no host predicate.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -105,15 +107,19 @@ def localize(docs: list[dict], service_endpoints: dict[str, list[tuple[str, int]
             obj["spec"]["endpoints"] = [{"ip": {"address": host, "port": port}} for host, port in addresses]
         elif kind == "EnvoyPatchPolicy":
             for patch in (obj.get("spec") or {}).get("jsonPatches") or []:
-                patch["name"] = standalone_cluster_name(patch.get("name", ""))
+                patch["name"] = standalone_names(patch.get("name", ""))
+                op = patch.get("operation") or {}
+                if "jsonPath" in op:
+                    op["jsonPath"] = standalone_names(op["jsonPath"])
     return out + list(backends.values())
 
 
-def standalone_cluster_name(name: str) -> str:
-    """The name standalone Envoy Gateway gives the cluster an EnvoyExtensionPolicy makes (see the
-    module's docstring): the same without the policy's kind."""
-    prefix = "envoyextensionpolicy/"
-    return name[len(prefix) - 1:] if name.startswith(prefix) else name
+def standalone_names(text: str) -> str:
+    """`text` with the names standalone Envoy Gateway gives what an EnvoyExtensionPolicy makes (see
+    the module's docstring): the same without the policy's kind. The cluster
+    `envoyextensionpolicy/NS/NAME/extproc/I` becomes `/NS/NAME/extproc/I`, and its filter
+    `envoy.filters.http.ext_proc/envoyextensionpolicy/NS/...` becomes `envoy.filters.http.ext_proc//NS/...`."""
+    return re.sub(r"(?<![\w.-])envoyextensionpolicy(?=/)", "", text)
 
 
 def envoy_gateway_inputs(docs: list[dict]) -> list[dict]:

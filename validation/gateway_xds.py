@@ -96,7 +96,7 @@ def xds_problems(target: str, objs: list[dict], xds) -> list[Problem]:
     namespace = _ns(gw, "default")
     problems: list[Problem] = []
     for policy in (o for o in objs if o.get("kind") == "EnvoyExtensionPolicy"):
-        problems += _ext_proc(target, policy, namespace, xds)
+        problems += _ext_proc(target, policy, namespace, xds, objs)
     overridden = set()
     for policy in (o for o in objs if o.get("kind") == "BackendTrafficPolicy"):
         problems += _backend_policy(target, policy, namespace, xds)
@@ -136,7 +136,7 @@ def _limits_before_picker(target: str, gw: dict, xds) -> list[Problem]:
     return problems
 
 
-def _ext_proc(target: str, policy: dict, namespace: str, xds) -> list[Problem]:
+def _ext_proc(target: str, policy: dict, namespace: str, xds, objs: list[dict]) -> list[Problem]:
     problems = []
     name = policy["metadata"]["name"]
 
@@ -162,7 +162,26 @@ def _ext_proc(target: str, policy: dict, namespace: str, xds) -> list[Problem]:
                     add(f"route {route['name']} does not enable {filter_name}", f"spec.extProc[{i}]")
                 problems += _ext_proc_settings(target, policy, i, proc, filters[0].get("typedConfig", {}),
                                                clusters(xds))
+                problems += _retry_predicates(target, policy, i, listener.get("name", ""), filter_name,
+                                              filters[0].get("typedConfig", {}), objs)
     return problems
+
+
+def _retry_predicates(target, policy, i, listener, filter_name, config, objs) -> list[Problem]:
+    """An EnvoyPatchPolicy that adds retry host predicates to this filter on this listener landed
+    (Envoy Gateway's translator drops a patch whose JSONPath matches nothing without a word)."""
+    wanted = [v.get("name") for epp in objs if epp.get("kind") == "EnvoyPatchPolicy"
+              for patch in (epp.get("spec") or {}).get("jsonPatches") or [] if patch.get("name") == listener
+              for op in [patch.get("operation") or {}]
+              if f"'{filter_name}'" in op.get("jsonPath", "") and op.get("path") == "/retry_host_predicate"
+              for v in (op.get("value") if isinstance(op.get("value"), list) else []) if isinstance(v, dict)]
+    got = [p.get("name") for p in ((config.get("grpcService") or {}).get("retryPolicy") or {}).get(
+        "retryHostPredicate") or []]
+    if not wanted or set(wanted) <= set(got):
+        return []
+    return [Problem(target, f"an EnvoyPatchPolicy adds retry host predicates {wanted} to {filter_name} on "
+                    f"listener {listener}, but the generated retry policy has {got}: its JSONPath matches "
+                    f"nothing", describe(policy), f"spec.extProc[{i}].backendSettings.retry", source=_SOURCE)]
 
 
 def _ext_proc_settings(target, policy, i, proc, config, all_clusters) -> list[Problem]:

@@ -26,7 +26,11 @@ And, with more than one replica, a failover Envoy sees at once (`picker_failover
 - panicThreshold above 0 (with no replica SERVING, at a takeover, Envoy tries them all instead of
   failing) and below 100 / replicas (one SERVING replica keeps Envoy out of panic, which would
   send streams to the standbys);
-- a retry on connect-failure (a stream to a leader that just died goes to another replica).
+- a retry on connect-failure (a stream to a leader that just died goes to another replica), kept
+  off the replicas the stream already tried: an EnvoyPatchPolicy adds the previous_hosts retry
+  host predicate to the ext_proc filter's retry policy on every listener of the route (Envoy
+  Gateway does not expose it; without it, at a takeover, when no replica is healthy yet, every try
+  can pick the dead one).
 """
 from __future__ import annotations
 
@@ -355,6 +359,8 @@ def _envoy_problems(objs, where, d, args, labels, replicas: int) -> list[str]:
                 problems.append(f"{at}.backendSettings.retry.retryOn.triggers: must include "
                                 f"connect-failure: a stream to a leader that just died goes to "
                                 f"another replica instead of failing")
+            else:
+                problems += _retry_host_problems(objs, eep, i)
     return problems
 
 
@@ -396,6 +402,49 @@ def _cadence_problems(objs, eep, i: int, active: dict) -> list[str]:
             f"its interval ({interval:g} s): until that cluster has made a connection (for up to "
             f"a minute after each Envoy start) Envoy checks the replicas every 60 s and does not "
             f"see a failover (base/gateway/picker-health-check.yaml)"]
+
+
+PREVIOUS_HOSTS = "envoy.retry_host_predicates.previous_hosts"
+
+
+def _listeners_of(objs, eep) -> list[str]:
+    """Envoy Gateway's names (NS/GATEWAY/LISTENER) of the listeners of the routes `eep` targets."""
+    gateways = {(ns_of(g), name_of(g)): g for g in of_kind(objs, "Gateway")}
+    names = []
+    for ref in (eep.get("spec") or {}).get("targetRefs") or []:
+        route = next((r for r in of_kind(objs, ref.get("kind", "")) if name_of(r) == ref.get("name")
+                      and ns_of(r) == ns_of(eep)), None)
+        for parent in ((route or {}).get("spec") or {}).get("parentRefs") or []:
+            ns = parent.get("namespace") or ns_of(route)
+            gateway = gateways.get((ns, parent.get("name")))
+            listeners = [parent["sectionName"]] if parent.get("sectionName") else [
+                listener.get("name") for listener in ((gateway or {}).get("spec") or {}).get("listeners") or []]
+            names += [f"{ns}/{parent.get('name')}/{listener}" for listener in listeners]
+    return names
+
+
+def _retry_host_problems(objs, eep, i: int) -> list[str]:
+    """Every listener of the policy's routes gets the previous_hosts retry host predicate on this
+    ext_proc filter's retry policy (an EnvoyPatchPolicy's JSONPath naming the filter)."""
+    filter_name = f"envoy.filters.http.ext_proc/envoyextensionpolicy/{ns_of(eep)}/{name_of(eep)}/extproc/{i}"
+    patched = set()
+    for epp in of_kind(objs, "EnvoyPatchPolicy"):
+        for patch in (epp.get("spec") or {}).get("jsonPatches") or [] if ns_of(epp) == ns_of(eep) else []:
+            op = patch.get("operation") or {}
+            where = f"{op.get('jsonPath', '')}{op.get('path', '')}"
+            values = op.get("value") if isinstance(op.get("value"), list) else []
+            if patch.get("type", "").endswith(".Listener") and op.get("op") == "add" \
+                    and f"'{filter_name}'" in where and where.endswith("retry_policy/retry_host_predicate") \
+                    and any(isinstance(v, dict) and v.get("name") == PREVIOUS_HOSTS for v in values):
+                patched.add(patch.get("name"))
+    missing = [name for name in _listeners_of(objs, eep) if name not in patched]
+    if not missing:
+        return []
+    return [f"{describe(eep)}: spec.extProc[{i}].backendSettings.retry: no EnvoyPatchPolicy adds "
+            f"the {PREVIOUS_HOSTS} retry host predicate to filter {filter_name}'s "
+            f"grpc_service.retry_policy on listener(s) {', '.join(missing)}: at a takeover, with "
+            f"no replica healthy yet, every retry of a stream can pick the replica that just died "
+            f"(base/gateway/picker-health-check.yaml)"]
 
 
 def picker_failover_visible(objs) -> list[str]:

@@ -54,13 +54,17 @@ def test_only_the_off_cluster_parts_change(rendered):
         elif key == ("Backend", "inference-gateway-ext-proc"):
             assert new["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9002}}]
             assert new["spec"]["tls"] == obj["spec"]["tls"]  # TLS to the picker is kept
-        elif key[0] == "EnvoyPatchPolicy":   # standalone Envoy Gateway's cluster names
-            names = [p["name"] for p in new["spec"]["jsonPatches"]]
-            assert names == [p["name"].replace("envoyextensionpolicy/", "/", 1)
-                             for p in obj["spec"]["jsonPatches"]]
-            assert all(n.startswith("/llm/reasoning-inference-picker/extproc/") for n in names)
-            assert [_without(p, ("name",)) for p in new["spec"]["jsonPatches"]] == \
-                   [_without(p, ("name",)) for p in obj["spec"]["jsonPatches"]]
+        elif key[0] == "EnvoyPatchPolicy":   # standalone Envoy Gateway's names
+            for p, q in zip(obj["spec"]["jsonPatches"], new["spec"]["jsonPatches"], strict=True):
+                if p["type"].endswith(".Cluster"):
+                    assert q["name"] == p["name"].replace("envoyextensionpolicy/", "/", 1)
+                    assert q["name"].startswith("/llm/reasoning-inference-picker/extproc/")
+                    assert _without(p, ("name",)) == _without(q, ("name",))
+                else:   # a listener's: its name stays, the filter's in the JSONPath loses the kind
+                    assert q["name"] == p["name"] == "llm/inference-gateway/llm-gw"
+                    assert q["operation"]["jsonPath"] == p["operation"]["jsonPath"].replace(
+                        "ext_proc/envoyextensionpolicy/", "ext_proc//")
+                    assert "envoyextensionpolicy" not in q["operation"]["jsonPath"]
         elif key == ("Backend", "inference-gateway-ext-proc-outcomes"):  # the access log's
             assert new["spec"]["endpoints"] == [{"ip": {"address": "127.0.0.1", "port": 9004}}]
             assert new["spec"]["tls"] == obj["spec"]["tls"]

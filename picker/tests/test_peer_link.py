@@ -171,3 +171,52 @@ async def test_outcomes_reach_the_other_replicas_as_sent():
     finally:
         await a.link.close()
         await b.link.close()
+
+
+WATCHER = """
+import asyncio, sys
+sys.path.insert(0, {src!r})
+from picker.peer_link import PeerLink
+async def main():
+    link = PeerLink("b", "ns/pool", ("127.0.0.1", {pb}), [])
+    await link.start()
+    while "a" not in link.peers:
+        await asyncio.sleep(0.01)
+    print("a", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def test_a_killed_peer_that_comes_back_hears_from_this_replica_again():
+    """On uvloop (the signals process's loop) a write to a connection the peer just closed raises
+    RuntimeError. The connector to that peer must survive it and reconnect: a replica restarted
+    after a crash then hears this one again (its heartbeats and counts; without them it could
+    neither see this one hang nor route as it does)."""
+    import uvloop
+
+    async def scenario():
+        pa, pb = free_ports(2)
+        a = Replica("a", pa, [("127.0.0.1", pb)])
+        await a.link.start()
+
+        async def flood():   # counts change all the time, as under load
+            while True:
+                a.link.publish_changes({"10.0.0.1:8000": (1, 0, 0)}, [])
+                await asyncio.sleep(0.0005)
+        flooding = asyncio.create_task(flood())
+        try:
+            for _ in range(4):
+                b = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", WATCHER.format(src=str(SRC), pb=pb), stdout=subprocess.PIPE)
+                try:
+                    assert await asyncio.wait_for(b.stdout.readline(), 10) == b"a\n"
+                    await asyncio.sleep(0.2)
+                finally:
+                    b.kill()
+                    await b.wait()
+        finally:
+            flooding.cancel()
+            await a.link.close()
+
+    uvloop.run(scenario())

@@ -295,3 +295,21 @@ def test_envoy_gateway_accepts_the_patch_in_the_cluster_and_on_the_local_stack(t
     assert apis["enableEnvoyPatchPolicy"] is True
     local = dataplane.envoy_gateway_config(dataplane.Layout(tmp_path))
     assert local["extensionApis"]["enableEnvoyPatchPolicy"] is True
+
+
+def test_retries_without_the_previous_hosts_predicate_fail():
+    objs = rendered(OVERLAY)
+    patch = find(objs, "EnvoyPatchPolicy", "picker-retry-other-replica")
+    predicate = patch["spec"]["jsonPatches"][0]["operation"]
+    predicate["value"] = [{"name": "envoy.retry_host_predicates.omit_canary_hosts"}]
+    found = failover(objs)
+    assert len(found) == 1 and "previous_hosts" in found[0] and "llm/inference-gateway/llm-gw" in found[0], found
+    predicate["value"] = [{"name": "envoy.retry_host_predicates.previous_hosts"}]
+    patch["spec"]["jsonPatches"][0]["name"] = "llm/inference-gateway/http"     # the other listener
+    assert len(failover(objs)) == 1
+    patch["spec"]["jsonPatches"][0]["name"] = "llm/inference-gateway/llm-gw"
+    predicate["jsonPath"] = predicate["jsonPath"].replace("extproc/0", "extproc/1")   # another filter
+    assert len(failover(objs)) == 1
+    patch["spec"]["jsonPatches"].pop(0)
+    assert len(failover(objs)) == 1
+

@@ -117,6 +117,28 @@ def test_xds_rules_read_the_generated_config():
     assert any("spec.extProc[0].processingMode.request.body" in p and "BUFFERED" in p for p in found), found
 
 
+def _picker_filter(xds) -> dict:
+    return next(h["typedConfig"] for listener in listeners(xds) if listener["name"] == "llm/inference-gateway/llm-gw"
+                for hcm in _hcms(listener) for h in hcm.get("httpFilters", [])
+                if h["name"].startswith("envoy.filters.http.ext_proc/"))
+
+
+def test_the_picker_retries_land_on_another_replica():
+    """base/gateway's EnvoyPatchPolicy puts previous_hosts on the ext_proc filter's retry policy;
+    a JSONPath that matches nothing (a misspelt field) is caught, since Envoy Gateway says nothing
+    about it (a patch naming another filter is picker_ha's finding)."""
+    objs = rendered("overlays/a10")
+    _, xds = gateway.translate(EGCTL, objs)
+    policy = _picker_filter(xds)["grpcService"]["retryPolicy"]
+    assert [p["name"] for p in policy["retryHostPredicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
+    assert int(policy["hostSelectionRetryMaxAttempts"]) >= 2 and policy["numRetries"] >= 1
+    for patch in find(objs, "EnvoyPatchPolicy", "picker-retry-other-replica")["spec"]["jsonPatches"]:
+        patch["operation"]["jsonPath"] = patch["operation"]["jsonPath"].replace(".grpc_service.", ".grpcService.")
+    found = check(objs)
+    assert any("EnvoyExtensionPolicy llm/reasoning-inference-picker: spec.extProc[0].backendSettings.retry" in p
+               and "matches nothing" in p for p in found), found
+
+
 def test_validate_cli_reports_envoy_gateway_findings(tmp_path, capsys):
     """`python -m validation` runs the translation: a broken copy of base/gateway fails it."""
     import shutil

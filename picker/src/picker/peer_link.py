@@ -178,6 +178,10 @@ class PeerLink:
                 self._receive(peer, json.loads(line))
         except (asyncio.TimeoutError, ConnectionError, ValueError, KeyError, OSError):
             pass
+        except asyncio.CancelledError:
+            # the process is stopping; ending quietly keeps Python 3.11's stream callback from
+            # logging the cancellation as an error (it calls task.exception() on it)
+            return
         finally:
             writer.close()
             if peer is not None:
@@ -274,6 +278,11 @@ class PeerLink:
                     log.warning("peer name not resolved", extra={"peer": f"{host}:{port}",
                                                                  "error": repr(exc)[:200]})
             addresses -= self._self_addresses
+            for address, task in list(self._tasks.items()):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    log.error("peer connector failed", exc_info=task.exception(),
+                              extra={"peer": f"{address[0]}:{address[1]}"})
+                    self._tasks.pop(address)   # started again below
             for gone in set(self._tasks) - addresses:
                 self._tasks.pop(gone).cancel()
                 self._out.pop(gone, None)
@@ -307,7 +316,8 @@ class PeerLink:
                 backoff = RECONNECT_MIN
                 writer.write((json.dumps(self._hb) + "\n").encode())
                 await self._send(queue, reader, writer)
-            except (OSError, asyncio.TimeoutError, ValueError):
+            except (OSError, asyncio.TimeoutError, ValueError, RuntimeError):
+                # RuntimeError: uvloop's answer to a write on a connection the peer closed
                 pass
             finally:
                 writer.close()
@@ -322,8 +332,8 @@ class PeerLink:
             while not closed.done():
                 get = asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({get, closed}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
+                if get not in done or closed in done or writer.transport.is_closing():
+                    get.cancel()   # a message taken is dropped: the next heartbeat and table carry it
                     return
                 writer.write(get.result())
                 if writer.transport.get_write_buffer_size() > MAX_LINE:
