@@ -128,12 +128,25 @@ def acting(stack) -> list[str]:
             if grpc_serving(f"{c.host}:{c.picker_ports(i)[1]}", service="readiness")]
 
 
-async def failovers(stack, name: str) -> dict[str, float]:
+async def labelled(stack, name: str, metric: str) -> dict[str, float]:
+    """A picker replica's `metric` by its one label's value."""
     c = stack.config
     i = [c.picker_name(j) for j in range(c.pickers)].index(name)
     async with aiohttp.ClientSession() as s:
         rows = await scrape(s, f"http://{c.host}:{c.picker_ports(i)[2]}/metrics")
-    return {labels.split('"')[1]: v for n, labels, v in rows if n == "picker_failovers_total"}
+    return {labels.split('"')[1]: v for n, labels, v in rows if n == metric}
+
+
+async def failovers(stack, name: str) -> dict[str, float]:
+    return await labelled(stack, name, "picker_failovers_total")
+
+
+async def linked(stack) -> bool:
+    """Every replica hears every other one live on the link (what keeps a standby routing as the
+    leader does, and lets it see the leader hang)."""
+    names = [stack.config.picker_name(i) for i in range(stack.config.pickers)]
+    live = [(await labelled(stack, n, "picker_peers")).get("live") for n in names]
+    return live == [len(names) - 1] * len(names)
 
 
 async def ext_proc_failed_open(stack) -> int:
@@ -199,6 +212,7 @@ async def around(stack, fault, restore=None) -> tuple[dict, str]:
     await asyncio.sleep(AROUND)
     leaders = await asyncio.to_thread(acting, stack)
     assert len(leaders) == 1, f"before the fault: acting {leaders}"
+    assert await linked(stack), "before the fault: the replicas' link"
     # Envoy's health checks see it too: every stream goes to the leader
     await wait_for(lambda: envoy_routes_to(stack), timeout=5)
     assert await envoy_routes_to(stack) == leaders, "Envoy's healthy picker hosts"
@@ -220,6 +234,7 @@ async def back_to_two(stack, name: str) -> None:
     """Restart a stopped replica (it comes back warm, as a standby) and wait for one acting."""
     await asyncio.to_thread(stack.restart_process, name)
     await wait_for(lambda: len(acting(stack)) == 1, timeout=30)
+    await wait_for(lambda: linked(stack), timeout=10)   # both ways, the survivor to the new process too
 
 
 def report(record_property, case: str, stack, f: dict) -> None:
