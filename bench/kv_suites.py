@@ -220,8 +220,9 @@ def replicas_precise_report(d: dict) -> list[str]:
            "`+precise`: every replica follows every engine's KV-cache events. `active-passive`: "
            "one leader decides every request, the standbys only follow the events (base/picker's "
            "`--leader-election`); `failover=K`: the leader is gone after K decisions (half the "
-           "requests) and the standby decides the rest, with the leader's in-flight counts and "
-           "prefix additions from the peer link (`--peers`), or without them (`:cold`). Mean TTFT, mean ± std "
+           "requests) and the standby decides the rest, with the leader's in-flight counts, "
+           "prefix additions and relayed outcomes from the peer link (`--peers`), or without "
+           "them (`:cold`). Mean TTFT, mean ± std "
            "over the seeds, change against one picker with the same signals (for `picker+precise`: "
            "against `picker`).", ""]
     rows = []
