@@ -89,7 +89,9 @@ class PickerPolicy(Policy):
                  staleness: float | None = None, phases: str = "request", flow: bool = False,
                  flow_settings: FlowSettings | None = None, precise: bool = False,
                  kv_delay: float | None = None, objectives: tuple = (),
-                 lengths: PredictorSettings | None = LENGTHS_ON, told: str | None = None):
+                 lengths: PredictorSettings | None = LENGTHS_ON, told: str | None = None,
+                 id_prefix: str = "picker-"):
+        self.id_prefix = id_prefix   # request ids: distinct per replica, as the picker's are
         if phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, not {phases!r}")
         if told not in TOLD:
@@ -120,7 +122,8 @@ class PickerPolicy(Policy):
     def start(self, endpoints, clock, rng):
         super().start(endpoints, clock, rng)
         self.router = Router(self.profile, objectives=self.objectives, clock=clock,
-                             rng=random.Random(rng.random()), settings=self.settings)
+                             rng=random.Random(rng.random()), settings=self.settings,
+                             id_prefix=self.id_prefix)
         self.router.set_endpoints([ep.address for ep in endpoints])
         if self.told is not None:
             self.router.predictor = ToldPredictor(self.router.predictor, self.told)

@@ -12,7 +12,8 @@ only that replica sees it. The replicas run independent or shared (the policy
 and 2 and 4 replicas active-passive with events (`replicas:N:active-passive+precise`: one
 leader decides, the standbys follow the events; base/picker's --leader-election).
 `--failover F` adds 2 replicas active-passive whose leader is gone after the fraction F of the
-requests: the standby then decides with the view the peer link gave it
+requests: the standby then decides with the view the peer link gave it (the leader's counts,
+prefix additions and the outcomes it relayed)
 (`replicas:2:active-passive:failover=K+precise`), and, for comparison, one without the link
 (`...:failover=K:cold+precise`).
 """

@@ -9,8 +9,10 @@ by one replica drawn at random (Envoy spreads ext_proc streams over the picker's
   alone, so by construction this is one picker. `replicas:N:active-passive:failover=K`: after
   the K-th decision the leader is gone and the next replica decides from then on, with the view
   the peer link gave it (the leader's in-flight counts and prefix additions after each of its
-  decisions; the dead leader's counts dropped at the failover, as the link drops a peer that is
-  gone); `...:failover=K:cold`: a standby without the link (only its own scrapes and KV events);
+  decisions, and the outcomes Envoy's access log gives the acting replica, relayed; the dead
+  leader's counts dropped at the failover, as the link drops a peer that is gone);
+  `...:failover=K:cold`: a standby without the link (only its own scrapes and KV events, and
+  the outcomes once it acts);
 - shared (`replicas:N`): every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S`
   sets it; the picker itself sends changes as they happen and the whole table every
   PEER_SYNC_INTERVAL, so `sync=0` and the default bound it from both sides) the replicas exchange
@@ -44,8 +46,9 @@ class ReplicatedPicker(Policy):
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         # Precise: every replica subscribes to every engine on its own (same batches, same delay).
-        self.parts = [PickerPolicy(profile, precise=precise, kv_delay=kv_delay)
-                      for _ in range(replicas)]
+        self.parts = [PickerPolicy(profile, precise=precise, kv_delay=kv_delay,
+                                   id_prefix="picker-" if i == 0 else f"picker-{i}.")
+                      for i in range(replicas)]
         self.kv_events = precise
         self.scrape_interval = self.parts[0].scrape_interval  # the lab records engine history
         self.active_passive = active_passive
@@ -156,7 +159,15 @@ class ReplicatedPicker(Policy):
         if self.shared:
             self._sync()
         i = self.replica_of.pop(id(request), None)
-        if i is not None:
+        if i is None:
+            return
+        if self.failover_after is None:
             self.parts[i].on_done(request, endpoint)
-            if self.failover_after is not None and self.linked and i == self.active:
-                self._follow()
+            return
+        # Envoy's access log goes to the acting replica (the ready one), which relays each
+        # outcome over the link, so a linked standby learns answer lengths and timings as the
+        # leader does; a cold one hears only what arrives once it acts; a dead one, nothing.
+        for p in self.parts[self.active:] if self.linked else self.parts[self.active:self.active + 1]:
+            p.on_done(request, endpoint)
+        if self.linked and i == self.active:
+            self._follow()

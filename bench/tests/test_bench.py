@@ -296,3 +296,17 @@ def test_failover_section_shows_each_fault_as_the_test_recorded_it():
                                       "cases": [case]}))
     assert "| SIGKILL (crash) | full-duplex | 3000 | 2 | 0 | 2 of 9 | 0 | 0.31 | 0.90 | 12.5 | 40.1 |" in text
     assert "FAILOVER_BENCH=1 pytest" in text
+
+
+def test_replicas_precise_rows_span_workloads_whose_failover_counts_differ():
+    from bench.kv_suites import replicas_precise_report
+
+    def run(k, ttft):
+        mean = lambda m: {"mean_ttft_ms": {"mean": m, "std": 1.0}}  # noqa: E731
+        return {"policies": {"picker": mean(100.0), "picker+precise": mean(100.0),
+                             f"replicas:2:active-passive:failover={k}+precise": mean(ttft)}}
+    text = "\n".join(replicas_precise_report({"runs": {"shared-prefix": run(200, 100.0),
+                                                        "article": run(150, 110.0)}}))
+    assert "| replicas:2:active-passive:failover=half+precise | 100 ± 1 (+0.0 %) | 110 ± 1 (+10.0 %) |" in text
+    assert "article 2 replicas active-passive failover=half +10.0 % (not met)" in text
+    assert "shared-prefix 2 replicas active-passive failover=half +0.0 % (met)" in text

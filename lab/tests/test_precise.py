@@ -131,6 +131,13 @@ def test_a_linked_standby_takes_over_with_the_leaders_view(requests):
     # the linked standby learnt the leader's prefixes before it decided; the cold one did not
     assert linked.parts[1].router.prefix.size() >= linked.parts[0].router.prefix.size() > 0
     assert cold.parts[1].router.prefix.size() < linked.parts[1].router.prefix.size()
+    # outcomes (Envoy's access log to the acting replica, relayed over the link): the linked
+    # standby learnt from the leader's requests too, the cold one only from what ended once it
+    # acted, the dead leader from nothing after it died; request ids are each replica's own
+    learnt = {policy: [part.router.work.outcomes for part in policy.parts] for policy in (linked, cold)}
+    assert learnt[linked][1] > learnt[cold][1] > 0, learnt
+    assert learnt[linked][0] < learnt[linked][1], learnt
+    assert linked.parts[0].router.id_prefix != linked.parts[1].router.id_prefix
 
 
 def test_a_failover_needs_active_passive_replicas():

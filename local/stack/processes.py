@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -81,11 +82,37 @@ def describe_holders(ports: list[int]) -> str:
     return "\n".join(lines)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICK_SPAN = 12000      # ports below the ephemeral range to pick from
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports nobody listens on now (all bound at once, then released)."""
-    socks = [socket.socket() for _ in range(n)]
+    """`n` distinct ports nobody listens on now (all bound at once, then released).
+
+    Picked at random below the kernel's ephemeral range when there is room there: a stack binds
+    its ports seconds after picking them, and a port of the ephemeral range (what binding port 0
+    returns) can meanwhile become the local port of any outgoing connection on the machine
+    ("address already in use" at the stack's start, seen under parallel test lanes)."""
     try:
-        for s in socks:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    # SystemRandom: a test that seeds the module RNG must not make parallel lanes pick alike
+    candidates = random.SystemRandom().sample(range(low - PICK_SPAN, low), PICK_SPAN) if low - PICK_SPAN >= 1024 else []
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+                socks.append(s)
+            except OSError:
+                s.close()
+        while len(socks) < n:          # no room below the range: any port the kernel gives
+            s = socket.socket()
+            socks.append(s)
             s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
     finally:
