@@ -9,8 +9,9 @@ by one replica drawn at random (Envoy spreads ext_proc streams over the picker's
   alone, so by construction this is one picker. `replicas:N:active-passive:failover=K`: after
   the K-th decision the leader is gone and the next replica decides from then on, with the view
   the peer link gave it (the leader's in-flight counts and prefix additions after each of its
-  decisions, and the outcomes Envoy's access log gives the acting replica, relayed; the dead
-  leader's counts dropped at the failover, as the link drops a peer that is gone);
+  decisions, and the outcomes Envoy's access log gives the acting replica, relayed; at the
+  failover the dead leader's in-flight counts dropped and its since-scrape counts held for two
+  scrape intervals, as the link does with a peer that is gone);
   `...:failover=K:cold`: a standby without the link (only its own scrapes and KV events, and
   the outcomes once it acts);
 - shared (`replicas:N`): every `sync_interval` seconds (PEER_SYNC_INTERVAL; `replicas:N:sync=S`
@@ -110,6 +111,7 @@ class ReplicatedPicker(Policy):
         self.next_sync = -math.inf
         self.decisions = 0
         self.active = 0
+        self.release_at: float | None = None   # after a failover: when the held counts go
 
     @property
     def scrapes(self) -> int:
@@ -128,11 +130,20 @@ class ReplicatedPicker(Policy):
             r.add_peer_prefixes(a for j, lst in enumerate(adds) if j != i for a in lst)
 
     def _fail_over(self) -> None:
-        """The active replica is gone: the next one decides, and forgets the dead one's counts."""
+        """The active replica is gone: the next one decides. As the link does (peer_link.py), it
+        drops the dead one's in-flight counts at once and holds its since-scrape counts for two
+        scrape intervals (those requests are on the engines, in none of its scrapes yet)."""
+        now = self.clock()
+        if self.release_at is not None and now >= self.release_at:
+            self.parts[self.active].router.set_peer_loads({})
+            self.release_at = None
         if self.active + 1 < len(self.parts) and self.decisions == self.failover_after:
+            dead = self.parts[self.active].router.own_loads()
             self.active += 1
             if self.linked:
-                self.parts[self.active].router.set_peer_loads({})
+                held = {a: (0, 0, load[2], load[3]) for a, load in dead.items() if load[2] or load[3]}
+                self.parts[self.active].router.set_peer_loads(held)
+                self.release_at = now + 2 * self.scrape_interval
 
     def _follow(self) -> None:
         """The peer link: the active replica's decisions reach the standbys as they happen."""

@@ -145,3 +145,29 @@ def test_a_failover_needs_active_passive_replicas():
         make_policy("replicas:2:failover=5")
     with pytest.raises(ValueError):
         make_policy("replicas:1:active-passive:failover=5")
+
+
+def test_the_standby_holds_the_dead_leaders_recent_requests_until_its_scrapes_show_them(requests):
+    """At the failover the linked standby keeps the dead leader's since-scrape counts (not its
+    in-flight ones) for two scrape intervals, as peer_link.py does, then drops them. The failover
+    falls in the opening burst (8 requests at once), before any scrape shows them."""
+    policy = make_policy("replicas:2:active-passive:failover=5+precise")
+    calls = []
+    original = None
+
+    def recording(loads, partial=False):
+        calls.append((policy.clock(), dict(loads)))
+        return original(loads, partial)
+    start = policy.start
+
+    def start_and_record(endpoints, clock, rng):
+        nonlocal original
+        start(endpoints, clock, rng)
+        original = policy.parts[1].router.set_peer_loads
+        policy.parts[1].router.set_peer_loads = recording
+    policy.start = start_and_record
+    assert run_lab(requests, policy, LabConfig(concurrency=8, seed=1)).summary["completed"] == len(requests)
+    (held_at, held), (released_at, released) = calls[-2:]   # the failover, then the release
+    assert held and all(load[0] == load[1] == 0 and load[2] > 0 for load in held.values()), held
+    assert released == {}
+    assert released_at - held_at >= 2 * policy.scrape_interval

@@ -220,3 +220,43 @@ def test_a_killed_peer_that_comes_back_hears_from_this_replica_again():
             await a.link.close()
 
     uvloop.run(scenario())
+
+
+LOADED_CHILD = """
+import asyncio, sys
+sys.path.insert(0, {src!r})
+from picker.peer_link import PeerLink
+async def main():
+    link = PeerLink("b", "ns/pool", ("127.0.0.1", {pb}), [("127.0.0.1", {pa})])
+    await link.start()
+    while True:
+        link.send_role(True, True, False)
+        link.publish_table({{"10.0.0.1:8000": (3, 300, 2, 200), "10.0.0.2:8000": (1, 50, 0, 0)}})
+        await asyncio.sleep(0.05)
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_replicas_recent_requests_count_until_the_next_scrape():
+    """A crashed leader's in-flight counts go at once (Envoy retries what it was deciding on this
+    replica, which counts it again); the requests it sent since its last scrape are on the engines
+    and count here for gone_hold (two scrape intervals), until this replica's scrapes show them."""
+    pa, pb = free_ports(2)
+    a = Replica("a", pa, [("127.0.0.1", pb)])
+    a.link.gone_hold = 0.5
+    await a.link.start()
+    child = subprocess.Popen([sys.executable, "-c", LOADED_CHILD.format(src=str(SRC), pa=pa, pb=pb)])
+    try:
+        await until(lambda: a.link.remote_loads().get("10.0.0.1:8000") == (3, 300, 2, 200), timeout=20)
+        os.kill(child.pid, signal.SIGKILL)
+        await until(lambda: a.status("b").status == GONE, timeout=5, every=0.002)
+        gone = time.monotonic()
+        assert a.link.remote_loads() == {"10.0.0.1:8000": (0, 0, 2, 200)}
+        assert a.remote[-1][0].get("10.0.0.1:8000") == (0, 0, 2, 200)     # told the workers
+        await until(lambda: a.remote[-1][0].get("10.0.0.1:8000") == (0, 0, 0, 0), timeout=5, every=0.01)
+        assert 0.4 < time.monotonic() - gone < 1.0
+        assert a.link.remote_loads() == {}
+    finally:
+        child.kill()
+        child.wait()
+        await a.link.close()

@@ -21,8 +21,13 @@ reading on the ones it accepts:
 From what arrives, each peer's state (failover.PeerState): LIVE while heartbeats come, SILENT after
 SILENCE seconds without one, LEFT once its heartbeat says it is leaving (SIGTERM: a handover; its
 counts still apply while it drains), GONE when its connection closes without that (its process
-died: the kernel closed its sockets, which the other side sees at once). A peer's counts are
-dropped when it is GONE, LEFT and disconnected, or silent for LOAD_TTL.
+died: the kernel closed its sockets, which the other side sees at once). When its last connection
+closes (GONE, or LEFT and done), a peer's in-flight counts are dropped at once (what it was deciding
+is retried here and counted again) but its since-scrape counts are held for `gone_hold` seconds
+(two of this replica's scrape intervals): the requests it sent since its last scrape are running
+on the engines and in none of this replica's scrapes yet, and a standby that took over without
+them would pile its first decisions onto the endpoints the leader had just loaded. A silent
+peer's counts are dropped after LOAD_TTL.
 
 `--peers` names are resolved every RESOLVE_EVERY (a headless Service lists every replica, ready
 or not); the replica's own address is found by its hello. Hand-written on asyncio streams: a
@@ -48,6 +53,7 @@ log = logging.getLogger("picker.peer_link")
 HEARTBEAT = 0.05       # seconds between heartbeats (worker 0's role messages)
 SILENCE = 0.3          # seconds without a heartbeat after which a peer is SILENT
 LOAD_TTL = 2.0         # seconds of silence after which a peer's counts are dropped
+GONE_HOLD = 0.2        # seconds a gone peer's since-scrape counts are held (2 default scrapes)
 RESOLVE_EVERY = 1.0    # seconds between resolutions of --peers
 CONNECT_TIMEOUT = 1.0
 RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
@@ -77,6 +83,7 @@ class _Peer:
     last_seen: float = 0.0
     connected: int = 0          # inbound connections open from it
     loads: dict[str, Load] = field(default_factory=dict)
+    hold_until: float = 0.0     # gone: its since-scrape counts count until then
 
     def state(self) -> PeerState:
         return PeerState(self.identity, self.status, self.acting, self.leased, self.since)
@@ -88,8 +95,9 @@ class PeerLink:
                  on_remote: Callable[[dict[str, Load], list], None] | None = None,
                  on_peers: Callable[[list[PeerState]], None] | None = None,
                  on_outcomes: Callable[[list[tuple]], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, gone_hold: float = GONE_HOLD):
         self.identity, self.pool = identity, pool
+        self.gone_hold = gone_hold   # the signals process sets it to two scrape intervals
         self.listen = listen
         self.names = peers
         self.on_remote = on_remote
@@ -150,9 +158,9 @@ class PeerLink:
     # ---- what the others tell this replica ------------------------------------------------------
     def remote_loads(self, addresses=None) -> dict[str, Load]:
         """The other replicas' summed counts (of `addresses`, or of every endpoint)."""
-        cutoff = self.clock() - LOAD_TTL
-        tables = [p.loads for p in self.peers.values()
-                  if p.loads and (p.connected or p.status == LIVE) and p.last_seen >= cutoff]
+        now = self.clock()
+        tables = [p.loads for p in self.peers.values() if p.loads and (
+            p.hold_until > now or (p.connected or p.status == LIVE) and p.last_seen >= now - LOAD_TTL)]
         return merge_loads(tables, addresses)
 
     def states(self) -> list[PeerState]:
@@ -197,6 +205,7 @@ class PeerLink:
             log.info("peer joined", extra={"peer": identity})
             self._changed()
         peer.last_seen = now
+        peer.hold_until = 0.0   # connected again: its own tables count
         return peer
 
     def _receive(self, peer: _Peer, msg: dict) -> None:
@@ -235,7 +244,8 @@ class PeerLink:
         """Its last connection closed: it left (said so) or is gone (its process died)."""
         now = self.clock()
         changed = set(peer.loads)
-        peer.loads = {}
+        peer.loads = {a: (0, 0, load[2], load[3]) for a, load in peer.loads.items() if load[2] or load[3]}
+        peer.hold_until = now + self.gone_hold if peer.loads else 0.0
         if peer.status != LEFT:
             peer.status, peer.since, peer.acting, peer.leased = GONE, now, False, False
             log.warning("peer gone", extra={"peer": peer.identity})
@@ -261,7 +271,11 @@ class PeerLink:
                     log.warning("peer silent", extra={"peer": peer.identity,
                                                       "seconds": round(now - peer.last_seen, 3)})
                     self._changed()
-                if peer.loads and now - peer.last_seen > LOAD_TTL and not peer.connected:
+                if peer.hold_until and now >= peer.hold_until:
+                    changed, peer.loads, peer.hold_until = set(peer.loads), {}, 0.0
+                    self._remote(changed, [])
+                elif peer.loads and now - peer.last_seen > LOAD_TTL and not peer.connected \
+                        and not peer.hold_until:
                     changed, peer.loads = set(peer.loads), {}
                     self._remote(changed, [])
 

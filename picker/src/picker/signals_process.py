@@ -226,8 +226,10 @@ class SignalsHub:
         if kind == "objects":
             endpoints = msg[1]
             self.collector.endpoints = endpoints
-            self.scraper.set_interval(defaults.scrape_interval_for(
-                len(endpoints), self.base_interval, self.staleness))
+            interval = defaults.scrape_interval_for(len(endpoints), self.base_interval, self.staleness)
+            self.scraper.set_interval(interval)
+            if self.link is not None:   # a gone peer's recent requests: in our next scrape
+                self.link.gone_hold = 2 * interval
             self.scraper.sync()
             if self.kv is not None:
                 self.kv_sources.sync(endpoints)
