@@ -111,7 +111,7 @@ async def main():
     link = PeerLink("b", "ns/pool", ("127.0.0.1", {pb}), [("127.0.0.1", {pa})])
     await link.start()
     while True:
-        link.send_role(True, True, False)
+        link.send_role(True, True, False){table}
         await asyncio.sleep(0.05)
 asyncio.run(main())
 """
@@ -121,7 +121,7 @@ async def test_a_killed_replica_is_gone_at_once():
     pa, pb = free_ports(2)
     a = Replica("a", pa, [("127.0.0.1", pb)])
     await a.link.start()
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(src=str(SRC), pa=pa, pb=pb)])
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(src=str(SRC), pa=pa, pb=pb, table="")])
     try:
         await until(lambda: a.status("b") is not None and a.status("b").acting, timeout=20)
         os.kill(child.pid, signal.SIGKILL)
@@ -222,19 +222,9 @@ def test_a_killed_peer_that_comes_back_hears_from_this_replica_again():
     uvloop.run(scenario())
 
 
-LOADED_CHILD = """
-import asyncio, sys
-sys.path.insert(0, {src!r})
-from picker.peer_link import PeerLink
-async def main():
-    link = PeerLink("b", "ns/pool", ("127.0.0.1", {pb}), [("127.0.0.1", {pa})])
-    await link.start()
-    while True:
-        link.send_role(True, True, False)
-        link.publish_table({{"10.0.0.1:8000": (3, 300, 2, 200), "10.0.0.2:8000": (1, 50, 0, 0)}})
-        await asyncio.sleep(0.05)
-asyncio.run(main())
-"""
+# the child also publishes its counts: 3 in flight (2 since its last scrape) on one endpoint
+LOADED_CHILD = CHILD.replace("{table}", """
+        link.publish_table({{"10.0.0.1:8000": (3, 300, 2, 200), "10.0.0.2:8000": (1, 50, 0, 0)}})""")
 
 
 async def test_a_killed_replicas_recent_requests_count_until_the_next_scrape():
