@@ -65,13 +65,16 @@ def test_inconsistent_lease_timings_are_refused(flags):
 
 class FakeLeases:
     """read/create/replace of Leases with the API server's optimistic concurrency: a replace
-    whose resourceVersion is not the stored one gets 409. `down` makes every call fail."""
+    whose resourceVersion is not the stored one gets 409. `down` makes every call fail. Each call
+    is atomic, as the API server's are: electors call it from their own threads, and without the
+    lock two creates (or replaces) could both pass the check and both replicas lead."""
 
     def __init__(self):
         self.stored: dict[tuple[str, str], client.V1Lease] = {}
         self.version = 0
         self.down = False
         self.calls = 0
+        self.lock = threading.Lock()
 
     def _check(self):
         self.calls += 1
@@ -79,26 +82,29 @@ class FakeLeases:
             raise ConnectionError("API server unreachable")
 
     def read_namespaced_lease(self, name, namespace, **_):
-        self._check()
-        if (namespace, name) not in self.stored:
-            raise ApiException(status=404)
-        return copy.deepcopy(self.stored[(namespace, name)])
+        with self.lock:
+            self._check()
+            if (namespace, name) not in self.stored:
+                raise ApiException(status=404)
+            return copy.deepcopy(self.stored[(namespace, name)])
 
     def create_namespaced_lease(self, namespace, body, **_):
-        self._check()
-        key = (namespace, body.metadata.name)
-        if key in self.stored:
-            raise ApiException(status=409)
-        return self._store(key, body)
+        with self.lock:
+            self._check()
+            key = (namespace, body.metadata.name)
+            if key in self.stored:
+                raise ApiException(status=409)
+            return self._store(key, body)
 
     def replace_namespaced_lease(self, name, namespace, body, **_):
-        self._check()
-        key = (namespace, name)
-        if key not in self.stored:
-            raise ApiException(status=404)
-        if body.metadata.resource_version != self.stored[key].metadata.resource_version:
-            raise ApiException(status=409)
-        return self._store(key, body)
+        with self.lock:
+            self._check()
+            key = (namespace, name)
+            if key not in self.stored:
+                raise ApiException(status=404)
+            if body.metadata.resource_version != self.stored[key].metadata.resource_version:
+                raise ApiException(status=409)
+            return self._store(key, body)
 
     def _store(self, key, body):
         body = copy.deepcopy(body)
