@@ -20,6 +20,7 @@ from pathlib import Path
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from local.certs import _pem, issue, new_ca
+from tests.helpers.kube import end_process
 from validation.apiserver import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,17 +166,7 @@ class Keda:
 
     def stop(self) -> None:
         for proc in self.processes:
-            stop_process(proc)
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            end_process(proc)
 
 
 class PodDiscovery:
@@ -462,7 +453,7 @@ class Actuator:
         if hook.returncode != 0:
             self.errors.append(f"preStop of group {group.index}: {hook.returncode} {hook.stderr[-500:]}")
         self.event("prestop-done", group.index)
-        stop_process(group.sim)
+        end_process(group.sim)
         self.core.delete_namespaced_pod(group.pod, self.namespace, grace_period_seconds=0)
         with self.lock:
             del self.groups[group.index]
@@ -498,7 +489,7 @@ class Actuator:
         self.stop_event.set()
         self.thread.join(timeout=5)
         for group in list(self.groups.values()):
-            stop_process(group.sim)
+            end_process(group.sim)
 
 
 # ---- load through the picker -------------------------------------------------------------------

@@ -16,9 +16,10 @@ import pytest
 
 from monitoring.local_prometheus import Prometheus, pod_discovery_jobs
 from tests.helpers.kube import (ETCD, KUBE_APISERVER, KUBE_CONTROLLER_MANAGER, NAMESPACE, ROOT, STARTUP, Picker,
+                                end_process,
                                 start_hpa_controller, wait_until)
 from tests.autoscaling.chain import (KEDA_ADAPTER, KEDA_NAMESPACE, KEDA_OPERATOR, Actuator, Keda,
-                                     LeaderMetricsStandIn, PodDiscovery, keda_crds_dir, stop_process,
+                                     LeaderMetricsStandIn, PodDiscovery, keda_crds_dir,
                                      write_certificates)
 from validation.apiserver import ControlPlane, ServerSideApply, ensure_namespaces, free_port, install_crds, render_targets
 from validation.cli import default_crds_dir
@@ -137,7 +138,7 @@ def chain():
                 except Exception as exc:   # noqa: BLE001 - stop the rest regardless
                     print(f"stopping {type(part).__name__}: {exc!r}")
         if kcm is not None:
-            stop_process(kcm)
+            end_process(kcm)
         plane.stop()
         for data in (workdir / "etcd", workdir / "prometheus" / "data"):   # the logs stay
             shutil.rmtree(data, ignore_errors=True)
